@@ -1,0 +1,109 @@
+"""Engine settings: what the user asked for (EngineArgs) resolved once into a frozen config."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpud.errors import ConfigError
+from cpud.ranks.cpu_features import resolve_dtype
+from cpud.ranks.model_config import ModelConfig, load_model_config
+from cpud.ranks.model_runner import kv_block_bytes
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_SPACE_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """User-facing knobs; None means 'choose for me'."""
+
+    model: str | os.PathLike | None = None
+    dtype: str = "auto"
+    tp: int = 1
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_space_gib: float | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    model: ModelConfig
+    dtype: torch.dtype
+    tp: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    num_kv_blocks: int
+    seed: int
+
+    @property
+    def kv_cache_bytes_per_rank(self) -> int:
+        return self.num_kv_blocks * kv_block_bytes(self.model, self.tp, self.block_size, self.dtype)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and (isinstance(value, bool) or value <= 0):
+        raise ConfigError(f"{name} must be positive, got {value}")
+
+
+def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
+    model = load_model_config(model_dir)
+    for name in ("tp", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        _positive(name, getattr(args, name))
+    _positive("kv_cache_space_gib", args.kv_cache_space_gib)
+    _positive("num_kv_blocks", args.num_kv_blocks)
+    if args.block_size % 16:
+        raise ConfigError(f"block_size must be a multiple of 16, got {args.block_size}")
+    dtype = resolve_dtype(args.dtype)
+    max_model_len = args.max_model_len or min(model.max_position_embeddings, 8192)
+    if max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{model.max_position_embeddings}: lower --max-model-len"
+        )
+    batched = args.max_num_batched_tokens or 2048
+    block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype)
+    blocks_per_seq = -(-max_model_len // args.block_size)
+    if args.num_kv_blocks is not None:
+        num_blocks = args.num_kv_blocks
+    else:
+        space = args.kv_cache_space_gib
+        if space is None:
+            space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_KV_CACHE_SPACE_GIB)
+        num_blocks = int(space * GiB) // block_bytes
+        # More blocks than every sequence at full length could use would only hold stale prefixes.
+        num_blocks = min(num_blocks, blocks_per_seq * args.max_num_seqs)
+        if num_blocks < blocks_per_seq:
+            raise ConfigError(
+                f"KV cache of {space:g} GiB holds {num_blocks * args.block_size} tokens, fewer than "
+                f"max_model_len {max_model_len}: raise --kv-cache-space or lower --max-model-len"
+            )
+    return EngineConfig(
+        model_dir=model_dir,
+        model=model,
+        dtype=dtype,
+        tp=args.tp,
+        max_model_len=max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_kv_blocks=num_blocks,
+        seed=args.seed,
+    )

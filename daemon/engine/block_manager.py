@@ -1,0 +1,149 @@
+"""KV block bookkeeping in plain Python: allocation, reference counts, prefix caching.
+
+A block is free when no sequence references it. Free blocks that hold a full, hashed block
+of tokens stay findable by hash (a prefix-cache hit revives them) until they are reused;
+reuse takes the least recently freed block first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+
+def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
+    """Chained hash: a block's identity includes every token before it."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return digest.digest()
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one sequence and the hashes of its full, computed blocks."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    block_ids: list[int]
+    hashes: list[bytes]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, token_ids: Seq[int]) -> PrefixHit:
+        """Longest run of cached full blocks at the start of token_ids, leaving one token
+        to compute (the step that samples must run at least one token)."""
+        if not self.enable_prefix_caching:
+            return PrefixHit([], [])
+        usable = (len(token_ids) - 1) // self.block_size
+        block_ids: list[int] = []
+        hashes: list[bytes] = []
+        parent = b""
+        for index in range(usable):
+            chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
+            parent = block_hash(parent, chunk)
+            block_id = self.cached.get(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(parent)
+        self.prefix_queries += usable
+        self.prefix_hits += len(block_ids)
+        return PrefixHit(block_ids, hashes)
+
+    def can_allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether `table` can grow to cover num_tokens (reusing `hit`'s blocks first)."""
+        reused = hit.block_ids if hit else []
+        needed = self.blocks_for(num_tokens) - len(table.block_ids) - len(reused)
+        revived_free = sum(1 for b in reused if self.blocks[b].ref_count == 0)
+        return needed <= self.num_free - revived_free
+
+    def allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> None:
+        """Grow `table` to cover num_tokens; the caller checked can_allocate."""
+        if hit:
+            for block_id, digest in zip(hit.block_ids, hit.hashes):
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free[block_id]
+                block.ref_count += 1
+                table.block_ids.append(block_id)
+                table.hashes.append(digest)
+        needed = self.blocks_for(num_tokens) - len(table.block_ids)
+        if needed > self.num_free:
+            raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_free} free")
+        for _ in range(needed):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            table.block_ids.append(block_id)
+
+    def cache_computed(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
+        """Register every full block whose KV is now computed under its chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        parent = table.hashes[-1] if table.hashes else b""
+        for index in range(len(table.hashes), num_computed // self.block_size):
+            chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
+            parent = block_hash(parent, chunk)
+            table.hashes.append(parent)
+            block = self.blocks[table.block_ids[index]]
+            if block.hash is None and parent not in self.cached:
+                block.hash = parent
+                self.cached[parent] = block.block_id
+
+    def release(self, table: BlockTable) -> None:
+        """Drop the sequence's references; the tail is freed first so it is reused first."""
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} released more often than taken")
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        table.block_ids.clear()
+        table.hashes.clear()

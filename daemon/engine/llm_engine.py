@@ -1,0 +1,280 @@
+"""The engine loop: add requests, step (schedule -> run -> postprocess), collect outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from cpud.config import EngineConfig
+from cpud.engine.block_manager import BlockManager
+from cpud.engine.detokenizer import IncrementalDetokenizer
+from cpud.engine.executor import Executor
+from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cpud.engine.scheduler import Scheduler, SchedulerOutput
+from cpud.engine.sequence import Sequence, TokenLogprobs
+from cpud.errors import RequestError
+from cpud.protocol.step import SampledToken, SamplingSpec, SeqWork, StepPlan
+from cpud.sampling_params import SamplingParams
+from cpud.tokenizer import Tokenizer
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, stable across processes and runs."""
+    data = b"".join(int(p).to_bytes(16, "little", signed=True) for p in parts)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def sampling_spec(params: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=0.0 if params.greedy else params.temperature,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        num_logprobs=-1 if params.logprobs is None else params.logprobs,
+    )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.blocks = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks a request against the model; returns its effective max_tokens."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
+        limit = self.config.max_model_len
+        if len(prompt_token_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {limit} "
+                f"tokens and needs room for at least one generated token",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        room = limit - len(prompt_token_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(
+                f"max_tokens {params.max_tokens} is too large: the prompt has "
+                f"{len(prompt_token_ids)} tokens and the context is {limit}, so at most {room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        max_tokens = params.max_tokens or room
+        needed = -(-(len(prompt_token_ids) + max_tokens) // self.config.block_size)
+        if needed > self.config.num_kv_blocks:
+            raise RequestError(
+                f"the request needs {needed} KV blocks but the whole cache has "
+                f"{self.config.num_kv_blocks}: lower max_tokens or raise --kv-cache-space",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.validate(prompt_token_ids, params)
+        seqs = []
+        for index in range(params.n):
+            seed = None
+            if params.seed is not None:
+                seed = params.seed if params.n == 1 else derive_seed(params.seed, index)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            seq = Sequence(
+                next(self._seq_ids), request_id, index, list(prompt_token_ids), params, detok, seed
+            )
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seqs)
+        for seq in seqs:
+            self.seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its KV blocks are freed at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+            self.seqs.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over what the scheduler picked; outputs of touched requests."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Validation guarantees a lone request fits; reaching here is a bug, not load.
+                raise RuntimeError("scheduler made no progress with an idle engine")
+            return []
+        result = self.executor.execute(self._plan(sched))
+        touched: dict[str, Request] = {}
+        for item in sched.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+        for sampled in result.tokens:
+            seq = self.seqs.get(sampled.seq_id)
+            if seq is None or seq.finished:
+                continue
+            self._append(seq, sampled)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._output(request) for request in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+                for seq in request.seqs:
+                    self.seqs.pop(seq.seq_id, None)
+        return outputs
+
+    def _plan(self, sched: SchedulerOutput) -> StepPlan:
+        works = []
+        for item in sched.scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + item.num_tokens]
+            if not item.samples:
+                works.append(SeqWork(seq.seq_id, tokens, start, list(seq.blocks.block_ids), False))
+                continue
+            params = seq.params
+            seed = None
+            if seq.seed is not None:
+                seed = derive_seed(seq.seed, seq.num_output_tokens)
+            banned: list[int] = []
+            if seq.num_output_tokens < params.min_tokens:
+                banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
+            needs_history = params.needs_penalties
+            works.append(
+                SeqWork(
+                    seq.seq_id,
+                    tokens,
+                    start,
+                    list(seq.blocks.block_ids),
+                    True,
+                    sampling_spec(params),
+                    seed,
+                    banned,
+                    seq.prompt_token_ids if needs_history else [],
+                    seq.output_token_ids if needs_history else [],
+                )
+            )
+        return StepPlan(next(self._step_ids), works)
+
+    def _eos_for(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset() if params.ignore_eos else self.eos_token_ids
+
+    def _append(self, seq: Sequence, sampled: SampledToken) -> None:
+        token = sampled.token_id
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if sampled.logprob is not None:
+            seq.cumulative_logprob += sampled.logprob
+            top = dict(zip(sampled.top_token_ids, sampled.top_logprobs))
+            seq.logprobs.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0, top))
+        params = seq.params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in self._eos_for(params):
+            self._finish(seq, "stop", None)
+            return
+        if may_stop and token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+            return
+        stop = seq.detokenizer.add(token, check_stop=may_stop)
+        if stop is not None:
+            self._finish(seq, "stop", stop)
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, "length", None)
+        elif seq.num_tokens >= self.config.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if not isinstance(stop_reason, str):
+            seq.detokenizer.flush()
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        outputs = []
+        for seq in request.seqs:
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = [self._logprob_dict(entry) for entry in seq.logprobs]
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished
+        )
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        result = {
+            token: Logprob(value, rank + 1, decode([token]))
+            for rank, (token, value) in enumerate(entry.top.items())
+        }
+        result[entry.token_id] = Logprob(entry.logprob, entry.rank, decode([entry.token_id]))
+        return result

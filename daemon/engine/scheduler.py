@@ -1,0 +1,113 @@
+"""Continuous batching with chunked prefill under a token budget, prefix caching and
+preemption by recompute.
+
+Every sequence is "tokens computed so far" vs "tokens known"; a step gives each scheduled
+sequence a number of tokens to compute. Running sequences come first (decodes and unfinished
+prefill chunks, oldest first); waiting ones are admitted in arrival order while budget,
+sequence slots and KV blocks last. When a running sequence cannot get a block, the newest
+running sequence is preempted: its blocks are freed and it recomputes later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cpud.engine.block_manager import BlockManager
+from cpud.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            count = min(seq.num_uncomputed, budget)
+            if self._make_room(seq, seq.num_computed_tokens + count, out):
+                out.scheduled.append(ScheduledSeq(seq, count))
+                budget -= count
+                index += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.blocks.find_prefix(seq.token_ids)
+            cached = hit.num_blocks * self.blocks.block_size
+            count = min(seq.num_tokens - cached, budget)
+            if not self.blocks.can_allocate(seq.blocks, cached + count, hit):
+                break
+            self.blocks.allocate(seq.blocks, cached + count, hit)
+            self.waiting.popleft()
+            seq.num_computed_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, count))
+            budget -= count
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow seq's blocks to num_tokens, preempting newer sequences; False if seq itself
+        had to be preempted."""
+        while not self.blocks.can_allocate(seq.blocks, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq.blocks, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.blocks)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.blocks)
+        seq.status = SeqStatus.FINISHED

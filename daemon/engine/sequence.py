@@ -1,0 +1,80 @@
+"""One generated continuation: its tokens, progress, KV blocks and text so far."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cpud.engine.block_manager import BlockTable
+from cpud.engine.detokenizer import IncrementalDetokenizer
+from cpud.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n choices
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    seed: int | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    blocks: BlockTable = field(default_factory=BlockTable)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,18 @@
+"""Errors that carry a one-line reason a user can act on."""
+
+
+class CpudError(Exception):
+    """Base class: str(error) is a single line that says what to change."""
+
+
+class ConfigError(CpudError, ValueError):
+    """The model directory, a flag or an environment variable is unusable."""
+
+
+class RequestError(CpudError, ValueError):
+    """A request cannot be served as given (bad parameter, too long, ...)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code

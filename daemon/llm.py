@@ -1,0 +1,116 @@
+"""Offline API shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from cpud.config import EngineArgs, resolve_config
+from cpud.engine.executor import InProcessExecutor
+from cpud.engine.llm_engine import LLMEngine
+from cpud.engine.outputs import RequestOutput
+from cpud.errors import ConfigError
+from cpud.sampling_params import SamplingParams
+from cpud.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """The given directory, or the embedded fixture model when none is given."""
+    if model is None:
+        from cpud.fixtures import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model directory {path} does not exist (cpud loads local Hugging Face "
+            f"directories; it never downloads)"
+        )
+    return path
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "auto",
+        tp: int = 1,
+        tensor_parallel_size: int | None = None,
+        **engine_args: Any,
+    ):
+        tp = tensor_parallel_size or tp
+        args = EngineArgs(model=model, dtype=dtype, tp=tp, **engine_args)
+        model_dir = resolve_model_dir(model)
+        self.config = resolve_config(args, model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        if self.config.tp != 1:
+            raise ConfigError(
+                f"tp={self.config.tp} needs rank processes, which this build does not start yet: "
+                f"use tp=1"
+            )
+        self.engine = LLMEngine(self.config, self.tokenizer, InProcessExecutor(self.config))
+        self._request_ids = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(self._request_ids)
+                self._request_ids += 1
+                if isinstance(prompt, str):
+                    self.engine.add_request(
+                        request_id, self.tokenizer.encode(prompt), params, prompt=prompt
+                    )
+                else:
+                    self.engine.add_request(request_id, [int(t) for t in prompt], params)
+                ids.append(request_id)
+            finished: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return [finished[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv), add_special_tokens=False
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,145 @@
+"""Megatron-style linear layers: each rank holds and loads only its slice of the weight.
+
+Every parameter carries a `weight_loader(param, source, shard_id=None)` where `source` is a
+safetensors slice (or a tensor) holding the *full* checkpoint tensor; the loader reads only
+the rows or columns this rank owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpud.errors import ConfigError
+from cpud.ranks.parallel import TPGroup, divide
+
+
+def source_shape(source: Any) -> tuple[int, ...]:
+    return tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+
+
+def copy_checked(dest: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if tuple(dest.shape) != tuple(loaded.shape):
+        raise ConfigError(
+            f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, "
+            f"expected {tuple(dest.shape)}: config.json does not match the weights"
+        )
+    dest.copy_(loaded)
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Any) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+def load_whole(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+    copy_checked(param.data, source[:], "a replicated tensor")
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = new_param((out_features, in_features), dtype, load_whole)
+        self.bias = new_param((out_features,), dtype, load_whole) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; no communication."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        group: TPGroup,
+    ):
+        super().__init__()
+        self.group = group
+        self.local_sizes = [divide(size, group.size, "output features") for size in output_sizes]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        out_local = sum(self.local_sizes)
+        self.weight = new_param((out_local, in_features), dtype, self.load_shard)
+        self.bias = new_param((out_local,), dtype, self.load_shard) if bias else None
+
+    def shard_rows(self, shard_id: Any) -> tuple[int, int, int]:
+        """(offset in the local param, first source row, row count) for a shard."""
+        index = 0 if shard_id is None else int(shard_id)
+        size = self.local_sizes[index]
+        return self.offsets[index], self.group.rank * size, size
+
+    def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        offset, start, size = self.shard_rows(shard_id)
+        copy_checked(param.data[offset : offset + size], source[start : start + size], "column shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; KV heads are replicated when tp exceeds their count."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group: TPGroup,
+    ):
+        tp = group.size
+        self.num_heads_local = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads_local = divide(num_kv_heads, tp, "num_key_value_heads")
+        else:
+            divide(tp, num_kv_heads, "tp over num_key_value_heads")
+            self.num_kv_heads_local = 1
+        self.head_dim = head_dim
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        q_size = self.num_heads_local * head_dim
+        kv_size = self.num_kv_heads_local * head_dim
+        super().__init__(hidden_size, [q_size * tp, kv_size * tp, kv_size * tp], bias, dtype, group)
+
+    def shard_rows(self, shard_id: Any) -> tuple[int, int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id]
+        size = self.local_sizes[index]
+        owner = self.group.rank if index == 0 else self.group.rank // self.kv_replicas
+        return self.offsets[index], owner * size, size
+
+    @property
+    def q_size(self) -> int:
+        return self.local_sizes[0]
+
+    @property
+    def kv_size(self) -> int:
+        return self.local_sizes[1]
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs summed by one all-reduce."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: TPGroup
+    ):
+        super().__init__()
+        self.group = group
+        self.in_local = divide(in_features, group.size, "input features")
+        self.weight = new_param((out_features, self.in_local), dtype, self.load_columns)
+        self.bias = new_param((out_features,), dtype, load_whole) if bias else None
+
+    def load_columns(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        start = self.group.rank * self.in_local
+        copy_checked(param.data, source[:, start : start + self.in_local], "row shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,124 @@
+"""Rotary position embedding (neox style) with the scaling variants real checkpoints use."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpud.errors import ConfigError
+
+
+def _default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    rotary_dim: int, base: float, scaling: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    factor = float(scaling["factor"])
+    original = int(scaling.get("original_max_position_embeddings") or max_position)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(
+                factor, scaling["mscale_all_dim"]
+            )
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def rope_inv_freq(
+    rotary_dim: int, base: float, scaling: dict[str, Any] | None, max_position: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling for a rope_scaling dict."""
+    kind = (scaling or {}).get("rope_type", "default")
+    inv_freq = _default_inv_freq(rotary_dim, base)
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, scaling, max_position)
+    raise ConfigError(
+        f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, applied in the model dtype."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_positions: int,
+        base: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv_freq, attention_scaling = rope_inv_freq(rotary_dim, base, scaling, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

@@ -1,0 +1,86 @@
+"""Read this rank's slices of the weights from safetensors files (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from cpud.errors import ConfigError
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"{index} is unreadable or lacks weight_map: {exc}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index.name} lists {missing[0]}, which is missing from {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return found
+    raise ConfigError(
+        f"no *.safetensors weights in {model_dir} (pytorch_model.bin is not read: "
+        f"convert the checkpoint to safetensors)"
+    )
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, object]:
+    for param_part, ckpt_part, shard_id in model.stacked_params:
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
+    return name, None
+
+
+def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+    expected = set()
+    for name in params:
+        shards = [s for p, _, s in model.stacked_params if f".{p}." in name]
+        expected.update((name, s) for s in shards or [None])
+    return expected
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from the checkpoint, reading only this rank's slices."""
+    params = dict(model.named_parameters())
+    tied = model.cfg.tie_word_embeddings
+    loaded: set[tuple[str, object]] = set()
+    for path in weight_files(model_dir):
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+        with handle as f:
+            for name in f.keys():
+                ckpt_name = model.checkpoint_name(name)
+                if ckpt_name.endswith(model.ignored_suffixes):
+                    continue
+                if tied and ckpt_name == "lm_head.weight":
+                    continue
+                target, shard_id = _target(model, ckpt_name)
+                param = params.get(target)
+                if param is None:
+                    raise ConfigError(
+                        f"{path.name} holds tensor {name!r}, which {model.cfg.architecture} "
+                        f"does not have: config.json does not match the weights"
+                    )
+                param.weight_loader(param, f.get_slice(name), shard_id)
+                loaded.add((target, shard_id))
+    missing = sorted(_expected(model, params) - loaded, key=str)
+    if missing:
+        name, shard = missing[0]
+        what = name if shard is None else f"{name} (part {shard})"
+        raise ConfigError(
+            f"checkpoint in {model_dir} lacks {what} and {len(missing) - 1} more tensor(s)"
+        )

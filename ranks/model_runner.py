@@ -1,0 +1,81 @@
+"""One rank's model: load its shard, own its KV cache, execute step plans."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpud.protocol.step import StepPlan, StepResult
+from cpud.ranks.loader import load_weights
+from cpud.ranks.model_config import ModelConfig
+from cpud.ranks.models import build_model
+from cpud.ranks.parallel import TPGroup
+from cpud.ranks.sampler import sample
+from cpud.ranks.step_inputs import build_step_inputs
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: Path
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    seed: int = 0
+
+
+def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
+    return max(1, cfg.num_kv_heads // tp)
+
+
+def kv_block_bytes(cfg: ModelConfig, tp: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes on one rank, over all layers, keys and values."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * kv_heads_local(cfg, tp) * block_size * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, model_cfg: ModelConfig, group: TPGroup):
+        self.config = config
+        self.group = group
+        self.model = build_model(model_cfg, config.max_model_len, config.dtype, group)
+        load_weights(self.model, config.model_dir)
+        self.model.eval()
+        shape = (
+            config.num_kv_blocks,
+            self.model.kv_heads_local,
+            config.block_size,
+            self.model.head_dim,
+        )
+        # torch.empty: pages are touched (and so placed) by the rank that writes them.
+        self.kv_caches = [
+            (torch.empty(shape, dtype=config.dtype), torch.empty(shape, dtype=config.dtype))
+            for _ in range(model_cfg.num_layers)
+        ]
+        self.generator = torch.Generator().manual_seed(config.seed + group.rank)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        started = time.perf_counter()
+        inputs = build_step_inputs(plan, self.config.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        tokens = []
+        if inputs.sampling_works:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if logits is None:
+                return None
+            tokens = sample(logits, inputs.sampling_works, self.generator)
+        elif self.group.rank != 0:
+            return None
+        return StepResult(plan.step_id, tokens, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def prompt_logits(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits for every token of the plan (tests and prompt logprobs); [T, vocab]."""
+        inputs = build_step_inputs(plan, self.config.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,162 @@
+"""One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3.
+
+GQA, RoPE (with scaling), RMSNorm, SwiGLU, optional qkv bias, optional per-head q/k norm,
+optional tied embeddings, optional sliding window. Module names mirror Hugging Face's so
+checkpoint names map by a few substitutions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpud.ranks.layers.attention import AttentionMetadata, PagedAttention
+from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from cpud.ranks.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from cpud.ranks.layers.norm import RMSNorm
+from cpud.ranks.layers.rotary import RotaryEmbedding
+from cpud.ranks.model_config import ModelConfig
+from cpud.ranks.parallel import TPGroup
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, group: TPGroup
+    ):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.qkv_bias,
+            dtype,
+            group,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, group
+        )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+        self.heads = self.qkv_proj.num_heads_local
+        self.kv_heads = self.qkv_proj.num_kv_heads_local
+        self.head_dim = cfg.head_dim
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            self.heads, self.kv_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.sliding_window
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
+        )
+        q = q.reshape(tokens, self.heads, self.head_dim)
+        k = k.reshape(tokens, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm.normalize(q)
+            k = self.k_norm.normalize(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, group)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, group: TPGroup
+    ):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, group)
+        self.mlp = LlamaMLP(cfg, dtype, group)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, normed, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, dtype, group) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # (param fragment, checkpoint fragment, shard id) for weights fused at load time
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, max_positions, dtype, group)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, group, tied)
+        attn = self.model.layers[0].self_attn
+        self.kv_heads_local = attn.kv_heads
+        self.head_dim = cfg.head_dim
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
