@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from cpud import envs
 from cpud.errors import ConfigError
 from cpud.ranks.cpu_features import resolve_dtype
 from cpud.ranks.model_config import ModelConfig, load_model_config
@@ -83,16 +84,15 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:
-        space = args.kv_cache_space_gib
-        if space is None:
-            space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_KV_CACHE_SPACE_GIB)
+        space = args.kv_cache_space_gib or envs.kv_cache_space_gib() or DEFAULT_KV_CACHE_SPACE_GIB
         num_blocks = int(space * GiB) // block_bytes
         # More blocks than every sequence at full length could use would only hold stale prefixes.
         num_blocks = min(num_blocks, blocks_per_seq * args.max_num_seqs)
         if num_blocks < blocks_per_seq:
             raise ConfigError(
-                f"KV cache of {space:g} GiB holds {num_blocks * args.block_size} tokens, fewer than "
-                f"max_model_len {max_model_len}: raise --kv-cache-space or lower --max-model-len"
+                f"KV cache of {space:g} GiB holds {num_blocks * args.block_size} tokens, "
+                f"fewer than max_model_len {max_model_len}: "
+                f"raise --kv-cache-space or lower --max-model-len"
             )
     return EngineConfig(
         model_dir=model_dir,

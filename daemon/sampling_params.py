@@ -81,7 +81,9 @@ class SamplingParams:
         if self.min_tokens < 0:
             fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            fail(
+                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if len(self.stop) > MAX_STOP_STRINGS:

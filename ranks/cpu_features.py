@@ -43,7 +43,9 @@ def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
 def parse_dtype(name: str) -> torch.dtype:
     key = str(name).lower().removeprefix("torch.")
     if key not in DTYPES:
-        raise ConfigError(f"unsupported dtype {name!r}: use one of bfloat16, float16, float32, auto")
+        raise ConfigError(
+            f"unsupported dtype {name!r}: use one of bfloat16, float16, float32, auto"
+        )
     return DTYPES[key]
 
 
@@ -61,6 +63,4 @@ def check_dtype_supported(dtype: torch.dtype, flags: frozenset[str]) -> None:
     needs, names = _DTYPE_NEEDS[dtype]
     if needs and not needs & flags:
         short = str(dtype).removeprefix("torch.")
-        raise ConfigError(
-            f"dtype {short} needs {names}, which this CPU lacks: use --dtype float32"
-        )
+        raise ConfigError(f"dtype {short} needs {names}, which this CPU lacks: use --dtype float32")

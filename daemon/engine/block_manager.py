@@ -92,7 +92,9 @@ class BlockManager:
         self.prefix_hits += len(block_ids)
         return PrefixHit(block_ids, hashes)
 
-    def can_allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def can_allocate(
+        self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
         """Whether `table` can grow to cover num_tokens (reusing `hit`'s blocks first)."""
         reused = hit.block_ids if hit else []
         needed = self.blocks_for(num_tokens) - len(table.block_ids) - len(reused)

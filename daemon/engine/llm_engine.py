@@ -60,9 +60,7 @@ class LLMEngine:
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens
-        )
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)

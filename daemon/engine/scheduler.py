@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cpud.engine.block_manager import BlockManager
-from cpud.engine.sequence import Sequence, SeqStatus
+from cpud.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

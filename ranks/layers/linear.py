@@ -77,7 +77,9 @@ class ColumnParallelLinear(nn.Module):
 
     def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         offset, start, size = self.shard_rows(shard_id)
-        copy_checked(param.data[offset : offset + size], source[start : start + size], "column shard")
+        copy_checked(
+            param.data[offset : offset + size], source[start : start + size], "column shard"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

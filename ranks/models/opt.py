@@ -85,14 +85,18 @@ class OPTDecoder(nn.Module):
             (cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size), dtype, load_whole
         )
         projected = proj_dim != cfg.hidden_size
-        self.project_in = ReplicatedLinear(proj_dim, cfg.hidden_size, False, dtype) if projected else None
+        self.project_in = (
+            ReplicatedLinear(proj_dim, cfg.hidden_size, False, dtype) if projected else None
+        )
         self.project_out = (
             ReplicatedLinear(cfg.hidden_size, proj_dim, False, dtype) if projected else None
         )
         self.final_layer_norm = (
             LayerNorm(cfg.hidden_size, cfg.norm_eps, dtype) if cfg.do_layer_norm_before else None
         )
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, dtype, group) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(cfg, dtype, group) for _ in range(cfg.num_layers)
+        )
 
 
 class OPTForCausalLM(nn.Module):

@@ -1,0 +1,158 @@
+"""`cpud` command line: generate, model make (serve and doctor grow here with the daemon)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from cpud.errors import CpudError
+
+EXIT_CONFIG = 2
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model directory (default: embedded fixture)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="bfloat16, float16, float32 or auto (bf16 where the CPU has AVX512-BF16/AMX)",
+    )
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, help="context length in tokens")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="token budget of one step (default 2048)"
+    )
+    parser.add_argument(
+        "--kv-cache-space",
+        type=float,
+        help="KV cache size per rank in GiB of host RAM (env VLLM_CPU_KVCACHE_SPACE, default 4)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of identical prompt prefixes",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_space_gib=args.kv_cache_space,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cpud import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(args.model, **_engine_kwargs(args))
+    loaded = time.perf_counter()
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["The quick brown fox"]
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - loaded
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if args.json:
+        rows = [
+            {
+                "prompt": o.prompt,
+                "text": o.outputs[0].text,
+                "token_ids": o.outputs[0].token_ids,
+                "finish_reason": o.outputs[0].finish_reason,
+            }
+            for o in outputs
+        ]
+        print(json.dumps({"outputs": rows, "load_seconds": loaded - started}))
+    else:
+        for output in outputs:
+            print(f"{output.prompt!r} -> {output.outputs[0].text!r}")
+        print(
+            f"model {llm.config.model_dir} ({llm.config.model.architecture}, "
+            f"{str(llm.config.dtype).removeprefix('torch.')}): loaded in {loaded - started:.2f} s, "
+            f"{generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_model_make(args: argparse.Namespace) -> int:
+    from cpud.fixtures import make_model
+
+    started = time.perf_counter()
+    path = make_model(
+        args.arch,
+        args.preset,
+        args.outdir,
+        seed=args.seed,
+        max_shard_bytes=args.max_shard_bytes,
+        dtype=args.dtype,
+    )
+    print(f"wrote {args.arch}/{args.preset} to {path} in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cpud.fixtures import ARCHS, PRESETS
+
+    parser = argparse.ArgumentParser(prog="cpud", description="CPU-native LLM serving daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline (no HTTP)")
+    _add_engine_flags(gen)
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one sample prompt)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, help="per-request sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print outputs as JSON")
+    gen.set_defaults(func=cmd_generate)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    make = model_sub.add_parser("make", help="write a random-weight fixture model directory")
+    make.add_argument("--arch", required=True, choices=ARCHS)
+    make.add_argument("--preset", default="tiny", choices=PRESETS)
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--max-shard-bytes", type=int, help="split weights into shards this big")
+    make.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    make.add_argument("outdir")
+    make.set_defaults(func=cmd_model_make)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CpudError as exc:
+        print(f"cpud: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

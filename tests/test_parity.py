@@ -1,0 +1,131 @@
+"""Greedy tokens and logits against Hugging Face transformers on the same directories."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import ARCHS, hf_greedy, hf_logits
+from cpud import LLM, SamplingParams
+from cpud.protocol.step import SeqWork, StepPlan
+
+NEW_TOKENS = 16
+PROMPT_LENGTHS = (1, 7, 33, 130, 301)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+def make_prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(model_factory, hf_models):
+    """Per arch: (model dir, prompts, transformers' greedy tokens for each prompt)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            model_dir = model_factory(arch)
+            model = hf_models(model_dir)
+            prompts = make_prompts(model.config.vocab_size)
+            cache[arch] = (model_dir, prompts, [hf_greedy(model, p, NEW_TOKENS) for p in prompts])
+        return cache[arch]
+
+    return get
+
+
+ENGINE_SETTINGS = {
+    "default": {},
+    # Small chunks: the 301-token prompt is prefilled over ~13 steps, mixed with decodes.
+    "chunked": {"max_num_batched_tokens": 24},
+    "block128": {"block_size": 128, "max_num_batched_tokens": 100},
+}
+
+
+@pytest.mark.parametrize("settings", list(ENGINE_SETTINGS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers_fp32(arch, settings, reference):
+    model_dir, prompts, expected = reference(arch)
+    llm = LLM(model_dir, dtype="float32", **ENGINE_SETTINGS[settings])
+    outputs = llm.generate(prompts, GREEDY)
+    got = [o.outputs[0].token_ids for o in outputs]
+    for prompt, want, have in zip(prompts, expected, got):
+        assert have == want, f"{arch}/{settings}: prompt of {len(prompt)} tokens diverged"
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt"])
+def test_prefix_cache_hits_keep_tokens_identical(arch, model_factory, hf_models):
+    model_dir = model_factory(arch)
+    model = hf_models(model_dir)
+    rng = random.Random(1)
+    shared = [rng.randrange(4, model.config.vocab_size) for _ in range(70)]
+    prompts = [
+        shared + [rng.randrange(4, model.config.vocab_size) for _ in range(n)] for n in (3, 20)
+    ]
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=40)
+    first = llm.generate(prompts[:1], GREEDY)
+    hits_before = llm.engine.blocks.prefix_hits
+    second = llm.generate(prompts, GREEDY)
+    hits = llm.engine.blocks.prefix_hits - hits_before
+    assert hits >= 2 * (70 // 16), "the shared 70-token prefix should hit 4 cached blocks twice"
+    assert second[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    for prompt, output in zip(prompts, second):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    # An exact repeat: every full block but the one holding the last token is reused.
+    third = llm.generate(prompts[1:], GREEDY)
+    assert third[0].outputs[0].token_ids == second[1].outputs[0].token_ids
+
+
+def test_sharded_checkpoint_loads_like_single_file(model_factory):
+    single = model_factory("qwen2")
+    sharded = model_factory("qwen2", max_shard_bytes=40_000)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    prompts = make_prompts(400, lengths=(5, 40))
+    a = LLM(single, dtype="float32").generate(prompts, GREEDY)
+    b = LLM(sharded, dtype="float32").generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    runner = llm.engine.executor.runner
+    blocks = list(range(-(-len(prompt) // llm.config.block_size)))
+    plan = StepPlan(0, [SeqWork(0, prompt, 0, blocks, False)])
+    return runner.prompt_logits(plan).float()
+
+
+# bf16 tolerances, in units of the fp32 logits' standard deviation σ. bf16 keeps 8 mantissa
+# bits, so each layer adds ~0.4% error and the worst of 45 x vocab logits lands near 0.1-0.2σ
+# for transformers' own bf16 path too; cpud must be as close to fp32 as that path is.
+BF16_MAX_ERROR = 0.3  # max |cpud_bf16 - hf_fp32| / σ
+BF16_VS_HF_BF16 = 0.12  # max |cpud_bf16 - hf_bf16| / σ
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_logits_close_to_transformers(arch, model_factory, hf_models):
+    model_dir = model_factory(arch)
+    prompt = make_prompts(400, lengths=(45,), seed=3)[0]
+    reference = hf_logits(hf_models(model_dir, torch.float32), prompt)
+    hf_bf16 = hf_logits(hf_models(model_dir, torch.bfloat16), prompt)
+    ours = engine_logits(LLM(model_dir, dtype="bfloat16"), prompt)
+    sigma = reference.std()
+    ours_err = float((ours - reference).abs().max() / sigma)
+    hf_err = float((hf_bf16 - reference).abs().max() / sigma)
+    assert ours_err < BF16_MAX_ERROR, f"bf16 max error {ours_err:.3f}σ"
+    assert ours_err < 1.25 * hf_err + 0.02, f"{ours_err:.3f}σ vs transformers' {hf_err:.3f}σ"
+    assert float((ours - hf_bf16).abs().max() / sigma) < BF16_VS_HF_BF16
+    assert float((ours.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.85
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_prompt_logits_match(arch, model_factory, hf_models):
+    model_dir = model_factory(arch)
+    prompt = make_prompts(400, lengths=(60,), seed=4)[0]
+    reference = hf_logits(hf_models(model_dir), prompt)
+    ours = engine_logits(LLM(model_dir, dtype="float32"), prompt)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4 * float(reference.std()))
