@@ -38,6 +38,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     partial_rotary_factor: float = 1.0
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     hidden_act: str = "silu"
@@ -160,6 +161,7 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         rope_scaling=rope_scaling,
         partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=int(sliding) if sliding else None,
         hidden_act=act,

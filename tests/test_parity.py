@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from conftest import ARCHS, hf_greedy, hf_logits
 from cpud import LLM, SamplingParams
 from cpud.protocol.step import SeqWork, StepPlan
+from hf_reference import ARCHS, hf_greedy, hf_logits
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (1, 7, 33, 130, 301)
@@ -128,6 +128,34 @@ def test_bf16_logits_close_to_transformers(arch, model_factory, hf_models):
 def test_fp32_prompt_logits_match(arch, model_factory, hf_models):
     model_dir = model_factory(arch)
     prompt = make_prompts(400, lengths=(60,), seed=4)[0]
+    reference = hf_logits(hf_models(model_dir), prompt)
+    ours = engine_logits(LLM(model_dir, dtype="float32"), prompt)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4 * float(reference.std()))
+
+
+def test_llama_attention_bias_checkpoint(model_factory, hf_models, tmp_path):
+    """attention_bias=True puts biases on q, k, v and o (Qwen2 has them on q, k, v only)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "llama-bias"
+    shutil.copytree(model_factory("llama"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["attention_bias"] = True
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tensors = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name in list(tensors):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if name.endswith(f"self_attn.{proj}.weight"):
+                rows = tensors[name].shape[0]
+                tensors[name.replace(".weight", ".bias")] = 0.1 * torch.randn(
+                    rows, generator=generator
+                )
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    prompt = make_prompts(400, lengths=(20,), seed=5)[0]
     reference = hf_logits(hf_models(model_dir), prompt)
     ours = engine_logits(LLM(model_dir, dtype="float32"), prompt)
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4 * float(reference.std()))

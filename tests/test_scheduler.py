@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from conftest import hf_greedy
 from cpud import LLM, SamplingParams
 from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.scheduler import Scheduler
 from cpud.engine.sequence import SeqStatus, Sequence
+from hf_reference import hf_greedy
 
 
 class NullDecoder:

@@ -37,7 +37,7 @@ class LlamaAttention(nn.Module):
             group,
         )
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, group
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, dtype, group
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
