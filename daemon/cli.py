@@ -1,4 +1,4 @@
-"""`cpud` command line: generate, model make (serve and doctor grow here with the daemon)."""
+"""`cpud` command line: serve (default), generate, model make."""
 
 from __future__ import annotations
 
@@ -96,6 +96,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from cpud import envs
+    from cpud.config import EngineArgs
+    from cpud.serve import ServeArgs, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
+    serve_args = ServeArgs(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or envs.api_key(),
+        served_model_names=tuple(args.served_model_name or ()),
+        drain_timeout=args.drain_timeout,
+        metrics_need_key=args.metrics_need_key,
+    )
+    return serve(engine_args, serve_args)
+
+
 def cmd_model_make(args: argparse.Namespace) -> int:
     from cpud.fixtures import make_model
 
@@ -117,6 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cpud", description="CPU-native LLM serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
+    _add_engine_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` (env CPUD_API_KEY or VLLM_API_KEY)"
+    )
+    srv.add_argument(
+        "--served-model-name", nargs="+", help="model names clients use (default: --model)"
+    )
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    srv.add_argument(
+        "--metrics-need-key", action="store_true", help="also require the API key for /metrics"
+    )
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text offline (no HTTP)")
     _add_engine_flags(gen)
@@ -143,7 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS = ("serve", "generate", "model", "-h", "--help")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        argv.insert(0, "serve")  # `cpud --tp 2 --bind auto` serves
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -20,3 +20,8 @@ def _float(name: str) -> float | None:
 def kv_cache_space_gib() -> float | None:
     """VLLM_CPU_KVCACHE_SPACE: KV cache size per rank in GiB (vLLM's name, same meaning)."""
     return _float("VLLM_CPU_KVCACHE_SPACE")
+
+
+def api_key() -> str | None:
+    """CPUD_API_KEY, else VLLM_API_KEY (vLLM's name): the key clients must send."""
+    return os.environ.get("CPUD_API_KEY") or os.environ.get("VLLM_API_KEY") or None

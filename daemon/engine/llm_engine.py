@@ -256,7 +256,8 @@ class LLMEngine:
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.text,
+                    # While running, hold back what could still turn out to be a stop string.
+                    text=seq.text[: seq.detokenizer.stable_length(seq.finished)],
                     token_ids=list(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
                     logprobs=logprobs,

@@ -1,0 +1,200 @@
+"""Runs the engine loop on its own thread and hands outputs to asyncio callers.
+
+Only the engine thread touches the LLMEngine. Callers submit commands (add, abort) through a
+thread-safe queue; each request gets an asyncio queue that receives RequestOutputs (or the
+exception that ended it). A failure of the step itself ends every in-flight request with that
+error, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cpud.engine.llm_engine import LLMEngine
+from cpud.engine.outputs import RequestOutput
+from cpud.errors import CpudError, RequestError
+from cpud.sampling_params import SamplingParams
+
+log = logging.getLogger("cpud.engine")
+
+
+class EngineDeadError(CpudError):
+    """The engine loop stopped; requests cannot be served until the daemon restarts."""
+
+
+class QueueFullError(CpudError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    steps: int
+    step_seconds: float
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 1024):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._steps = 0
+        self._step_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="cpud-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) -----------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def stats(self) -> EngineStats:
+        sched = self.engine.scheduler
+        blocks = self.engine.blocks
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=blocks.usage(),
+            prefix_queries=blocks.prefix_queries,
+            prefix_hits=blocks.prefix_hits,
+            preemptions=sched.num_preemptions,
+            steps=self._steps,
+            step_seconds=self._step_seconds,
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output after every step that advanced it; the last one has
+        finished=True. Leaving the iteration early (client gone) aborts the request."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running: {self.error}")
+        self.engine.validate(prompt_token_ids, params)
+        with self._lock:
+            if self._pending >= self.max_waiting:
+                raise QueueFullError(f"{self._pending} requests in flight; retry shortly")
+            self._pending += 1
+        sink: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, sink, loop))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._pending -= 1
+            if not finished:
+                self._commands.put(_Abort(request_id))
+                self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        self.engine.executor.shutdown()
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        entry = self._sinks.get(request_id)
+        if entry is None:
+            return
+        sink, loop = entry
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            self._sinks.pop(request_id, None)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Abort):
+                self.engine.abort(command.request_id)
+                self._sinks.pop(command.request_id, None)
+                continue
+            self._sinks[command.request_id] = (command.sink, command.loop)
+            try:
+                self.engine.add_request(
+                    command.request_id, command.prompt_token_ids, command.params, command.prompt
+                )
+            except RequestError as exc:
+                self._deliver(command.request_id, exc)
+                self._sinks.pop(command.request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                outputs = self.engine.step()
+                self._steps += 1
+                self._step_seconds += time.perf_counter() - started
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+                    if output.finished:
+                        self._sinks.pop(output.request_id, None)
+        except BaseException as exc:
+            log.exception("engine loop failed")
+            self.error = exc
+            dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            for request_id in list(self._sinks):
+                self._deliver(request_id, dead)
+            self._sinks.clear()

@@ -1,0 +1,86 @@
+"""Prometheus metrics of the frontend: request counters and latency histograms it observes,
+plus engine gauges read at scrape time. One registry per server, no process globals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cpud.frontend.async_engine import AsyncEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator:
+        stats = self.engine.stats()
+        yield GaugeMetricFamily("cpud_requests_running", "Sequences being computed", stats.running)
+        yield GaugeMetricFamily(
+            "cpud_requests_waiting", "Sequences waiting for KV room", stats.waiting
+        )
+        yield GaugeMetricFamily(
+            "cpud_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1)", stats.kv_usage
+        )
+        yield CounterMetricFamily(
+            "cpud_prefix_cache_queries",
+            "Full prompt blocks looked up in the prefix cache",
+            stats.prefix_queries,
+        )
+        yield CounterMetricFamily(
+            "cpud_prefix_cache_hits", "Prompt blocks found in the prefix cache", stats.prefix_hits
+        )
+        yield CounterMetricFamily(
+            "cpud_preemptions",
+            "Sequences preempted (recomputed) for lack of KV blocks",
+            stats.preemptions,
+        )
+        yield CounterMetricFamily("cpud_engine_steps", "Engine steps run", stats.steps)
+        yield CounterMetricFamily(
+            "cpud_engine_step_seconds", "Wall time spent in engine steps", stats.step_seconds
+        )
+
+
+class FrontendMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "cpud_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "cpud_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "cpud_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a sequence",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "cpud_e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "cpud_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "cpud_generation_tokens",
+            "Generated tokens of finished requests",
+            registry=self.registry,
+        )
+
+    def watch(self, engine: AsyncEngine) -> None:
+        self.registry.register(EngineCollector(engine))

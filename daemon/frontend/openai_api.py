@@ -1,0 +1,434 @@
+"""/v1/completions and /v1/chat/completions: run requests on the engine, answer in OpenAI's
+shapes, stream as server-sent events (one event per step that produced text)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cpud.errors import RequestError
+from cpud.frontend.async_engine import EngineDeadError, QueueFullError
+from cpud.frontend.errors import APIError, bad_request
+from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, sampling_params
+from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from cpud.frontend.state import ServerState
+from cpud.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """What has been sent so far for one choice of one prompt."""
+
+    index: int
+    chars: int = 0
+    tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+    raise exc
+
+
+def start_requests(
+    state: ServerState, base_id: str, prompts: list[Prompt], params: SamplingParams
+) -> list[AsyncIterator[RequestOutput]]:
+    """Validate every prompt before anything runs, then start one engine request each."""
+    try:
+        for prompt in prompts:
+            state.engine.engine.validate(prompt.token_ids, params)
+    except RequestError as exc:
+        raise engine_error(exc) from None
+    return [
+        observed(state, state.engine.generate(f"{base_id}-{i}", p.token_ids, params, p.text))
+        for i, p in enumerate(prompts)
+    ]
+
+
+async def observed(
+    state: ServerState, stream: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    """Pass outputs through, feeding the TTFT / inter-token / end-to-end histograms."""
+    metrics = state.metrics
+    arrival = last = time.monotonic()
+    seen = 0
+    async for out in stream:
+        now = time.monotonic()
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        if tokens > seen:
+            if seen == 0:
+                metrics.ttft.observe(now - arrival)
+            else:
+                metrics.inter_token.observe((now - last) / (tokens - seen))
+            seen, last = tokens, now
+        if out.finished:
+            metrics.e2e.observe(now - arrival)
+            metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            metrics.generation_tokens.inc(tokens)
+        yield out
+
+
+async def merged(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine requests as they come, tagged with the prompt index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except BaseException as exc:  # forwarded to the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_or_abort(
+    request: Request, streams: list[AsyncIterator[RequestOutput]]
+) -> list[RequestOutput]:
+    """Final outputs of every stream; a client that disconnects cancels (and so aborts) all."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for index, out in merged(streams):
+            finals[index] = out
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", "client_closed_request")
+    try:
+        task.result()
+    except (RequestError, QueueFullError, EngineDeadError) as exc:
+        raise engine_error(exc) from None
+    return [finals[i] for i in range(len(streams))]
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def finish_reason(output: CompletionOutput) -> str | None:
+    reason = output.finish_reason
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+# ---- logprobs in the two OpenAI shapes ------------------------------------------------------
+
+
+def ranked(entry: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
+    items = sorted(entry.items(), key=lambda kv: kv[1].rank or 1 << 30)
+    return [(t, lp) for t, lp in items if (lp.rank or 1 << 30) <= limit]
+
+
+def completion_logprobs(out: CompletionOutput, start: int, text_offset: int, top: int) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        values.append(chosen.logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for _, lp in ranked(entry, top)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(out: CompletionOutput, start: int, top: int) -> dict:
+    def item(lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        row = item(entry[token_id])
+        row["top_logprobs"] = [item(lp) for _, lp in ranked(entry, top)]
+        content.append(row)
+    return {"content": content}
+
+
+# ---- the two endpoints ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "completion" | "chat"
+    request_id: str
+    created: int
+    model: str
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    top_logprobs: int = 0
+
+
+def completion_job(state: ServerState, body: CompletionRequest) -> Job:
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs needs prompt logprobs, which cpud does not return yet", "echo"
+        )
+    prompts = completion_prompts(state, body)
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    return Job(
+        "completion",
+        f"cmpl-{uuid.uuid4().hex}",
+        int(time.time()),
+        body.model or state.model_name,
+        prompts,
+        params,
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
+        echo=body.echo,
+        top_logprobs=body.logprobs or 0,
+    )
+
+
+def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    prompt = chat_prompt(state, body)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = sampling_params(body, max_tokens, logprobs)
+    return Job(
+        "chat",
+        f"chatcmpl-{uuid.uuid4().hex}",
+        int(time.time()),
+        body.model or state.model_name,
+        [prompt],
+        params,
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
+        top_logprobs=body.top_logprobs or 0,
+    )
+
+
+def prompt_text(state: ServerState, prompt: Prompt) -> str:
+    return prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+
+
+async def respond(state: ServerState, request: Request, job: Job) -> Response:
+    streams = start_requests(state, job.request_id, job.prompts, job.params)
+    if job.stream:
+        return StreamingResponse(
+            stream_events(state, job, streams),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    finals = await collect_or_abort(request, streams)
+    usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in job.prompts))
+    choices = []
+    for p_index, (prompt, final) in enumerate(zip(job.prompts, finals)):
+        for out in final.outputs:
+            usage.completion_tokens += len(out.token_ids)
+            index = p_index * job.params.n + out.index
+            choices.append(full_choice(state, job, prompt, index, out))
+    return JSONResponse(
+        {
+            "id": job.request_id,
+            "object": "text_completion" if job.kind == "completion" else "chat.completion",
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+            "usage": usage.as_dict(),
+        }
+    )
+
+
+def full_choice(
+    state: ServerState, job: Job, prompt: Prompt, index: int, out: CompletionOutput
+) -> dict:
+    wants_logprobs = job.params.logprobs is not None
+    if job.kind == "completion":
+        prefix = prompt_text(state, prompt) if job.echo else ""
+        return {
+            "index": index,
+            "text": prefix + out.text,
+            "logprobs": completion_logprobs(out, 0, len(prefix), job.top_logprobs)
+            if wants_logprobs
+            else None,
+            "finish_reason": finish_reason(out),
+            "stop_reason": out.stop_reason,
+        }
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": out.text},
+        "logprobs": chat_logprobs(out, 0, job.top_logprobs) if wants_logprobs else None,
+        "finish_reason": finish_reason(out),
+        "stop_reason": out.stop_reason,
+    }
+
+
+async def stream_events(
+    state: ServerState, job: Job, streams: list[AsyncIterator[RequestOutput]]
+) -> AsyncIterator[str]:
+    n = job.params.n
+    choices = {(p, i): Choice(p * n + i) for p in range(len(job.prompts)) for i in range(n)}
+    usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in job.prompts))
+    object_name = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+
+    def chunk(choice_rows: list[dict]) -> str:
+        body = {
+            "id": job.request_id,
+            "object": object_name,
+            "created": job.created,
+            "model": job.model,
+            "choices": choice_rows,
+        }
+        if job.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def make_row(choice: Choice, p_index: int, out: CompletionOutput) -> dict | None:
+        if job.kind == "completion":
+            return completion_delta(state, job, choice, job.prompts[p_index], out)
+        return chat_delta(job, choice, out)
+
+    try:
+        async for p_index, output in merged(streams):
+            rows = []
+            for out in output.outputs:
+                choice = choices[(p_index, out.index)]
+                if choice.finished:
+                    continue
+                row = make_row(choice, p_index, out)
+                if row is not None:
+                    rows.append(row)
+            if rows:
+                yield chunk(rows)
+        usage.completion_tokens = sum(c.tokens for c in choices.values())
+        if job.include_usage:
+            yield sse(
+                {
+                    "id": job.request_id,
+                    "object": object_name,
+                    "created": job.created,
+                    "model": job.model,
+                    "choices": [],
+                    "usage": usage.as_dict(),
+                }
+            )
+    except (RequestError, QueueFullError, EngineDeadError) as exc:
+        error = engine_error(exc)
+        yield sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
+    yield sse("[DONE]")
+
+
+def _advance(choice: Choice, out: CompletionOutput) -> tuple[str, int, str | None]:
+    text = out.text[choice.chars :]
+    start = choice.tokens
+    choice.chars = len(out.text)
+    choice.tokens = len(out.token_ids)
+    reason = finish_reason(out)
+    choice.finished = reason is not None
+    return text, start, reason
+
+
+def completion_delta(
+    state: ServerState, job: Job, choice: Choice, prompt: Prompt, out: CompletionOutput
+) -> dict | None:
+    prefix = ""
+    if job.echo and not choice.started:
+        prefix = prompt_text(state, prompt)
+    chars_before = choice.chars
+    text, start, reason = _advance(choice, out)
+    if not text and not prefix and reason is None:
+        return None
+    choice.started = True
+    logprobs = None
+    if job.params.logprobs is not None:
+        logprobs = completion_logprobs(out, start, chars_before, job.top_logprobs)
+    return {
+        "index": choice.index,
+        "text": prefix + text,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "stop_reason": out.stop_reason if reason else None,
+    }
+
+
+def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
+    text, start, reason = _advance(choice, out)
+    if not text and reason is None:
+        return None
+    delta: dict = {}
+    if not choice.started:
+        delta["role"] = "assistant"
+        choice.started = True
+    if text:
+        delta["content"] = text
+    logprobs = None
+    if job.params.logprobs is not None:
+        logprobs = chat_logprobs(out, start, job.top_logprobs)
+    return {
+        "index": choice.index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "stop_reason": out.stop_reason if reason else None,
+    }

@@ -1,0 +1,118 @@
+"""/openapi.json, generated from the msgspec request types."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import msgspec
+
+from cpud import __version__
+from cpud.frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def _post(schema_name: str, summary: str) -> dict:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{schema_name}"}}
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "OK",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                "400": {
+                    "description": "Bad request",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                },
+                "404": {
+                    "description": "Unknown model",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                },
+                "413": {
+                    "description": "Body too large",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                },
+                "429": {
+                    "description": "Queue full",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                },
+                "503": {
+                    "description": "Loading or draining",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                },
+            },
+        }
+    }
+
+
+def _get(summary: str) -> dict:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {"200": {"description": "OK"}, "503": {"description": "Not ready"}},
+        }
+    }
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> dict:
+    types = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    (_, components) = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    components["Error"] = ERROR_SCHEMA
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "cpud", "version": __version__},
+        "paths": {
+            "/v1/completions": _post("CompletionRequest", "Text completion"),
+            "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion"),
+            "/tokenize": _post("TokenizeRequest", "Prompt or messages to token ids"),
+            "/detokenize": _post("DetokenizeRequest", "Token ids to text"),
+            "/v1/models": _get("Served models"),
+            "/health": _get("200 when serving, 503 while loading or draining"),
+            "/version": _get("cpud version"),
+            "/metrics": _get("Prometheus metrics"),
+        },
+        "components": {"schemas": components},
+    }

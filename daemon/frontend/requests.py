@@ -1,0 +1,122 @@
+"""Turn validated request bodies into engine inputs: token ids and SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpud.errors import RequestError
+from cpud.frontend.errors import APIError, bad_request
+from cpud.frontend.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from cpud.frontend.state import ServerState
+from cpud.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.config.served_model_names:
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves "
+            f"{', '.join(state.config.served_model_names)}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def completion_prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """prompt as a string, a list of strings, a list of token ids or a list of those."""
+    raw = body.prompt
+    encode = state.tokenizer.encode
+    if isinstance(raw, str):
+        return [Prompt(encode(raw), raw)]
+    if not raw:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in raw):
+        return [Prompt(list(raw), None)]
+    if all(isinstance(p, str) for p in raw):
+        prompts = [Prompt(encode(p), p) for p in raw]
+    elif all(isinstance(p, list) for p in raw):
+        prompts = [Prompt(list(p), None) for p in raw]
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token id lists, not a mixture",
+            param="prompt",
+        )
+    if len(prompts) > state.config.max_prompts:
+        raise bad_request(
+            f"at most {state.config.max_prompts} prompts per request, got {len(prompts)}",
+            param="prompt",
+        )
+    return prompts
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    result = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{index}]: only text content parts are supported, "
+                        f"got {part.type!r}",
+                        param="messages",
+                    )
+                parts.append(part.text)
+            content = "".join(parts)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        result.append(entry)
+    return result
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
+    text = state.tokenizer.apply_chat_template(
+        message_dicts(body.messages),
+        add_generation_prompt=body.add_generation_prompt,
+        **(body.chat_template_kwargs or {}),
+    )
+    return Prompt(state.tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    stop = body.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    values = {
+        "n": body.n,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    kwargs = {k: v for k, v in values.items() if v is not None}
+    try:
+        return SamplingParams(
+            **kwargs,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=tuple(stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except RequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None

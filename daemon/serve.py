@@ -1,0 +1,111 @@
+"""`cpud serve` in one process (tp=1): HTTP comes up first (/health says 503 while loading),
+the engine loads, then requests are served. SIGTERM/SIGINT drain: no new requests, in-flight
+ones finish up to the drain timeout, then the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from cpud.config import EngineArgs, resolve_config
+from cpud.engine.executor import InProcessExecutor
+from cpud.engine.llm_engine import LLMEngine
+from cpud.errors import ConfigError
+from cpud.frontend.app import create_app
+from cpud.frontend.async_engine import AsyncEngine
+from cpud.frontend.state import Phase, ServerConfig, ServerState
+from cpud.llm import resolve_model_dir
+from cpud.tokenizer import Tokenizer
+
+log = logging.getLogger("cpud.serve")
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    drain_timeout: float = 30.0
+    max_waiting: int = 1024
+    metrics_need_key: bool = False
+
+
+def build_engine(args: EngineArgs, model_dir: Path) -> AsyncEngine:
+    config = resolve_config(args, model_dir)
+    if config.tp != 1:
+        raise ConfigError(
+            f"tp={config.tp} needs the multi-process daemon, not built yet: use --tp 1"
+        )
+    tokenizer = Tokenizer(model_dir)
+    return AsyncEngine(LLMEngine(config, tokenizer, InProcessExecutor(config)))
+
+
+async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
+    model_dir = resolve_model_dir(engine_args.model)
+    names = serve_args.served_model_names or (str(engine_args.model or "cpud-default"),)
+    probe = resolve_config(engine_args, model_dir)  # fail fast, before binding the port
+    state = ServerState(
+        ServerConfig(
+            served_model_names=names,
+            max_model_len=probe.max_model_len,
+            api_key=serve_args.api_key,
+            metrics_need_key=serve_args.metrics_need_key,
+        ),
+        Tokenizer(model_dir),
+    )
+    hyper = HypercornConfig()
+    hyper.bind = [f"{serve_args.host}:{serve_args.port}"]
+    hyper.accesslog = None
+    hyper.graceful_timeout = 5.0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def drain() -> None:
+        if state.phase is Phase.DRAINING:
+            return
+        state.phase = Phase.DRAINING
+        deadline = time.monotonic() + serve_args.drain_timeout
+        engine = state._engine
+        while engine is not None and engine.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine is not None and engine.num_unfinished:
+            log.warning("drain timeout: %d requests still running", engine.num_unfinished)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(drain()))
+    server = asyncio.ensure_future(
+        hypercorn_serve(create_app(state), hyper, shutdown_trigger=stop.wait)
+    )
+    started = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(build_engine, engine_args, model_dir)
+    except BaseException:
+        stop.set()
+        await server
+        raise
+    state.attach(engine)
+    log.info(
+        "ready in %.1f s: serving %s on http://%s:%d",
+        time.monotonic() - started,
+        names[0],
+        serve_args.host,
+        serve_args.port,
+    )
+    await server
+    engine.shutdown()
+    return 0
+
+
+def serve(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
+    import uvloop
+
+    return uvloop.run(run_server(engine_args, serve_args))
