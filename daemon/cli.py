@@ -112,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         drain_timeout=args.drain_timeout,
         metrics_need_key=args.metrics_need_key,
+        max_waiting=args.max_pending_requests,
     )
     return serve(engine_args, serve_args)
 
@@ -156,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--metrics-need-key", action="store_true", help="also require the API key for /metrics"
+    )
+    srv.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests admitted at once (running + queued); more get 429 with Retry-After",
     )
     srv.set_defaults(func=cmd_serve)
 

@@ -38,14 +38,14 @@ class ServeArgs:
     metrics_need_key: bool = False
 
 
-def build_engine(args: EngineArgs, model_dir: Path) -> AsyncEngine:
+def build_engine(args: EngineArgs, model_dir: Path, max_waiting: int) -> AsyncEngine:
     config = resolve_config(args, model_dir)
     if config.tp != 1:
         raise ConfigError(
             f"tp={config.tp} needs the multi-process daemon, not built yet: use --tp 1"
         )
     tokenizer = Tokenizer(model_dir)
-    return AsyncEngine(LLMEngine(config, tokenizer, InProcessExecutor(config)))
+    return AsyncEngine(LLMEngine(config, tokenizer, InProcessExecutor(config)), max_waiting)
 
 
 async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
@@ -87,7 +87,9 @@ async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
     )
     started = time.monotonic()
     try:
-        engine = await asyncio.to_thread(build_engine, engine_args, model_dir)
+        engine = await asyncio.to_thread(
+            build_engine, engine_args, model_dir, serve_args.max_waiting
+        )
     except BaseException:
         stop.set()
         await server

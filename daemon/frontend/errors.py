@@ -8,6 +8,7 @@ import msgspec
 from starlette.responses import JSONResponse
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 class APIError(Exception):
@@ -48,7 +49,9 @@ def from_validation(exc: msgspec.ValidationError) -> APIError:
     """msgspec says e.g. "Expected `float` <= 2.0 - at `$.temperature`": name the field."""
     text = str(exc)
     match = _PATH.search(text)
-    param = match.group(1) if match else None
-    if param is not None:
-        param = param.split("[")[0].split(".")[0] or None
+    if match:
+        param = match.group(1).split("[")[0].split(".")[0] or None
+    else:
+        missing = _MISSING.search(text)
+        param = missing.group(1) if missing else None
     return bad_request(text, param=param)

@@ -1,0 +1,151 @@
+/* Public entry points (cpud_native.h): argument and index validation, then a
+ * call into the kernel table of the requested tier.  Index data (positions,
+ * slots, block tables) is checked here so a bad step plan returns CPUD_EARG
+ * instead of touching memory out of bounds. */
+#include <omp.h>
+
+#include "dispatch.h"
+
+#define ADDR(p) ((void *)(p))
+#define CADDR(p) ((const void *)(p))
+
+static int dtype_ok(int dt) { return dt == CPUD_F32 || dt == CPUD_BF16; }
+
+int cpud_max_threads(void) { return omp_get_max_threads(); }
+
+int cpud_rms_norm(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t out,
+                  int64_t out_stride, intptr_t w, int64_t T, int64_t n, int64_t H, float eps) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !x || !out || !w || T < 0 || n < 1 || H < 1) return CPUD_EARG;
+    ops->rms_norm(dtype, CADDR(x), x_stride, ADDR(out), out_stride, CADDR(w), T, n, H, eps);
+    return CPUD_OK;
+}
+
+int cpud_fused_add_rms_norm(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t residual,
+                            int64_t r_stride, intptr_t w, int64_t T, int64_t H, float eps) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !x || !residual || !w || T < 0 || H < 1) return CPUD_EARG;
+    ops->fused_add_rms_norm(dtype, ADDR(x), x_stride, ADDR(residual), r_stride, CADDR(w), T, H,
+                            eps);
+    return CPUD_OK;
+}
+
+int cpud_rotary_embedding(int isa, int dtype, intptr_t positions, intptr_t q, int64_t q_stride,
+                          intptr_t k, int64_t k_stride, intptr_t cos_sin, int64_t T, int64_t nh,
+                          int64_t nkv, int64_t hd, int64_t rot_dim, int64_t max_pos, int neox) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !positions || !q || !cos_sin || T < 0 || nh < 1 || hd < 1)
+        return CPUD_EARG;
+    if (rot_dim < 2 || rot_dim % 2 || rot_dim > hd || rot_dim > CPUD_ROT_MAX) return CPUD_EARG;
+    if (k && nkv < 1) return CPUD_EARG;
+    const int64_t *pos = (const int64_t *)positions;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return CPUD_EARG;
+    ops->rotary(dtype, pos, ADDR(q), q_stride, ADDR(k), k_stride, (const float *)cos_sin, T, nh,
+                nkv, hd, rot_dim, neox);
+    return CPUD_OK;
+}
+
+int cpud_silu_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t out,
+                      int64_t out_stride, int64_t T, int64_t I) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !x || !out || T < 0 || I < 1) return CPUD_EARG;
+    ops->silu_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I);
+    return CPUD_OK;
+}
+
+/* src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
+static void kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
+                       int64_t nkv, int64_t hd, int64_t bs, int es) {
+    const size_t row = (size_t)(hd * es);
+#pragma omp parallel for schedule(static) if (T * nkv * hd >= CPUD_PAR_MIN && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t b = slot / bs, o = slot % bs;
+        for (int64_t h = 0; h < nkv; h++)
+            memcpy(cache + ((b * nkv + h) * bs + o) * hd * es, src + (t * ss + h * hd) * es, row);
+    }
+}
+
+int cpud_write_kv_cache(int isa, int dtype, intptr_t key, intptr_t value, int64_t key_stride,
+                        int64_t value_stride, intptr_t key_cache, intptr_t value_cache,
+                        intptr_t slot_mapping, int64_t T, int64_t nkv, int64_t hd,
+                        int64_t num_blocks, int64_t bs) {
+    if (!cpud_ops_for(isa)) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !key || !value || !key_cache || !value_cache || !slot_mapping ||
+        T < 0 || nkv < 1 || hd < 1 || bs < 1 || num_blocks < 0)
+        return CPUD_EARG;
+    const int64_t *slots = (const int64_t *)slot_mapping;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_blocks * bs) return CPUD_EARG;
+    const int es = dtype_size(dtype);
+    kv_scatter((const char *)key, key_stride, (char *)key_cache, slots, T, nkv, hd, bs, es);
+    kv_scatter((const char *)value, value_stride, (char *)value_cache, slots, T, nkv, hd, bs, es);
+    return CPUD_OK;
+}
+
+/* Every sequence's queries inside [0, T), contexts long enough, every block
+ * that will be read inside the cache. */
+static int attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
+                             int64_t max_blocks, int64_t T, int64_t S, int64_t num_blocks,
+                             int64_t bs, int64_t window) {
+    if (S > 0 && (qsl[0] < 0 || qsl[S] > T)) return 0;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t q_len = (int64_t)qsl[s + 1] - qsl[s], ctx = seq_lens[s];
+        if (q_len < 0 || (q_len > 0 && ctx < q_len)) return 0;
+        if (q_len == 0) continue;
+        const int64_t p0 = ctx - q_len;
+        const int64_t lo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
+        if ((ctx - 1) / bs >= max_blocks) return 0;
+        for (int64_t blk = lo / bs; blk <= (ctx - 1) / bs; blk++) {
+            const int32_t b = bt[s * max_blocks + blk];
+            if (b < 0 || b >= num_blocks) return 0;
+        }
+    }
+    return 1;
+}
+
+int cpud_paged_attention(int isa, int dtype, intptr_t query, int64_t q_stride, intptr_t key_cache,
+                         intptr_t value_cache, intptr_t query_start_loc, intptr_t seq_lens,
+                         intptr_t block_tables, int64_t max_blocks, intptr_t out,
+                         int64_t out_stride, int64_t T, int64_t S, int64_t nh, int64_t nkv,
+                         int64_t hd, int64_t num_blocks, int64_t bs, float scale,
+                         int64_t sliding_window) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !query || !key_cache || !value_cache || !query_start_loc ||
+        !seq_lens || !out || (S > 0 && !block_tables) || T < 0 || S < 0 || nkv < 1 ||
+        nh % nkv || hd < 1 || bs < 1 || max_blocks < 0 || sliding_window < 0)
+        return CPUD_EARG;
+    const int32_t *qsl = (const int32_t *)query_start_loc, *sl = (const int32_t *)seq_lens;
+    const int32_t *bt = (const int32_t *)block_tables;
+    if (!attention_plan_ok(qsl, sl, bt, max_blocks, T, S, num_blocks, bs, sliding_window))
+        return CPUD_EARG;
+    return ops->paged_attention(dtype, CADDR(query), q_stride, CADDR(key_cache),
+                                CADDR(value_cache), qsl, sl, bt, max_blocks, ADDR(out), out_stride,
+                                S, nh, nkv, hd, bs, scale, sliding_window);
+}
+
+int cpud_gemm_packed(int isa, intptr_t x, int x_dtype, int64_t x_stride, intptr_t packed,
+                     intptr_t bias, int bias_dtype, intptr_t out, int out_dtype,
+                     int64_t out_stride, int64_t M, int64_t N, int64_t K) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(x_dtype) || !dtype_ok(out_dtype) || (bias && !dtype_ok(bias_dtype)) || !x ||
+        !packed || !out || M < 0 || N < 1 || K < 1)
+        return CPUD_EARG;
+    if (M == 0) return CPUD_OK;
+    return ops->gemm_packed(CADDR(x), x_dtype, x_stride, (const uint16_t *)packed, CADDR(bias),
+                            bias_dtype, ADDR(out), out_dtype, out_stride, M, N, K);
+}
+
+uint64_t cpud_read_probe(int isa, intptr_t buf, int64_t bytes) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops || !buf || bytes % 4096 || buf % 64) return 0;
+    return ops->read_probe(CADDR(buf), bytes);
+}

@@ -1,0 +1,99 @@
+"""cffi (API mode) build of ``cpud.native._cpud_native``.
+
+Run by the package install through ``setup.py`` (``cffi_modules``); for a
+quick in-place build while developing: ``python native/build_native.py``.
+
+All sources compile with baseline x86-64 flags; the SIMD tiers carry per
+function ``target`` attributes and are chosen at run time (dispatch.c).
+
+OpenMP: the module must share torch's libgomp.  A torch wheel ships
+``torch/lib/libgomp.so.1`` (soname ``libgomp.so.1``), which is what ``-fopenmp``
+links against by name, so once torch is imported the dynamic loader resolves
+our reference to torch's copy.  Wheels that ship a renamed copy (auditwheel
+style ``libgomp-<hash>.so.1``) would give a second runtime; when such a torch
+is visible at build time we link against that file explicitly, with an rpath.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADER = "cpud_native.h"
+SOURCES = [
+    "api.c",
+    "dispatch.c",
+    "pin.c",
+    "tier_scalar.c",
+    "tier_avx2.c",
+    "tier_avx512.c",
+    "tier_avx512bf16.c",
+]
+CFLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wextra"]
+
+
+def _cdef_text() -> str:
+    """The public header without preprocessor lines other than integer #defines."""
+    with open(os.path.join(HERE, HEADER)) as f:
+        lines = f.read().splitlines()
+    keep = [ln for ln in lines if not ln.startswith("#") or re.match(r"#define \w+ \d+$", ln)]
+    return "\n".join(keep)
+
+
+def _src_path(name: str) -> str:
+    """Source path; relative to the project root under setuptools (which runs from there and
+    names object files after it), absolute for a direct run (cffi compiles in a temp dir)."""
+    path = os.path.join(HERE, name)
+    rel = os.path.relpath(path)
+    return path if __name__ == "__main__" or rel.startswith("..") else rel
+
+
+def _renamed_torch_libgomp() -> str | None:
+    """Path of torch's bundled libgomp when its name is not the plain soname, else None."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    libs = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "lib", "libgomp*.so*")))
+    if not libs or os.path.basename(libs[0]) == "libgomp.so.1":
+        return None
+    return libs[0]
+
+
+def _link_args() -> list[str]:
+    gomp = _renamed_torch_libgomp()
+    if gomp is None:
+        return ["-fopenmp"]
+    return [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"]
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef_text())
+ffibuilder.set_source(
+    "cpud.native._cpud_native",
+    f'#include "{HEADER}"',
+    sources=[_src_path(s) for s in SOURCES],
+    include_dirs=[HERE],
+    depends=[_src_path(n) for n in sorted(os.listdir(HERE)) if n.endswith((".h", ".c"))],
+    extra_compile_args=CFLAGS,
+    extra_link_args=_link_args(),
+)
+
+
+if __name__ == "__main__":
+    import shutil
+    import tempfile
+
+    # Same file name as a setuptools build (cffi modules use the limited API),
+    # so an editable install and this quick build never leave two copies.
+    dest = os.path.join(HERE, "_cpud_native.abi3.so")
+    with tempfile.TemporaryDirectory() as tmp:
+        built = ffibuilder.compile(tmpdir=tmp, verbose=False)
+        for old in glob.glob(os.path.join(HERE, "_cpud_native*.so")):
+            os.remove(old)
+        shutil.copy(built, dest)
+    print(dest)

@@ -1,0 +1,81 @@
+/* Shared helpers for every tier: scalar bf16 conversion, dtype-generic scalar
+ * access and the per-tier kernel table.  Nothing here carries a target
+ * attribute, so it is safe on any x86-64 and inlines into every tier. */
+#ifndef CPUD_COMMON_H
+#define CPUD_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpud_native.h"
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+/* Below this many elements a kernel runs on the calling thread only. */
+#define CPUD_PAR_MIN 32768
+/* Largest rotary dimension the kernels accept. */
+#define CPUD_ROT_MAX 1024
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN -> canonical quiet NaN (torch's rule). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline int dtype_size(int dt) { return dt == CPUD_BF16 ? 2 : 4; }
+
+/* p: [>i] of dt */
+static ALWAYS_INLINE float ld1(const void *p, int64_t i, int dt) {
+    return dt == CPUD_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* p: [>i] of dt */
+static ALWAYS_INLINE void st1(void *p, int64_t i, float v, int dt) {
+    if (dt == CPUD_BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* v rounded to dt's precision (what a store and reload would give). */
+static ALWAYS_INLINE float rnd1(float v, int dt) {
+    return dt == CPUD_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+/* One tier's kernels; argument meanings as in cpud_native.h, pointers typed. */
+typedef struct cpud_ops {
+    void (*rms_norm)(int dt, const void *x, int64_t xs, void *out, int64_t os, const void *w,
+                     int64_t T, int64_t n, int64_t H, float eps);
+    void (*fused_add_rms_norm)(int dt, void *x, int64_t xs, void *res, int64_t rs, const void *w,
+                               int64_t T, int64_t H, float eps);
+    void (*rotary)(int dt, const int64_t *pos, void *q, int64_t qs, void *k, int64_t ks,
+                   const float *cos_sin, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                   int64_t rot, int neox);
+    void (*silu_and_mul)(int dt, const void *x, int64_t xs, void *out, int64_t os, int64_t T,
+                         int64_t I);
+    int (*paged_attention)(int dt, const void *q, int64_t qs, const void *kc, const void *vc,
+                           const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
+                           int64_t max_blocks, void *out, int64_t os, int64_t S, int64_t nh,
+                           int64_t nkv, int64_t hd, int64_t bs, float scale, int64_t window);
+    int (*gemm_packed)(const void *x, int xdt, int64_t xs, const uint16_t *packed,
+                       const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
+                       int64_t N, int64_t K);
+    uint64_t (*read_probe)(const void *buf, int64_t bytes);
+} cpud_ops;
+
+extern const cpud_ops cpud_ops_scalar;
+extern const cpud_ops cpud_ops_avx2;
+extern const cpud_ops cpud_ops_avx512;
+extern const cpud_ops cpud_ops_avx512bf16;
+
+#endif

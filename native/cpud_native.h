@@ -1,0 +1,122 @@
+/* cpud native kernels: public C API (also parsed by cffi, see build_native.py).
+ *
+ * Conventions
+ * - Every tensor argument is passed as an address (intptr_t) so Python can hand
+ *   over torch's data_ptr() without a cast; the shape of what it points to is
+ *   written next to it, outermost dimension first.  "stride" arguments count
+ *   elements (not bytes) between consecutive tokens; inner dimensions are dense.
+ * - isa selects the kernel tier (CPUD_ISA_*); a tier above cpud_detect_isa()
+ *   is refused with CPUD_EISA, never executed.
+ * - dtype codes: CPUD_F32 or CPUD_BF16; one code describes every activation
+ *   tensor of a call unless a separate code is given.
+ * - Return value: 0 on success, a negative CPUD_E* code otherwise.
+ * - Threading: OpenMP, using the calling thread's team size
+ *   (omp_get_max_threads, i.e. what torch.set_num_threads set).
+ */
+#ifndef CPUD_NATIVE_H
+#define CPUD_NATIVE_H
+
+#include <stdint.h>
+
+enum cpud_isa { CPUD_ISA_SCALAR = 0, CPUD_ISA_AVX2 = 1, CPUD_ISA_AVX512 = 2, CPUD_ISA_AVX512BF16 = 3 };
+enum cpud_dtype { CPUD_F32 = 0, CPUD_BF16 = 1 };
+enum cpud_err { CPUD_OK = 0, CPUD_EISA = -1, CPUD_EARG = -2, CPUD_ENOMEM = -3 };
+
+/* Highest tier this CPU and OS can run (cpuid + XGETBV), fixed at load. */
+int cpud_detect_isa(void);
+/* Threads an OpenMP parallel region started by the calling thread would get. */
+int cpud_max_threads(void);
+
+/* out = rmsnorm(x) * w, rows of H computed in fp32, HF rounding. x may alias out. */
+int cpud_rms_norm(int isa, int dtype,
+                  intptr_t x,       /* [T][n][H], token stride x_stride       */
+                  int64_t x_stride,
+                  intptr_t out,     /* [T][n][H], token stride out_stride     */
+                  int64_t out_stride,
+                  intptr_t w,       /* [H], dtype                              */
+                  int64_t T, int64_t n, int64_t H, float eps);
+
+/* residual += x; x = rmsnorm(residual) * w, in place. */
+int cpud_fused_add_rms_norm(int isa, int dtype,
+                            intptr_t x,        /* [T][H], token stride x_stride   */
+                            int64_t x_stride,
+                            intptr_t residual, /* [T][H], token stride r_stride   */
+                            int64_t r_stride,
+                            intptr_t w,        /* [H]                             */
+                            int64_t T, int64_t H, float eps);
+
+/* Rotary embedding in place on the first rot_dim dims of every head.
+ * neox != 0: rotate halves; neox == 0: gpt-j interleaved pairs. */
+int cpud_rotary_embedding(int isa, int dtype,
+                          intptr_t positions, /* [T] int64                          */
+                          intptr_t q,         /* [T][nh][hd], token stride q_stride */
+                          int64_t q_stride,
+                          intptr_t k,         /* [T][nkv][hd] or 0, stride k_stride */
+                          int64_t k_stride,
+                          intptr_t cos_sin,   /* [max_pos][rot_dim] f32: cos | sin   */
+                          int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t rot_dim,
+                          int64_t max_pos, int neox);
+
+/* out = silu(x[:, :I]) * x[:, I:] */
+int cpud_silu_and_mul(int isa, int dtype,
+                      intptr_t x,   /* [T][2I], token stride x_stride */
+                      int64_t x_stride,
+                      intptr_t out, /* [T][I], token stride out_stride */
+                      int64_t out_stride, int64_t T, int64_t I);
+
+/* key_cache[b][h][o] = key[t][h] for slot = slot_mapping[t] = b*bs + o >= 0. */
+int cpud_write_kv_cache(int isa, int dtype,
+                        intptr_t key,          /* [T][nkv][hd], token stride key_stride   */
+                        intptr_t value,        /* [T][nkv][hd], token stride value_stride */
+                        int64_t key_stride, int64_t value_stride,
+                        intptr_t key_cache,    /* [num_blocks][nkv][bs][hd]             */
+                        intptr_t value_cache,  /* [num_blocks][nkv][bs][hd]             */
+                        intptr_t slot_mapping, /* [T] int64, < 0 = skip                 */
+                        int64_t T, int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs);
+
+/* Paged causal attention with GQA for decode and chunked prefill.
+ * Query i of sequence s sits at position seq_lens[s] - q_len + i and attends
+ * keys j with max(0, p - window + 1) <= j <= p (window 0 = unlimited). */
+int cpud_paged_attention(int isa, int dtype,
+                         intptr_t query,           /* [>= qsl[S]][nh][hd], stride q_stride */
+                         int64_t q_stride,
+                         intptr_t key_cache,       /* [num_blocks][nkv][bs][hd]            */
+                         intptr_t value_cache,     /* [num_blocks][nkv][bs][hd]            */
+                         intptr_t query_start_loc, /* [S+1] int32                          */
+                         intptr_t seq_lens,        /* [S] int32                            */
+                         intptr_t block_tables,    /* [S][max_blocks] int32                */
+                         int64_t max_blocks,
+                         intptr_t out,             /* [T][nh][hd], token stride out_stride */
+                         int64_t out_stride, int64_t T, int64_t S, int64_t nh, int64_t nkv,
+                         int64_t hd, int64_t num_blocks, int64_t bs, float scale,
+                         int64_t sliding_window);
+
+/* Packed weight layout for the skinny GEMM: W[N][K] bf16 is stored as
+ * [ceil(N/32)][ceil(K/2)][32][2] bf16, zero padded: for each panel of 32
+ * output columns and each pair of k, the 32 columns' (k, k+1) pairs - one
+ * 64-byte vdpbf16ps operand per 16 columns. */
+#define CPUD_GEMM_NB 32
+
+/* y[M][N] = x[M][K] @ W[N][K]^T (+ bias), fp32 accumulation. */
+int cpud_gemm_packed(int isa,
+                     intptr_t x,      /* [M][K], row stride x_stride, x_dtype         */
+                     int x_dtype, int64_t x_stride,
+                     intptr_t packed, /* [ceil(N/32)][ceil(K/2)][32][2] bf16           */
+                     intptr_t bias,   /* [N] bias_dtype, or 0                          */
+                     int bias_dtype,
+                     intptr_t out,    /* [M][N], row stride out_stride, out_dtype      */
+                     int out_dtype, int64_t out_stride, int64_t M, int64_t N, int64_t K);
+
+/* Streaming read of bytes at buf (64-byte aligned, bytes % 4096 == 0) by all
+ * threads, each its own contiguous share; returns a checksum.  Fill buf with
+ * random data: on some machines constant pages read measurably slower. */
+uint64_t cpud_read_probe(int isa, intptr_t buf /* [bytes] */, int64_t bytes);
+
+/* Inside one parallel region of n threads, thread i pins itself to cpus[i] and
+ * writes sched_getcpu() to out_cpus[i] (-1: no such thread, -2: pin failed).
+ * Returns the number of threads that ran. */
+int cpud_pin_threads(const int *cpus, int n, int *out_cpus);
+/* sched_getcpu() of each thread of an n-thread parallel region. */
+int cpud_thread_cpus(int n, int *out_cpus);
+
+#endif

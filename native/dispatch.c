@@ -1,0 +1,46 @@
+/* Runtime ISA detection (cpuid + XGETBV) and the per-tier kernel tables.
+ * The detected tier is computed once when the library is loaded; the tables
+ * are constant.  Nothing here needs more than baseline x86-64. */
+#include <cpuid.h>
+
+#include "dispatch.h"
+
+/* XCR0: which register states the OS saves (only valid when OSXSAVE is set). */
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+static int bit(unsigned v, int i) { return (int)((v >> i) & 1u); }
+
+static int detect_isa(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return CPUD_ISA_SCALAR;
+    const int fma = bit(c, 12), osxsave = bit(c, 27), avx = bit(c, 28);
+    if (!osxsave || !avx || !fma) return CPUD_ISA_SCALAR;
+    const uint64_t xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return CPUD_ISA_SCALAR; /* XMM and YMM state */
+    if (__get_cpuid_max(0, NULL) < 7) return CPUD_ISA_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    const unsigned max_sub = a;
+    if (!bit(b, 5)) return CPUD_ISA_SCALAR; /* AVX2 */
+    const int avx512 = bit(b, 16) && bit(b, 17) && bit(b, 30) && bit(b, 31); /* F DQ BW VL */
+    if (!avx512 || (xcr0 & 0xe6) != 0xe6) return CPUD_ISA_AVX2; /* + opmask, ZMM state */
+    if (max_sub < 1) return CPUD_ISA_AVX512;
+    __cpuid_count(7, 1, a, b, c, d);
+    return bit(a, 5) ? CPUD_ISA_AVX512BF16 : CPUD_ISA_AVX512;
+}
+
+static int g_max_isa = CPUD_ISA_SCALAR; /* set once, at load */
+
+__attribute__((constructor)) static void cpud_dispatch_init(void) { g_max_isa = detect_isa(); }
+
+int cpud_detect_isa(void) { return g_max_isa; }
+
+const cpud_ops *cpud_ops_for(int isa) {
+    static const cpud_ops *const table[] = {&cpud_ops_scalar, &cpud_ops_avx2, &cpud_ops_avx512,
+                                            &cpud_ops_avx512bf16};
+    if (isa < CPUD_ISA_SCALAR || isa > g_max_isa) return NULL;
+    return table[isa];
+}

@@ -1,0 +1,9 @@
+#ifndef CPUD_DISPATCH_H
+#define CPUD_DISPATCH_H
+
+#include "common.h"
+
+/* Kernel table of tier isa, or NULL when this CPU cannot run that tier. */
+const cpud_ops *cpud_ops_for(int isa);
+
+#endif

@@ -1,0 +1,464 @@
+"""Python face of the native kernels: torch tensors in, checked, handed to C.
+
+A ``Kernels`` object is bound to one ISA tier for its lifetime; nothing global
+changes at run time.  Every method validates dtype, device, shape and the
+strides it relies on and raises ``ValueError`` with the argument's name; the C
+side re-checks index data (positions, slots, block tables) and the wrappers
+turn its error codes into ``ValueError``/``MemoryError``.
+
+Layout conventions (the engine's): activations [T, ...] may have any stride
+between tokens as long as each token's inner dims are dense (a q/k/v slice of
+a fused qkv output works without a copy); caches, weights and index tensors
+are contiguous.  Threads: OpenMP with the calling thread's team size, i.e.
+``torch.get_num_threads()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _loader
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_ERRORS = {-1: "ISA tier not supported by this CPU", -2: "invalid argument", -3: "out of memory"}
+GEMM_NB = 32  # columns per packed panel (CPUD_GEMM_NB)
+
+
+def _require() -> None:
+    if not _loader.available():
+        raise RuntimeError(f"cpud native kernels are not available: {_loader.load_error()}")
+
+
+def _check_rc(rc: int, what: str, hint: str = "") -> None:
+    if rc == 0:
+        return
+    msg = f"{what}: {_ERRORS.get(rc, f'error {rc}')}" + (f" ({hint})" if hint else "")
+    if rc == -3:
+        raise MemoryError(msg)
+    raise ValueError(msg)
+
+
+def _dtype(t: torch.Tensor, name: str) -> int:
+    code = _DTYPE_CODE.get(t.dtype)
+    if code is None:
+        raise ValueError(f"{name}: dtype {t.dtype} not supported (float32 or bfloat16)")
+    if not t.is_cpu:
+        raise ValueError(f"{name}: must be a CPU tensor, got {t.device}")
+    return code
+
+
+def _same_dtype(ref: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} must match {ref.dtype}")
+    if not t.is_cpu:
+        raise ValueError(f"{name}: must be a CPU tensor, got {t.device}")
+
+
+def _tokens(t: torch.Tensor, name: str, ndim: int) -> int:
+    """Checks [T, ...] with dense inner dims; returns the token stride in elements."""
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 or (ndim == 3 and t.stride(1) != t.shape[2]):
+        raise ValueError(f"{name}: inner dims must be contiguous, got strides {t.stride()}")
+    return t.stride(0)
+
+
+def _contig(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None]) -> None:
+    """Checks a contiguous CPU tensor of dtype whose shape matches (None = any)."""
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
+    if not t.is_cpu:
+        raise ValueError(f"{name}: must be a CPU tensor, got {t.device}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [N, K] weight packed for ``Kernels.gemm_packed``.
+
+    data: [ceil(N/32), ceil(K/2), 32, 2] bf16, zero padded; bias: [N] fp32 or None.
+    """
+
+    data: torch.Tensor
+    n: int
+    k: int
+    bias: torch.Tensor | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes streamed per GEMM call (padding included)."""
+        return self.data.numel() * self.data.element_size()
+
+
+def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    """Packs W[N, K] (any float dtype; rounded to bf16) for the skinny GEMM, at load time."""
+    if w.dim() != 2 or not w.is_floating_point() or not w.is_cpu:
+        raise ValueError(f"w: expected a 2-D float CPU tensor, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if n < 1 or k < 1:
+        raise ValueError(f"w: empty shape {tuple(w.shape)}")
+    w = w.detach().to(torch.bfloat16)
+    n_pad, k_pad = -(-n // GEMM_NB) * GEMM_NB, -(-k // 2) * 2
+    if (n_pad, k_pad) != (n, k):
+        padded = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16)
+        padded[:n, :k] = w
+        w = padded
+    data = w.view(n_pad // GEMM_NB, GEMM_NB, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+    b = None
+    if bias is not None:
+        if bias.shape != (n,) or not bias.is_floating_point():
+            raise ValueError(f"bias: expected a float [{n}] tensor, got {tuple(bias.shape)}")
+        b = bias.detach().to(torch.float32).contiguous()
+    return PackedWeight(data=data, n=n, k=k, bias=b)
+
+
+def max_threads() -> int:
+    """Threads a parallel region started by this thread would use."""
+    _require()
+    return int(_loader.lib.cpud_max_threads())
+
+
+def pin_threads(cpus: Sequence[int]) -> list[int]:
+    """Pins OpenMP thread i of one len(cpus)-thread region to cpus[i].
+
+    Returns sched_getcpu() per thread (-1: thread did not run, -2: pinning
+    failed).  Call from the thread that will run the model, with
+    torch.set_num_threads(len(cpus)) so later regions reuse these threads.
+    """
+    _require()
+    n = len(cpus)
+    if n == 0:
+        return []
+    ffi, lib = _loader.ffi, _loader.lib
+    out = ffi.new("int[]", n)
+    lib.cpud_pin_threads(ffi.new("int[]", [int(c) for c in cpus]), n, out)
+    return list(out)
+
+
+def thread_cpus(n: int | None = None) -> list[int]:
+    """sched_getcpu() of each thread of an n-thread region (default: max_threads())."""
+    _require()
+    ffi, lib = _loader.ffi, _loader.lib
+    n = max_threads() if n is None else n
+    out = ffi.new("int[]", n)
+    lib.cpud_thread_cpus(n, out)
+    return list(out)
+
+
+class Kernels:
+    """The native kernels at one ISA tier (default: ``cpud.native.isa()``)."""
+
+    __slots__ = ("_isa", "_code")
+
+    def __init__(self, isa: str | None = None) -> None:
+        _require()
+        name = _loader.default_isa() if isa is None else isa
+        if name not in _loader.supported_isas():
+            raise ValueError(
+                f"ISA tier {name!r} cannot run here; supported: {_loader.supported_isas()}"
+            )
+        self._isa = name
+        self._code = _loader.ISAS.index(name)
+
+    @property
+    def isa(self) -> str:
+        return self._isa
+
+    def __repr__(self) -> str:
+        return f"Kernels(isa={self._isa!r})"
+
+    # ------------------------------------------------------------ norms
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """out = RMSNorm(x) * weight over the last dim (HF rounding); in place when out is None.
+
+        x, out: [T, H] or [T, n, H] (e.g. q/k norm per head); weight: [H], x's dtype.
+        """
+        dt = _dtype(x, "x")
+        xs = _tokens(x, "x", x.dim() if x.dim() in (2, 3) else 2)
+        hidden = x.shape[-1]
+        _contig(weight, "weight", x.dtype, (hidden,))
+        if out is None:
+            out, os_ = x, xs
+        else:
+            _same_dtype(x, out, "out")
+            if out.shape != x.shape:
+                raise ValueError(f"out: shape {tuple(out.shape)} != x {tuple(x.shape)}")
+            os_ = _tokens(out, "out", x.dim())
+        heads = x.shape[1] if x.dim() == 3 else 1
+        rc = _loader.lib.cpud_rms_norm(
+            self._code,
+            dt,
+            x.data_ptr(),
+            xs,
+            out.data_ptr(),
+            os_,
+            weight.data_ptr(),
+            x.shape[0],
+            heads,
+            hidden,
+            float(eps),
+        )
+        _check_rc(rc, "rms_norm")
+        return out
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        """residual += x; x = RMSNorm(residual) * weight; both [T, H] in place."""
+        dt = _dtype(x, "x")
+        xs = _tokens(x, "x", 2)
+        _same_dtype(x, residual, "residual")
+        rs = _tokens(residual, "residual", 2)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual: shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+        _contig(weight, "weight", x.dtype, (x.shape[1],))
+        rc = _loader.lib.cpud_fused_add_rms_norm(
+            self._code,
+            dt,
+            x.data_ptr(),
+            xs,
+            residual.data_ptr(),
+            rs,
+            weight.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            float(eps),
+        )
+        _check_rc(rc, "fused_add_rms_norm")
+
+    # ----------------------------------------------------------- rotary
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool = True,
+    ) -> None:
+        """Rotates q [T, nh, hd] and k [T, nkv, hd] in place.
+
+        positions: [T] int64; cos_sin_cache: [max_pos, rot_dim] fp32, cos | sin halves;
+        the first rot_dim dims of each head rotate (neox: halves, else gpt-j pairs).
+        """
+        dt = _dtype(q, "q")
+        qs = _tokens(q, "q", 3)
+        n_tok, nh, hd = q.shape
+        _contig(positions, "positions", torch.int64, (n_tok,))
+        _contig(cos_sin_cache, "cos_sin_cache", torch.float32, (None, None))
+        ks, nkv, k_ptr = 0, 0, 0
+        if k is not None:
+            _same_dtype(q, k, "k")
+            ks = _tokens(k, "k", 3)
+            if k.shape[0] != n_tok or k.shape[2] != hd:
+                raise ValueError(f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+            nkv, k_ptr = k.shape[1], k.data_ptr()
+        max_pos, rot = cos_sin_cache.shape
+        rc = _loader.lib.cpud_rotary_embedding(
+            self._code,
+            dt,
+            positions.data_ptr(),
+            q.data_ptr(),
+            qs,
+            k_ptr,
+            ks,
+            cos_sin_cache.data_ptr(),
+            n_tok,
+            nh,
+            nkv,
+            hd,
+            rot,
+            max_pos,
+            int(bool(is_neox)),
+        )
+        _check_rc(rc, "rotary_embedding", "positions < max_pos, even rot_dim <= head dim")
+
+    # ------------------------------------------------------- activation
+
+    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (HF rounding)."""
+        dt = _dtype(x, "x")
+        xs = _tokens(x, "x", 2)
+        if x.shape[1] % 2:
+            raise ValueError(f"x: last dim {x.shape[1]} must be even")
+        inter = x.shape[1] // 2
+        if out is None:
+            out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+        else:
+            _same_dtype(x, out, "out")
+            if out.shape != (x.shape[0], inter):
+                raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], inter)}")
+        os_ = _tokens(out, "out", 2)
+        rc = _loader.lib.cpud_silu_and_mul(
+            self._code, dt, x.data_ptr(), xs, out.data_ptr(), os_, x.shape[0], inter
+        )
+        _check_rc(rc, "silu_and_mul")
+        return out
+
+    # --------------------------------------------------------- KV cache
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """key/value [T, nkv, hd] -> caches [num_blocks, nkv, block_size, hd] at slot_mapping
+        [T] int64 (slot = block * block_size + offset; negative = skip)."""
+        dt = _dtype(key, "key")
+        ks = _tokens(key, "key", 3)
+        _same_dtype(key, value, "value")
+        vs = _tokens(value, "value", 3)
+        n_tok, nkv, hd = key.shape
+        if value.shape != key.shape:
+            raise ValueError(f"value: shape {tuple(value.shape)} != key {tuple(key.shape)}")
+        _contig(key_cache, "key_cache", key.dtype, (None, nkv, None, hd))
+        _contig(value_cache, "value_cache", key.dtype, tuple(key_cache.shape))
+        _contig(slot_mapping, "slot_mapping", torch.int64, (n_tok,))
+        num_blocks, _, block_size, _ = key_cache.shape
+        rc = _loader.lib.cpud_write_kv_cache(
+            self._code,
+            dt,
+            key.data_ptr(),
+            value.data_ptr(),
+            ks,
+            vs,
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            n_tok,
+            nkv,
+            hd,
+            num_blocks,
+            block_size,
+        )
+        _check_rc(rc, "write_kv_cache", "slot beyond the cache")
+
+    # -------------------------------------------------------- attention
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+        sliding_window: int = 0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal paged attention with GQA for decode and chunked prefill.
+
+        query, out: [T, nh, hd]; caches: [num_blocks, nkv, block_size, hd];
+        query_start_loc: [S+1] int32; seq_lens: [S] int32 (context incl. this step);
+        block_tables: [S, max_blocks] int32.  Query i of sequence s is at position
+        seq_lens[s] - q_len + i and sees keys j with p - sliding_window < j <= p.
+        Rows of out outside every sequence are left untouched.
+        """
+        dt = _dtype(query, "query")
+        qs = _tokens(query, "query", 3)
+        n_tok, nh, hd = query.shape
+        _contig(key_cache, "key_cache", query.dtype, (None, None, None, hd))
+        _contig(value_cache, "value_cache", query.dtype, tuple(key_cache.shape))
+        num_blocks, nkv, block_size, _ = key_cache.shape
+        if nh % nkv:
+            raise ValueError(f"query heads {nh} not a multiple of kv heads {nkv}")
+        n_seq = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+        _contig(seq_lens, "seq_lens", torch.int32, (n_seq,))
+        _contig(query_start_loc, "query_start_loc", torch.int32, (n_seq + 1,))
+        _contig(block_tables, "block_tables", torch.int32, (n_seq, None))
+        if out is None:
+            out = torch.empty(n_tok, nh, hd, dtype=query.dtype)
+        else:
+            _same_dtype(query, out, "out")
+            if out.shape != query.shape:
+                raise ValueError(f"out: shape {tuple(out.shape)} != query {tuple(query.shape)}")
+        os_ = _tokens(out, "out", 3)
+        rc = _loader.lib.cpud_paged_attention(
+            self._code,
+            dt,
+            query.data_ptr(),
+            qs,
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            query_start_loc.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            out.data_ptr(),
+            os_,
+            n_tok,
+            n_seq,
+            nh,
+            nkv,
+            hd,
+            num_blocks,
+            block_size,
+            float(scale),
+            int(sliding_window),
+        )
+        _check_rc(rc, "paged_attention", "query_start_loc / seq_lens / block_tables")
+        return out
+
+    # ------------------------------------------------------------- GEMM
+
+    def gemm_packed(
+        self, x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """out [M, N] = x [M, K] @ W^T (+ bias), fp32 accumulation; tuned for M <= 32.
+
+        x and out are bf16 or fp32 (out defaults to x's dtype).  The avx512bf16 tier
+        rounds fp32 x to bf16 (vdpbf16ps); the other tiers keep it fp32.
+        """
+        xdt = _dtype(x, "x")
+        xs = _tokens(x, "x", 2)
+        if x.shape[1] != packed.k:
+            raise ValueError(f"x: K={x.shape[1]} but the weight has K={packed.k}")
+        if out is None:
+            out = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
+        elif out.shape != (x.shape[0], packed.n):
+            raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], packed.n)}")
+        odt = _dtype(out, "out")
+        os_ = _tokens(out, "out", 2)
+        bias = packed.bias
+        rc = _loader.lib.cpud_gemm_packed(
+            self._code,
+            x.data_ptr(),
+            xdt,
+            xs,
+            packed.data.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            0,
+            out.data_ptr(),
+            odt,
+            os_,
+            x.shape[0],
+            packed.n,
+            packed.k,
+        )
+        _check_rc(rc, "gemm_packed")
+        return out
+
+    # ------------------------------------------------------------ probe
+
+    def read_probe(self, buf: torch.Tensor) -> int:
+        """Streams buf (contiguous, 64-byte aligned, nbytes % 4096 == 0) with all threads,
+        each reading its contiguous share; returns a checksum.  Fill buf with random data
+        (constant pages read slower on some machines, this one included)."""
+        nbytes = buf.numel() * buf.element_size()
+        if not buf.is_contiguous() or nbytes % 4096 or buf.data_ptr() % 64:
+            raise ValueError("buf: contiguous, 64-byte aligned, size a multiple of 4096 bytes")
+        return int(_loader.lib.cpud_read_probe(self._code, buf.data_ptr(), nbytes))

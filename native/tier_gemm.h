@@ -1,0 +1,315 @@
+/* Skinny GEMM y[M][N] = x[M][K] @ W[N][K]^T over the packed weight layout
+ * [ceil(N/32)][ceil(K/2)][32][2] bf16 (see cpud_native.h), plus the streaming
+ * read probe it is measured against.  Included once per tier after
+ * tier_kernels.h; the micro-kernel and the probe loop are tier specific
+ * (TIER_ID), the driver is shared.
+ *
+ * Work split: each thread owns a contiguous range of 32-column panels, so it
+ * streams one contiguous region of the packed weights exactly once (for
+ * M <= GEMM_MT).  When M exceeds what the micro-kernel holds in registers,
+ * K is blocked so that the panel slice is re-read from L1, not from memory. */
+
+#define GEMM_NB CPUD_GEMM_NB /* columns per panel */
+#define GEMM_KC 128          /* k pairs per block when M > GEMM_MR: 16 KiB of panel */
+#define GEMM_MT 32           /* rows per C tile */
+
+#if TIER_ID == 3
+/* ---- AVX512-BF16: vdpbf16ps straight on the packed pairs, x as bf16 pairs */
+#define GEMM_MR 8
+#define GEMM_XDT CPUD_BF16
+#define GEMM_X_BF16 1 /* micro-kernel reads x as bf16 pairs */
+typedef uint16_t xelem;
+
+/* w: [nkp][32][2] bf16, x: [mr][xs] bf16 (pairs from k = 0), c: [mr][32] f32 */
+static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t nkp,
+                                      const uint16_t *x, int64_t xs, float *c, int first) {
+    __m512 acc[GEMM_MR][2], acc2[GEMM_MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) {
+            acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * GEMM_NB + 16 * h);
+            acc2[r][h] = _mm512_setzero_ps();
+        }
+    int64_t kp = 0;
+    if (mr <= 4) { /* two k pairs per step on separate accumulators: more chains in flight */
+        for (; kp + 2 <= nkp; kp += 2) {
+            const uint16_t *wk = w + kp * 2 * GEMM_NB;
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+            const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+            for (int r = 0; r < mr; r++) {
+                int32_t p0, p1;
+                memcpy(&p0, x + r * xs + 2 * kp, 4);
+                memcpy(&p1, x + r * xs + 2 * kp + 2, 4);
+                const __m512bh b0 = (__m512bh)_mm512_set1_epi32(p0);
+                const __m512bh b1 = (__m512bh)_mm512_set1_epi32(p1);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, b0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, b0);
+                acc2[r][0] = _mm512_dpbf16_ps(acc2[r][0], w2, b1);
+                acc2[r][1] = _mm512_dpbf16_ps(acc2[r][1], w3, b1);
+            }
+        }
+    }
+    for (; kp < nkp; kp++) {
+        const uint16_t *wk = w + kp * 2 * GEMM_NB;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+        for (int r = 0; r < mr; r++) {
+            int32_t p0;
+            memcpy(&p0, x + r * xs + 2 * kp, 4);
+            const __m512bh b0 = (__m512bh)_mm512_set1_epi32(p0);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, b0);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++)
+            _mm512_storeu_ps(c + r * GEMM_NB + 16 * h, _mm512_add_ps(acc[r][h], acc2[r][h]));
+}
+
+#elif TIER_ID == 2
+/* ---- AVX-512: a 64-byte row of pairs splits into even k (shift) and odd k
+ * (mask) fp32 vectors of 16 columns; x stays fp32 */
+#define GEMM_MR 4
+#define GEMM_XDT CPUD_F32
+#define GEMM_X_BF16 0
+typedef float xelem;
+
+/* w: [nkp][32][2] bf16, x: [mr][xs] f32, c: [mr][32] f32 */
+static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t nkp,
+                                      const float *x, int64_t xs, float *c, int first) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000);
+    __m512 ae[GEMM_MR][2], ao[GEMM_MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) {
+            ae[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * GEMM_NB + 16 * h);
+            ao[r][h] = _mm512_setzero_ps();
+        }
+    for (int64_t kp = 0; kp < nkp; kp++) {
+        __m512 e[2], o[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i v = _mm512_loadu_si512(w + kp * 2 * GEMM_NB + 32 * h);
+            e[h] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            o[h] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        }
+        for (int r = 0; r < mr; r++) {
+            const __m512 xa = _mm512_set1_ps(x[r * xs + 2 * kp]);
+            const __m512 xb = _mm512_set1_ps(x[r * xs + 2 * kp + 1]);
+            for (int h = 0; h < 2; h++) {
+                ae[r][h] = _mm512_fmadd_ps(e[h], xa, ae[r][h]);
+                ao[r][h] = _mm512_fmadd_ps(o[h], xb, ao[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++)
+            _mm512_storeu_ps(c + r * GEMM_NB + 16 * h, _mm512_add_ps(ae[r][h], ao[r][h]));
+}
+
+#elif TIER_ID == 1
+/* ---- AVX2: as AVX-512 with four 32-byte quarters of 8 columns */
+#define GEMM_MR 2
+#define GEMM_XDT CPUD_F32
+#define GEMM_X_BF16 0
+typedef float xelem;
+
+/* w: [nkp][32][2] bf16, x: [mr][xs] f32, c: [mr][32] f32 */
+static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t nkp,
+                                      const float *x, int64_t xs, float *c, int first) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000);
+    __m256 acc[GEMM_MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < 4; q++)
+            acc[r][q] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * GEMM_NB + 8 * q);
+    for (int64_t kp = 0; kp < nkp; kp++) {
+        __m256 xa[GEMM_MR], xb[GEMM_MR];
+        for (int r = 0; r < mr; r++) {
+            xa[r] = _mm256_set1_ps(x[r * xs + 2 * kp]);
+            xb[r] = _mm256_set1_ps(x[r * xs + 2 * kp + 1]);
+        }
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + kp * 2 * GEMM_NB + 16 * q));
+            const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+            for (int r = 0; r < mr; r++)
+                acc[r][q] = _mm256_fmadd_ps(o, xb[r], _mm256_fmadd_ps(e, xa[r], acc[r][q]));
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(c + r * GEMM_NB + 8 * q, acc[r][q]);
+}
+
+#else
+/* ---- scalar */
+#define GEMM_MR 4
+#define GEMM_XDT CPUD_F32
+#define GEMM_X_BF16 0
+typedef float xelem;
+
+/* w: [nkp][32][2] bf16, x: [mr][xs] f32, c: [mr][32] f32 */
+static ALWAYS_INLINE void gemm_uk(const int mr, const uint16_t *w, int64_t nkp, const float *x,
+                                  int64_t xs, float *c, int first) {
+    if (first)
+        for (int i = 0; i < mr * GEMM_NB; i++) c[i] = 0.0f;
+    for (int64_t kp = 0; kp < nkp; kp++) {
+        const uint16_t *wk = w + kp * 2 * GEMM_NB;
+        for (int r = 0; r < mr; r++) {
+            const float xa = x[r * xs + 2 * kp], xb = x[r * xs + 2 * kp + 1];
+            for (int n = 0; n < GEMM_NB; n++)
+                c[r * GEMM_NB + n] += bf16_to_f32(wk[2 * n]) * xa + bf16_to_f32(wk[2 * n + 1]) * xb;
+        }
+    }
+}
+#endif
+
+/* Dispatch to a micro-kernel specialised for mr rows (mr <= GEMM_MR). */
+static TGT void gemm_ukernel(int mr, const uint16_t *w, int64_t nkp, const xelem *x, int64_t xs,
+                             float *c, int first) {
+    switch (mr) {
+#define UK_CASE(n)                                                                                 \
+    case n: gemm_uk(n, w, nkp, x, xs, c, first); break;
+    UK_CASE(1)
+    UK_CASE(2)
+#if GEMM_MR > 2
+    UK_CASE(3)
+    UK_CASE(4)
+#endif
+#if GEMM_MR > 4
+    UK_CASE(5)
+    UK_CASE(6)
+    UK_CASE(7)
+    UK_CASE(8)
+#endif
+#undef UK_CASE
+    default: break;
+    }
+}
+
+/* x: [K] row of xdt -> dst: [kpad] xelem, zero padded */
+static TGT void gemm_prep_row(const void *x, int xdt, int64_t K, xelem *dst, int64_t kpad) {
+    for (int64_t k = 0; k < K; k++) {
+        const float v = ld1(x, k, xdt);
+#if GEMM_X_BF16
+        dst[k] = xdt == CPUD_BF16 ? ((const uint16_t *)x)[k] : f32_to_bf16(v);
+#else
+        dst[k] = v;
+#endif
+    }
+    for (int64_t k = K; k < kpad; k++) dst[k] = 0;
+}
+
+/* c: [mt][32] f32 tile of columns [n0, n0 + 32) -> out rows (stride os) of odt, + bias */
+static ALWAYS_INLINE TGT void gemm_store(const float *c, int64_t mt, int64_t n0, int64_t N,
+                                         const float *bias32, void *out, int64_t os, int odt) {
+    const int64_t nv = N - n0 < GEMM_NB ? N - n0 : GEMM_NB;
+    for (int64_t r = 0; r < mt; r++) {
+        void *o = at(out, r * os + n0, odt);
+        int64_t i = 0;
+        for (; i + VW <= nv; i += VW)
+            stv(o, i, vf_add(vf_ld(c + r * GEMM_NB + i), vf_ld(bias32 + i)), odt);
+        for (; i < nv; i++) st1(o, i, c[r * GEMM_NB + i] + bias32[i], odt);
+    }
+}
+
+/* Arguments as cpud_gemm_packed; returns 0 or CPUD_ENOMEM. */
+static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t *packed,
+                             const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
+                             int64_t N, int64_t K) {
+    const int64_t nkp = (K + 1) / 2, kpad = 2 * nkp, np = (N + GEMM_NB - 1) / GEMM_NB;
+    const int direct = xdt == GEMM_XDT && K % 2 == 0;
+    xelem *xp = NULL;
+    if (!direct) {
+        const size_t bytes = ((size_t)(M * kpad) * sizeof(xelem) + 63) & ~(size_t)63;
+        xp = aligned_alloc(64, bytes);
+        if (!xp) return CPUD_ENOMEM;
+    }
+    const xelem *xv = direct ? (const xelem *)x : xp;
+    const int64_t xvs = direct ? xs : kpad;
+#pragma omp parallel if (np > 1)
+    {
+        if (!direct) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) gemm_prep_row(at(x, m * xs, xdt), xdt, K, xp + m * kpad, kpad);
+        }
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p0 = np * tid / nt, p1 = np * (tid + 1) / nt;
+        float c[GEMM_MT * GEMM_NB] __attribute__((aligned(64)));
+        float b32[GEMM_NB] __attribute__((aligned(64)));
+        for (int64_t p = p0; p < p1; p++) {
+            const uint16_t *panel = packed + p * nkp * 2 * GEMM_NB;
+            for (int64_t i = 0; i < GEMM_NB; i++)
+                b32[i] = bias && p * GEMM_NB + i < N ? ld1(bias, p * GEMM_NB + i, bdt) : 0.0f;
+            for (int64_t m0 = 0; m0 < M; m0 += GEMM_MT) {
+                const int64_t mt = M - m0 < GEMM_MT ? M - m0 : GEMM_MT;
+                const int64_t kc = mt <= GEMM_MR ? nkp : GEMM_KC;
+                for (int64_t k0 = 0; k0 < nkp; k0 += kc) {
+                    const int64_t nk = nkp - k0 < kc ? nkp - k0 : kc;
+                    for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
+                        gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR),
+                                     panel + k0 * 2 * GEMM_NB, nk, xv + (m0 + r0) * xvs + 2 * k0,
+                                     xvs, c + r0 * GEMM_NB, k0 == 0);
+                }
+                if (odt == CPUD_BF16)
+                    gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_BF16);
+                else
+                    gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_F32);
+            }
+        }
+    }
+    free(xp);
+    return CPUD_OK;
+}
+
+/* ------------------------------------------------------------ read probe */
+
+/* [b, e): 4 KiB aligned range -> xor of its 64-bit words (forces every load) */
+static TGT uint64_t probe_range(const char *b, const char *e) {
+#if TIER_ID >= 2
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (const char *p = b; p < e; p += 256) {
+        a0 = _mm512_xor_si512(a0, _mm512_load_si512((const void *)p));
+        a1 = _mm512_xor_si512(a1, _mm512_load_si512((const void *)(p + 64)));
+        a2 = _mm512_xor_si512(a2, _mm512_load_si512((const void *)(p + 128)));
+        a3 = _mm512_xor_si512(a3, _mm512_load_si512((const void *)(p + 192)));
+    }
+    a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+    uint64_t lanes[8];
+    _mm512_storeu_si512((void *)lanes, a0);
+#elif TIER_ID == 1
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (const char *p = b; p < e; p += 128) {
+        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i *)p));
+        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i *)(p + 32)));
+        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i *)(p + 64)));
+        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i *)(p + 96)));
+    }
+    a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, a0);
+#else
+    uint64_t lanes[4] = {0, 0, 0, 0};
+    for (const char *p = b; p < e; p += 32) {
+        uint64_t v[4];
+        memcpy(v, p, sizeof v);
+        for (int i = 0; i < 4; i++) lanes[i] ^= v[i];
+    }
+#endif
+    uint64_t s = 0;
+    for (size_t i = 0; i < sizeof lanes / sizeof lanes[0]; i++) s ^= lanes[i];
+    return s;
+}
+
+/* buf: [bytes] 64-byte aligned, bytes % 4096 == 0; each thread reads its
+ * contiguous share. */
+static TGT uint64_t read_probe_k(const void *buf, int64_t bytes) {
+    const int64_t pages = bytes / 4096;
+    uint64_t sum = 0;
+#pragma omp parallel reduction(^ : sum)
+    {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const char *b = (const char *)buf + pages * tid / nt * 4096;
+        const char *e = (const char *)buf + pages * (tid + 1) / nt * 4096;
+        sum ^= probe_range(b, e);
+    }
+    return sum;
+}

@@ -1,0 +1,434 @@
+/* Tier-generic kernels, included once per tier after a simd_*.h header that
+ * defines TGT (the tier's target attribute), VW (floats per vector) and the
+ * vf_* operations.  Every function carries TGT; dtype arguments are constants
+ * after inlining, so each dtype gets its own specialised loop. */
+
+#include <stdlib.h>
+
+#include <omp.h>
+
+/* ---------------------------------------------------------------- access */
+
+/* p: [>= i + VW] of dt */
+static ALWAYS_INLINE TGT vf ldv(const void *p, int64_t i, int dt) {
+    return dt == CPUD_BF16 ? vf_ld_bf16((const uint16_t *)p + i) : vf_ld((const float *)p + i);
+}
+
+/* p: [>= i + VW] of dt */
+static ALWAYS_INLINE TGT void stv(void *p, int64_t i, vf v, int dt) {
+    if (dt == CPUD_BF16)
+        vf_st_bf16((uint16_t *)p + i, v);
+    else
+        vf_st((float *)p + i, v);
+}
+
+static ALWAYS_INLINE TGT vf rndv(vf v, int dt) { return dt == CPUD_BF16 ? vf_rnd_bf16(v) : v; }
+
+/* Address of element i of a dt array. */
+static ALWAYS_INLINE void *at(const void *p, int64_t i, int dt) {
+    return (char *)p + i * dtype_size(dt);
+}
+
+/* src: [n] of dt -> dst: [n] f32, times scale */
+static ALWAYS_INLINE TGT void to_f32(const void *src, float *dst, int64_t n, float scale, int dt) {
+    const vf s = vf_set1(scale);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_st(dst + i, vf_mul(ldv(src, i, dt), s));
+    for (; i < n; i++) dst[i] = ld1(src, i, dt) * scale;
+}
+
+/* a, b: [n] f32 -> sum a*b */
+static ALWAYS_INLINE TGT float dot_f32(const float *a, const float *b, int64_t n) {
+    vf acc0 = vf_zero(), acc1 = vf_zero();
+    int64_t i = 0;
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        acc0 = vf_fma(vf_ld(a + i), vf_ld(b + i), acc0);
+        acc1 = vf_fma(vf_ld(a + i + VW), vf_ld(b + i + VW), acc1);
+    }
+    for (; i + VW <= n; i += VW) acc0 = vf_fma(vf_ld(a + i), vf_ld(b + i), acc0);
+    float s = vf_hsum(vf_add(acc0, acc1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ------------------------------------------------------------- rms norm */
+
+/* x: [H] dt -> sum of squares in fp32 */
+static ALWAYS_INLINE TGT float sumsq(const void *x, int64_t H, int dt) {
+    vf acc0 = vf_zero(), acc1 = vf_zero();
+    int64_t i = 0;
+    for (; i + 2 * VW <= H; i += 2 * VW) {
+        vf a = ldv(x, i, dt), b = ldv(x, i + VW, dt);
+        acc0 = vf_fma(a, a, acc0);
+        acc1 = vf_fma(b, b, acc1);
+    }
+    for (; i + VW <= H; i += VW) {
+        vf a = ldv(x, i, dt);
+        acc0 = vf_fma(a, a, acc0);
+    }
+    float s = vf_hsum(vf_add(acc0, acc1));
+    for (; i < H; i++) {
+        float v = ld1(x, i, dt);
+        s += v * v;
+    }
+    return s;
+}
+
+/* x: [H] -> out: [H] = dt(dt(x * inv) * w), w: [H]; HF LlamaRMSNorm rounding. */
+static ALWAYS_INLINE TGT void scale_row(const void *x, void *out, const void *w, int64_t H,
+                                        float inv, int dt) {
+    const vf vinv = vf_set1(inv);
+    int64_t i = 0;
+    for (; i + VW <= H; i += VW)
+        stv(out, i, vf_mul(rndv(vf_mul(ldv(x, i, dt), vinv), dt), ldv(w, i, dt)), dt);
+    for (; i < H; i++) st1(out, i, rnd1(ld1(x, i, dt) * inv, dt) * ld1(w, i, dt), dt);
+}
+
+/* x: [H] -> out: [H], w: [H] */
+static ALWAYS_INLINE TGT void rms_row(const void *x, void *out, const void *w, int64_t H,
+                                      float eps, int dt) {
+    const float inv = 1.0f / sqrtf(sumsq(x, H, dt) / (float)H + eps);
+    scale_row(x, out, w, H, inv, dt);
+}
+
+/* x: [T][n][H] (token stride xs) -> out: [T][n][H] (token stride os), w: [H] */
+static TGT void rms_norm_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
+                           const void *w, int64_t T, int64_t n, int64_t H, float eps) {
+    const int64_t rows = T * n;
+#pragma omp parallel for schedule(static) if (rows * H >= CPUD_PAR_MIN && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r / n, h = r % n;
+        const void *xr = at(x, t * xs + h * H, dt);
+        void *outr = at(out, t * os + h * H, dt);
+        if (dt == CPUD_BF16)
+            rms_row(xr, outr, w, H, eps, CPUD_BF16);
+        else
+            rms_row(xr, outr, w, H, eps, CPUD_F32);
+    }
+}
+
+/* x: [H], res: [H] -> res = dt(res + x); x = rmsnorm(res) * w */
+static ALWAYS_INLINE TGT void add_rms_row(void *x, void *res, const void *w, int64_t H, float eps,
+                                          int dt) {
+    int64_t i = 0;
+    for (; i + VW <= H; i += VW) stv(res, i, vf_add(ldv(res, i, dt), ldv(x, i, dt)), dt);
+    for (; i < H; i++) st1(res, i, ld1(res, i, dt) + ld1(x, i, dt), dt);
+    rms_row(res, x, w, H, eps, dt);
+}
+
+/* x: [T][H] (token stride xs), res: [T][H] (token stride rs), w: [H] */
+static TGT void fused_add_rms_norm_k(int dt, void *x, int64_t xs, void *res, int64_t rs,
+                                     const void *w, int64_t T, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T * H >= CPUD_PAR_MIN && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        void *xr = at(x, t * xs, dt), *rr = at(res, t * rs, dt);
+        if (dt == CPUD_BF16)
+            add_rms_row(xr, rr, w, H, eps, CPUD_BF16);
+        else
+            add_rms_row(xr, rr, w, H, eps, CPUD_F32);
+    }
+}
+
+/* ---------------------------------------------------------------- rotary */
+
+/* x: [>= rot] one head, c, s: [rot/2] f32 -> rotate halves in place */
+static ALWAYS_INLINE TGT void rope_neox_head(void *x, const float *c, const float *s, int64_t rot,
+                                             int dt) {
+    const int64_t half = rot / 2;
+    int64_t i = 0;
+    for (; i + VW <= half; i += VW) {
+        vf x1 = ldv(x, i, dt), x2 = ldv(x, half + i, dt);
+        vf vc = vf_ld(c + i), vs = vf_ld(s + i);
+        stv(x, i, vf_sub(vf_mul(x1, vc), vf_mul(x2, vs)), dt);
+        stv(x, half + i, vf_fma(x1, vs, vf_mul(x2, vc)), dt);
+    }
+    for (; i < half; i++) {
+        float x1 = ld1(x, i, dt), x2 = ld1(x, half + i, dt);
+        st1(x, i, x1 * c[i] - x2 * s[i], dt);
+        st1(x, half + i, x2 * c[i] + x1 * s[i], dt);
+    }
+}
+
+/* x: [>= rot] one head, cd: [rot] (cos_i, cos_i), sd: [rot] (-sin_i, sin_i) -> pairs rotated */
+static ALWAYS_INLINE TGT void rope_gptj_head(void *x, const float *cd, const float *sd,
+                                             int64_t rot, int dt) {
+    int64_t i = 0;
+#if VW > 1
+    for (; i + VW <= rot; i += VW) {
+        vf v = ldv(x, i, dt);
+        stv(x, i, vf_fma(vf_swap_pairs(v), vf_ld(sd + i), vf_mul(v, vf_ld(cd + i))), dt);
+    }
+#endif
+    for (; i + 1 < rot; i += 2) {
+        float x0 = ld1(x, i, dt), x1 = ld1(x, i + 1, dt);
+        st1(x, i, x0 * cd[i] + x1 * sd[i], dt);
+        st1(x, i + 1, x1 * cd[i + 1] + x0 * sd[i + 1], dt);
+    }
+}
+
+/* x: [n][hd] heads of one token, cs: [rot] f32 cos | sin of its position */
+static ALWAYS_INLINE TGT void rope_token(void *x, int64_t n, int64_t hd, const float *cs,
+                                         int64_t rot, int neox, int dt) {
+    const int64_t half = rot / 2;
+    if (neox) {
+        for (int64_t h = 0; h < n; h++) rope_neox_head(at(x, h * hd, dt), cs, cs + half, rot, dt);
+        return;
+    }
+    float cd[CPUD_ROT_MAX], sd[CPUD_ROT_MAX]; /* rot <= CPUD_ROT_MAX, checked by the caller */
+    for (int64_t i = 0; i < half; i++) {
+        cd[2 * i] = cd[2 * i + 1] = cs[i];
+        sd[2 * i] = -cs[half + i];
+        sd[2 * i + 1] = cs[half + i];
+    }
+    for (int64_t h = 0; h < n; h++) rope_gptj_head(at(x, h * hd, dt), cd, sd, rot, dt);
+}
+
+/* pos: [T], q: [T][nh][hd] (stride qs), k: [T][nkv][hd] (stride ks) or NULL,
+ * cos_sin: [max_pos][rot] */
+static TGT void rotary_k(int dt, const int64_t *pos, void *q, int64_t qs, void *k, int64_t ks,
+                         const float *cos_sin, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                         int64_t rot, int neox) {
+    const int64_t heads = nh + (k ? nkv : 0);
+#pragma omp parallel for schedule(static) if (T * heads * rot >= CPUD_PAR_MIN && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cos_sin + pos[t] * rot;
+        if (dt == CPUD_BF16) {
+            rope_token(at(q, t * qs, dt), nh, hd, cs, rot, neox, CPUD_BF16);
+            if (k) rope_token(at(k, t * ks, dt), nkv, hd, cs, rot, neox, CPUD_BF16);
+        } else {
+            rope_token(at(q, t * qs, dt), nh, hd, cs, rot, neox, CPUD_F32);
+            if (k) rope_token(at(k, t * ks, dt), nkv, hd, cs, rot, neox, CPUD_F32);
+        }
+    }
+}
+
+/* ----------------------------------------------------------- activation */
+
+/* x: [2I] (gate | up) -> out: [I] = dt(dt(silu(gate)) * up), as HF computes it */
+static ALWAYS_INLINE TGT void silu_mul_row(const void *x, void *out, int64_t I, int dt) {
+    const void *up = at(x, I, dt);
+    const vf one = vf_set1(1.0f), zero = vf_zero();
+    int64_t i = 0;
+    for (; i + VW <= I; i += VW) {
+        vf g = ldv(x, i, dt);
+        vf s = vf_div(g, vf_add(one, vf_exp(vf_sub(zero, g))));
+        stv(out, i, vf_mul(rndv(s, dt), ldv(up, i, dt)), dt);
+    }
+    for (; i < I; i++) {
+        float g = ld1(x, i, dt);
+        st1(out, i, rnd1(g / (1.0f + expf(-g)), dt) * ld1(up, i, dt), dt);
+    }
+}
+
+/* x: [T][2I] (stride xs) -> out: [T][I] (stride os) */
+static TGT void silu_and_mul_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
+                               int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I >= CPUD_PAR_MIN && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        if (dt == CPUD_BF16)
+            silu_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_BF16);
+        else
+            silu_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_F32);
+    }
+}
+
+/* ------------------------------------------------------ paged attention */
+
+/* (query, head) rows handled by one work item: ATT_ROWS / G queries of one
+ * sequence times the G heads of one kv head (one query when G > ATT_ROWS). */
+#define ATT_ROWS 64
+
+typedef struct att_item {
+    int32_t s;   /* sequence */
+    int32_t q0;  /* first query of the tile, index within the sequence */
+    int32_t nq;  /* queries in the tile */
+    int32_t kvh; /* kv head */
+} att_item;
+
+/* Per-thread workspace for items of up to R rows (R = max(ATT_ROWS, G)). */
+typedef struct att_ws {
+    float *q;    /* [R][hd] scaled queries, fp32 */
+    float *acc;  /* [R][hd] unnormalised outputs */
+    float *m;    /* [R] running max */
+    float *l;    /* [R] running sum */
+    float *p;    /* [bs] scores / probabilities of one row */
+    float *kb;   /* [bs][hd] keys of one block, fp32 */
+    float *vb;   /* [bs][hd] values of one block, fp32 */
+    int64_t *lo; /* [R] first key each row attends */
+    int64_t *hi; /* [R] last key each row attends */
+} att_ws;
+
+static att_ws att_ws_alloc(int64_t R, int64_t hd, int64_t bs) {
+    att_ws w;
+    const size_t floats = ((size_t)(R * hd * 2 + R * 2 + bs + 2 * bs * hd) + 1) & ~(size_t)1;
+    w.q = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(2 * R));
+    w.acc = w.q ? w.q + R * hd : NULL;
+    w.m = w.q ? w.acc + R * hd : NULL;
+    w.l = w.q ? w.m + R : NULL;
+    w.p = w.q ? w.l + R : NULL;
+    w.kb = w.q ? w.p + bs : NULL;
+    w.vb = w.q ? w.kb + bs * hd : NULL;
+    w.lo = w.q ? (int64_t *)(void *)(w.q + floats) : NULL;
+    w.hi = w.q ? w.lo + R : NULL;
+    return w;
+}
+
+static void att_ws_free(att_ws *w) {
+    free(w->q);
+    w->q = NULL;
+}
+
+/* acc: [hd] = acc * alpha + sum_j p[j] * vb[j], j in [a, b]; vb: [bs][hd] */
+static ALWAYS_INLINE TGT void att_pv(float *acc, float alpha, const float *p, const float *vb,
+                                     int64_t a, int64_t b, int64_t hd) {
+    const vf va = vf_set1(alpha);
+    int64_t d = 0;
+    for (; d + VW <= hd; d += VW) {
+        vf o = vf_mul(vf_ld(acc + d), va);
+        for (int64_t j = a; j <= b; j++) o = vf_fma(vf_set1(p[j]), vf_ld(vb + j * hd + d), o);
+        vf_st(acc + d, o);
+    }
+    for (; d < hd; d++) {
+        float o = acc[d] * alpha;
+        for (int64_t j = a; j <= b; j++) o += p[j] * vb[j * hd + d];
+        acc[d] = o;
+    }
+}
+
+/* p: [>= b+1] scores -> exp(p - mx) in place over [a, b]; returns their sum */
+static ALWAYS_INLINE TGT float att_exp(float *p, int64_t a, int64_t b, float mx) {
+    const vf vm = vf_set1(mx);
+    vf sum = vf_zero();
+    int64_t j = a;
+    for (; j + VW <= b + 1; j += VW) {
+        vf e = vf_exp(vf_sub(vf_ld(p + j), vm));
+        vf_st(p + j, e);
+        sum = vf_add(sum, e);
+    }
+    float s = vf_hsum(sum);
+    for (; j <= b; j++) {
+        p[j] = expf(p[j] - mx);
+        s += p[j];
+    }
+    return s;
+}
+
+/* One block of keys [j0, j0 + nk) against all rows of an item. kb, vb: [bs][hd]
+ * fp32 (only rows [ka, kb_end] valid), lo/hi: [rows] attended key range. */
+static ALWAYS_INLINE TGT void att_block(att_ws *w, const float *kb, const float *vb, int64_t j0,
+                                        int64_t nk, const int64_t *lo, const int64_t *hi,
+                                        int64_t rows, int64_t hd) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t a = (lo[r] > j0 ? lo[r] : j0) - j0;
+        const int64_t b = (hi[r] < j0 + nk - 1 ? hi[r] : j0 + nk - 1) - j0;
+        if (a > b) continue;
+        const float *qr = w->q + r * hd;
+        float mx = -INFINITY;
+        for (int64_t j = a; j <= b; j++) {
+            w->p[j] = dot_f32(qr, kb + j * hd, hd);
+            mx = w->p[j] > mx ? w->p[j] : mx;
+        }
+        const float m_new = mx > w->m[r] ? mx : w->m[r];
+        const float alpha = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
+        const float sum = att_exp(w->p, a, b, m_new);
+        w->l[r] = w->l[r] * alpha + sum;
+        w->m[r] = m_new;
+        att_pv(w->acc + r * hd, alpha, w->p, vb, a, b, hd);
+    }
+}
+
+/* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh. */
+static ALWAYS_INLINE TGT void att_item_run(
+    att_ws *w, const att_item *it, const void *q /* [T][nh][hd] stride qs */, int64_t qs,
+    const void *kc /* [nb][nkv][bs][hd] */, const void *vc /* [nb][nkv][bs][hd] */,
+    const int32_t *qsl /* [S+1] */, const int32_t *seq_lens /* [S] */,
+    const int32_t *bt /* [S][max_blocks] */, int64_t max_blocks,
+    void *out /* [T][nh][hd] stride os */, int64_t os, int64_t nh, int64_t nkv, int64_t hd,
+    int64_t bs, float scale, int64_t window, int dt) {
+    const int64_t G = nh / nkv, rows = (int64_t)it->nq * G;
+    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
+    const int64_t t0 = qsl[it->s] + it->q0;
+    int64_t *lo = w->lo, *hi = w->hi;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const int64_t p = ctx - q_len + it->q0 + qi;
+        hi[r] = p;
+        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        to_f32(at(q, (t0 + qi) * qs + h * hd, dt), w->q + r * hd, hd, scale, dt);
+        memset(w->acc + r * hd, 0, sizeof(float) * (size_t)hd);
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
+    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    for (int64_t blk = jlo / bs; blk <= jhi / bs; blk++) {
+        const int64_t phys = bt[it->s * max_blocks + blk], j0 = blk * bs;
+        const int64_t ka = (jlo > j0 ? jlo : j0) - j0;
+        const int64_t ke = (jhi < j0 + bs - 1 ? jhi : j0 + bs - 1) - j0;
+        const int64_t base = (phys * nkv + it->kvh) * bs * hd;
+        const float *kb, *vb;
+        if (dt == CPUD_F32) {
+            kb = (const float *)kc + base;
+            vb = (const float *)vc + base;
+        } else {
+            to_f32(at(kc, base + ka * hd, dt), w->kb + ka * hd, (ke - ka + 1) * hd, 1.0f, dt);
+            to_f32(at(vc, base + ka * hd, dt), w->vb + ka * hd, (ke - ka + 1) * hd, 1.0f, dt);
+            kb = w->kb;
+            vb = w->vb;
+        }
+        att_block(w, kb, vb, j0, ke + 1, lo, hi, rows, hd);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
+        void *o = at(out, (t0 + qi) * os + h * hd, dt);
+        const float *a = w->acc + r * hd;
+        const vf vinv = vf_set1(inv);
+        int64_t d = 0;
+        for (; d + VW <= hd; d += VW) stv(o, d, vf_mul(vf_ld(a + d), vinv), dt);
+        for (; d < hd; d++) st1(o, d, a[d] * inv, dt);
+    }
+}
+
+/* Arguments as cpud_paged_attention; returns 0 or CPUD_ENOMEM. The caller has
+ * validated query_start_loc, seq_lens and every block id that is read. */
+static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *kc, const void *vc,
+                                 const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
+                                 int64_t max_blocks, void *out, int64_t os, int64_t S, int64_t nh,
+                                 int64_t nkv, int64_t hd, int64_t bs, float scale,
+                                 int64_t window) {
+    const int64_t G = nh / nkv, tile = ATT_ROWS / G > 0 ? ATT_ROWS / G : 1;
+    int64_t n_items = 0;
+    for (int64_t s = 0; s < S; s++) n_items += nkv * ((qsl[s + 1] - qsl[s] + tile - 1) / tile);
+    if (n_items == 0) return CPUD_OK;
+    att_item *items = malloc(sizeof(att_item) * (size_t)n_items);
+    if (!items) return CPUD_ENOMEM;
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t q_len = qsl[s + 1] - qsl[s];
+        for (int64_t q0 = 0; q0 < q_len; q0 += tile)
+            for (int64_t h = 0; h < nkv; h++)
+                items[n++] = (att_item){(int32_t)s, (int32_t)q0,
+                                        (int32_t)(q_len - q0 < tile ? q_len - q0 : tile),
+                                        (int32_t)h};
+    }
+    int failed = 0;
+#pragma omp parallel if (n_items > 1) reduction(| : failed)
+    {
+        att_ws w = att_ws_alloc(G > ATT_ROWS ? G : ATT_ROWS, hd, bs);
+        if (!w.q) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            if (!w.q) continue;
+            if (dt == CPUD_BF16)
+                att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
+                             nh, nkv, hd, bs, scale, window, CPUD_BF16);
+            else
+                att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
+                             nh, nkv, hd, bs, scale, window, CPUD_F32);
+        }
+        att_ws_free(&w);
+    }
+    free(items);
+    return failed ? CPUD_ENOMEM : CPUD_OK;
+}

@@ -1,0 +1,66 @@
+"""Start `cpud serve` on loopback and read its metrics (shared by the HTTP tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_server(model_dir: Path, log_path: Path, *extra: str, env: dict | None = None) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "cpud.cli", "serve", "--model", str(model_dir)]
+    cmd += ["--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", *extra]
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"cpud serve exited {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"cpud serve did not become healthy:\n{server.log()}")
+
+
+def metric(server: Server, name: str) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

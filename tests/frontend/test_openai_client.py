@@ -1,0 +1,126 @@
+"""The official openai client against a real cpud server."""
+
+from __future__ import annotations
+
+import pytest
+
+MODEL = "tiny"
+
+
+def test_models_lists_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_greedy_with_usage(client):
+    out = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0)
+    choice = out.choices[0]
+    assert out.object == "text_completion" and out.model == MODEL
+    assert choice.finish_reason in ("length", "stop")
+    assert out.usage.completion_tokens <= 8 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    again = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=8, temperature=0
+    )
+    assert again.choices[0].text == choice.text
+
+
+def test_completion_prompt_forms_and_n(client):
+    out = client.completions.create(
+        model=MODEL, prompt=["one", "two"], max_tokens=4, n=2, temperature=1.0, seed=3
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 4
+
+
+def test_seed_reproducibility(client):
+    kwargs = dict(model=MODEL, prompt="Seeded", max_tokens=12, temperature=1.0, seed=1234)
+    a = client.completions.create(**kwargs).choices[0].text
+    b = client.completions.create(**kwargs).choices[0].text
+    assert a == b
+    c = client.completions.create(**{**kwargs, "seed": 99}).choices[0].text
+    assert c != a
+
+
+def test_stop_string_is_not_returned(client):
+    base = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Stop test",
+            max_tokens=30,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    assert len(base) > 10
+    stop = base[5:8]
+    out = client.completions.create(
+        model=MODEL, prompt="Stop test", max_tokens=30, temperature=0, stop=[stop]
+    ).choices[0]
+    assert out.text == base[: base.index(stop)] and out.finish_reason == "stop"
+
+
+def test_streaming_completion_matches_non_streaming(client):
+    kwargs = dict(model=MODEL, prompt="Stream me", max_tokens=10, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 10
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == [chunks[-2].choices[0].finish_reason]
+
+
+def test_chat_completion_and_stream(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0
+    )
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_chat_max_completion_tokens_and_logprobs(client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy = top 1
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(v <= 0 for v in lp.token_logprobs)

@@ -1,0 +1,77 @@
+"""Skinny GEMM over packed bf16 weights vs torch (fp64 reference)."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import torch
+
+from cpud import native
+
+
+def reference(x, w, bias, isa):
+    # The avx512bf16 tier feeds vdpbf16ps, so fp32 x is rounded to bf16 first.
+    xr = x.to(torch.bfloat16) if isa == "avx512bf16" else x
+    y = xr.double() @ w.to(torch.bfloat16).double().T
+    return y if bias is None else y + bias.double()
+
+
+def check(out, ref, K):
+    # fp32 accumulation in a different order: error grows ~ sqrt(K) * |x||w|;
+    # a bf16 output adds one rounding (2**-8 relative).
+    atol = 2e-5 * K**0.5
+    rtol = 8e-3 if out.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 32, 45])
+@pytest.mark.parametrize("N, K", [(33, 17), (64, 128), (100, 301), (257, 64)])
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
+def test_gemm_packed(kern, M, N, K, xdt):
+    w = torch.randn(N, K).to(torch.bfloat16)
+    x = torch.randn(M, K).to(xdt)
+    packed = native.pack_weight(w)
+    out = kern.gemm_packed(x, packed)
+    assert out.dtype == xdt and out.shape == (M, N)
+    check(out, reference(x, w, None, kern.isa), K)
+
+
+@pytest.mark.parametrize("odt", [torch.bfloat16, torch.float32])
+def test_gemm_packed_bias_strides_and_out_dtype(kern, odt):
+    M, N, K = 5, 70, 33
+    w = torch.randn(N, K)
+    bias = torch.randn(N)
+    packed = native.pack_weight(w, bias)
+    xbuf = torch.randn(M, K + 9).to(torch.bfloat16)
+    x = xbuf[:, 3 : 3 + K]  # row stride K + 9
+    obuf = torch.full((M, N + 4), 5.0, dtype=odt)
+    out = obuf[:, :N]
+    assert kern.gemm_packed(x, packed, out=out) is out
+    check(out, reference(x, w, bias, kern.isa), K)
+    assert torch.all(obuf[:, N:] == 5.0)
+
+
+def test_pack_layout():
+    N, K = 40, 5
+    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K)
+    p = native.pack_weight(w)
+    assert p.data.shape == (2, 3, 32, 2) and (p.n, p.k) == (N, K)
+    assert p.data[0, 1, 7].tolist() == [w[7, 2].item(), w[7, 3].item()]
+    assert p.data[1, 2, 3].tolist() == [w[35, 4].item(), 0.0]  # k padding
+    assert torch.all(p.data[1, :, 8:] == 0)  # n padding
+
+
+def test_gemm_rejects_mismatch(kern):
+    packed = native.pack_weight(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="K=15"):
+        kern.gemm_packed(torch.randn(2, 15), packed)
+
+
+def test_read_probe_checksum(kern):
+    buf = torch.randint(-(2**62), 2**62, (64 * 1024 // 8,), dtype=torch.int64)
+    expected = functools.reduce(operator.xor, buf.tolist()) & (2**64 - 1)
+    assert kern.read_probe(buf) == expected
+    with pytest.raises(ValueError, match="4096"):
+        kern.read_probe(buf[:100])
