@@ -39,6 +39,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="reuse KV blocks of identical prompt prefixes",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kernels",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="native SIMD kernels (auto: when built) or the torch reference path",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,6 +58,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_space_gib=args.kv_cache_space,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        kernels=args.kernels,
     )
 
 

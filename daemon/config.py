@@ -13,6 +13,7 @@ from cpud.errors import ConfigError
 from cpud.ranks.cpu_features import resolve_dtype
 from cpud.ranks.model_config import ModelConfig, load_model_config
 from cpud.ranks.model_runner import kv_block_bytes
+from cpud.ranks.ops import KINDS as KERNEL_KINDS
 
 GiB = 1 << 30
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
@@ -33,6 +34,7 @@ class EngineArgs:
     kv_cache_space_gib: float | None = None
     num_kv_blocks: int | None = None
     seed: int = 0
+    kernels: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     num_kv_blocks: int
     seed: int
+    kernels: str = "auto"
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -71,6 +74,8 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     _positive("num_kv_blocks", args.num_kv_blocks)
     if args.block_size % 16:
         raise ConfigError(f"block_size must be a multiple of 16, got {args.block_size}")
+    if args.kernels not in KERNEL_KINDS:
+        raise ConfigError(f"kernels must be one of {', '.join(KERNEL_KINDS)}, got {args.kernels!r}")
     dtype = resolve_dtype(args.dtype)
     max_model_len = args.max_model_len or min(model.max_position_embeddings, 8192)
     if max_model_len > model.max_position_embeddings:
@@ -106,4 +111,5 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=num_blocks,
         seed=args.seed,
+        kernels=args.kernels,
     )

@@ -11,7 +11,8 @@ import torch
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.loader import load_weights
 from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.models import build_model
+from cpud.ranks.models import build_model, pack_for_native
+from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.sampler import sample
 from cpud.ranks.step_inputs import build_step_inputs
@@ -25,6 +26,7 @@ class RunnerConfig:
     block_size: int
     num_kv_blocks: int
     seed: int = 0
+    kernels: str = "auto"  # "auto" | "native" | "torch"
 
 
 def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
@@ -41,9 +43,12 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, model_cfg: ModelConfig, group: TPGroup):
         self.config = config
         self.group = group
-        self.model = build_model(model_cfg, config.max_model_len, config.dtype, group)
+        self.ops = make_ops(config.kernels)
+        self.model = build_model(model_cfg, config.max_model_len, config.dtype, group, self.ops)
         load_weights(self.model, config.model_dir)
         self.model.eval()
+        if self.ops.name == "native" and config.dtype == torch.bfloat16:
+            pack_for_native(self.model, self.ops)
         shape = (
             config.num_kv_blocks,
             self.model.kv_heads_local,

@@ -50,6 +50,9 @@ def build_step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
         query_lens=lens,
         seq_lens=seq_lens,
         block_size=block_size,
+        query_start_loc=torch.tensor(starts + [len(input_ids)], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables_i32=tables.to(torch.int32),
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long),

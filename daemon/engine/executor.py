@@ -25,6 +25,7 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,
         seed=config.seed,
+        kernels=config.kernels,
     )
 
 

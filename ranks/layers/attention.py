@@ -1,16 +1,21 @@
-"""Paged attention over a block-structured KV cache (torch reference implementation).
+"""Paged attention over a block-structured KV cache.
 
 KV cache per layer: key_cache, value_cache [num_blocks, kv_heads_local, block_size, head_dim].
-Token t of the step is written at slot_mapping[t] = block * block_size + offset.
+Token t of the step is written at slot_mapping[t] = block * block_size + offset. The compute
+lives in ranks/ops.py (native kernel or torch reference); this module holds the metadata and
+the reference helpers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from cpud.ranks.ops import Ops
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,9 @@ class AttentionMetadata:
     query_lens: list[int]  # [S] tokens each sequence computes in this step
     seq_lens: list[int]  # [S] context length after this step
     block_size: int
+    query_start_loc: torch.Tensor  # [S+1] int32, for the native kernel
+    seq_lens_tensor: torch.Tensor  # [S] int32
+    block_tables_i32: torch.Tensor  # [S, max_blocks] int32
 
 
 def write_kv(
@@ -67,6 +75,7 @@ class PagedAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        ops: Ops,
         sliding_window: int | None = None,
     ):
         super().__init__()
@@ -74,6 +83,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.ops = ops
         self.sliding_window = sliding_window
 
     def forward(
@@ -84,24 +94,15 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """query [T, heads*hd], key/value [T, kv_heads*hd] -> [T, heads*hd]."""
+        """query [T, heads*hd], key/value [T, kv_heads*hd] (views are fine) -> [T, heads*hd]."""
         tokens = query.shape[0]
-        query = query.view(tokens, self.num_heads, self.head_dim)
-        key = key.view(tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(tokens, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = kv_cache
-        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(query)
-        for seq, (start, qlen, ctx) in enumerate(
-            zip(meta.query_starts, meta.query_lens, meta.seq_lens)
-        ):
-            table = meta.block_tables[seq]
-            keys = gather_context(key_cache, table, ctx)
-            values = gather_context(value_cache, table, ctx)
-            q = query[start : start + qlen].transpose(0, 1)  # [heads, qlen, hd]
-            mask = causal_mask(qlen, ctx, self.sliding_window)
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
-            out[start : start + qlen] = attn.transpose(0, 1)
+        out = self.ops.attention(
+            query.view(tokens, self.num_heads, self.head_dim),
+            key.view(tokens, self.num_kv_heads, self.head_dim),
+            value.view(tokens, self.num_kv_heads, self.head_dim),
+            kv_cache,
+            meta,
+            self.scale,
+            self.sliding_window,
+        )
         return out.view(tokens, self.num_heads * self.head_dim)

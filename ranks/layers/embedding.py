@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpud.ranks.layers.linear import copy_checked, new_param
+from cpud.ranks.layers.linear import PackableLinear, copy_checked, new_param
 from cpud.ranks.parallel import TPGroup
 
 VOCAB_PADDING = 64
@@ -27,7 +27,21 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = vocab_shard_size(vocab_size, group.size)
         self.start = group.rank * self.shard
         self.rows = max(0, min(self.shard, vocab_size - self.start))
+        self.dim = dim
         self.weight = new_param((self.shard, dim), dtype, self.load_rows)
+        self.packed: Any = None
+
+    def share_packed(self, packed: Any) -> None:
+        """Look rows up in the LM head's packed copy of this (tied) table; drop our own."""
+        self.packed = packed
+        self.weight = None
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.embedding(local_ids, self.weight)
+        # packed.data: [N/32, K/2, 32, 2]; row n lives at [n // 32, :, n % 32, :]
+        rows = self.packed.data[local_ids // 32, :, local_ids % 32, :]
+        return rows.reshape(local_ids.shape[0], -1)[:, : self.dim]
 
     def load_rows(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         param.data[self.rows :].zero_()
@@ -38,15 +52,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self.lookup(token_ids)
         local = token_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackableLinear):
     """Logits for this rank's vocab slice, gathered to rank 0 and trimmed to vocab_size."""
 
     def __init__(
@@ -60,11 +74,20 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
+        # A tuple, so the embedding is not registered twice as a submodule.
+        self.tied_to: tuple[VocabParallelEmbedding, ...] = (tied_to,) if tied_to else ()
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = VocabParallelEmbedding(vocab_size, dim, dtype, group).weight
 
+    bias = None
+
+    def pack(self, kernels: Any, with_bias: bool = False) -> None:
+        super().pack(kernels, with_bias=False)
+        for embedding in self.tied_to:
+            embedding.share_packed(self.packed)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.group.gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.group.gather_last_dim(self.matmul(hidden, None))
         return None if logits is None else logits[..., : self.vocab_size]

@@ -40,17 +40,40 @@ def load_whole(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
     copy_checked(param.data, source[:], "a replicated tensor")
 
 
-class ReplicatedLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A linear layer whose weight can be repacked, once after loading, for the native skinny
+    GEMM; the plain weight is then dropped, so the bytes are held once."""
+
+    packed: Any = None
+    _kernels: Any = None
+
+    def pack(self, kernels: Any, with_bias: bool) -> None:
+        from cpud.native import pack_weight
+
+        bias = self.bias.data if with_bias and self.bias is not None else None
+        self.packed = pack_weight(self.weight.data, bias)
+        self._kernels = kernels
+        self.weight = None
+        if with_bias:
+            self.bias = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return self._kernels.gemm_packed(x, self.packed)
+        return F.linear(x, self.weight, bias)
+
+
+class ReplicatedLinear(PackableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = new_param((out_features, in_features), dtype, load_whole)
         self.bias = new_param((out_features,), dtype, load_whole) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """Output features split across ranks; no communication."""
 
     def __init__(
@@ -82,7 +105,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -126,7 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.local_sizes[1]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """Input features split across ranks; partial outputs summed by one all-reduce."""
 
     def __init__(
@@ -142,6 +165,9 @@ class RowParallelLinear(nn.Module):
         start = self.group.rank * self.in_local
         copy_checked(param.data, source[:, start : start + self.in_local], "row shard")
 
+    def pack(self, kernels: Any, with_bias: bool = False) -> None:
+        super().pack(kernels, with_bias=False)  # the bias is added once, after the all-reduce
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(F.linear(x, self.weight))
+        out = self.group.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias

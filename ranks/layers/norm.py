@@ -1,32 +1,37 @@
-"""RMSNorm with the optional fused residual add, matching Hugging Face's numerics."""
+"""RMSNorm (with the fused residual add) and LayerNorm."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from cpud.ranks.layers.linear import load_whole, new_param
 
+if TYPE_CHECKING:
+    from cpud.ranks.ops import Ops
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: Ops):
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = new_param((dim,), dtype, load_whole)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """RMSNorm of x over its last dim ([T, H] or [T, heads, H]); x is left intact."""
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, new residual); with residual given, adds it to x first."""
-        if residual is not None:
-            x = x + residual
-        return self.normalize(x), x
+        """Returns (normed, new residual); with residual given, adds it to x first. Both
+        inputs may be overwritten."""
+        if residual is None:
+            return self.normalize(x), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

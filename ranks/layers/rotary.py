@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from cpud.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cpud.ranks.ops import Ops
 
 
 def _default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -88,37 +91,27 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions, applied in the model dtype."""
+    """A [max_positions, rotary_dim] fp32 table, cos | sin halves (attention scaling folded
+    in), applied neox style by the ops."""
 
     def __init__(
         self,
-        head_dim: int,
         rotary_dim: int,
         max_positions: int,
         base: float,
         scaling: dict[str, Any] | None,
-        dtype: torch.dtype,
+        ops: Ops,
     ):
         super().__init__()
-        self.head_dim = head_dim
-        self.rotary_dim = rotary_dim
+        self.ops = ops
         inv_freq, attention_scaling = rope_inv_freq(rotary_dim, base, scaling, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated * sin
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
+        self.register_buffer("cos_sin", table.contiguous(), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]; may rotate
+        in place."""
+        return self.ops.rotary(positions, q, k, self.cos_sin)

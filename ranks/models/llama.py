@@ -8,7 +8,6 @@ checkpoint names map by a few substitutions.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cpud.ranks.layers.attention import AttentionMetadata, PagedAttention
@@ -17,6 +16,7 @@ from cpud.ranks.layers.linear import ColumnParallelLinear, QKVParallelLinear, Ro
 from cpud.ranks.layers.norm import RMSNorm
 from cpud.ranks.layers.rotary import RotaryEmbedding
 from cpud.ranks.model_config import ModelConfig
+from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -24,7 +24,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, group: TPGroup
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        group: TPGroup,
+        ops: Ops,
     ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -39,14 +44,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, dtype, group
         )
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype, ops) if cfg.qk_norm else None
         self.heads = self.qkv_proj.num_heads_local
         self.kv_heads = self.qkv_proj.num_kv_heads_local
         self.head_dim = cfg.head_dim
         self.rotary = rotary
         self.attn = PagedAttention(
-            self.heads, self.kv_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.sliding_window
+            self.heads, self.kv_heads, cfg.head_dim, cfg.head_dim**-0.5, ops, cfg.sliding_window
         )
 
     def forward(
@@ -60,8 +65,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split(
             [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
         )
-        q = q.reshape(tokens, self.heads, self.head_dim)
-        k = k.reshape(tokens, self.kv_heads, self.head_dim)
+        q = q.view(tokens, self.heads, self.head_dim)
+        k = k.view(tokens, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm.normalize(q)
             k = self.k_norm.normalize(k)
@@ -71,26 +76,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
+        self.ops = ops
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, group)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, group: TPGroup
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        group: TPGroup,
+        ops: Ops,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, group)
-        self.mlp = LlamaMLP(cfg, dtype, group)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, group, ops)
+        self.mlp = LlamaMLP(cfg, dtype, group, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
 
     def forward(
         self,
@@ -107,16 +117,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup):
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup, ops: Ops
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
         rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
+            cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, dtype, group) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, rotary, dtype, group, ops) for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,10 +142,12 @@ class LlamaForCausalLM(nn.Module):
     )
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup):
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup, ops: Ops
+    ):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions, dtype, group)
+        self.model = LlamaModel(cfg, max_positions, dtype, group, ops)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, group, tied)
         attn = self.model.layers[0].self_attn

@@ -18,6 +18,7 @@ from cpud.ranks.layers.linear import (
 )
 from cpud.ranks.layers.norm import LayerNorm
 from cpud.ranks.model_config import ModelConfig
+from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -25,7 +26,7 @@ POSITION_OFFSET = 2
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         bias = cfg.enable_bias
         self.qkv_proj = QKVParallelLinear(
@@ -33,7 +34,7 @@ class OPTAttention(nn.Module):
         )
         self.out_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias, dtype, group)
         heads = self.qkv_proj.num_heads_local
-        self.attn = PagedAttention(heads, heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.attn = PagedAttention(heads, heads, cfg.head_dim, cfg.head_dim**-0.5, ops)
 
     def forward(
         self, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -44,12 +45,12 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         bias = cfg.enable_bias
         self.pre_norm = cfg.do_layer_norm_before
         self.act = F.relu if cfg.hidden_act == "relu" else F.gelu
-        self.self_attn = OPTAttention(cfg, dtype, group)
+        self.self_attn = OPTAttention(cfg, dtype, group, ops)
         self.self_attn_layer_norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, dtype)
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size], bias, dtype, group
@@ -76,7 +77,7 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         proj_dim = cfg.word_embed_proj_dim or cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, proj_dim, dtype, group)
@@ -95,7 +96,7 @@ class OPTDecoder(nn.Module):
             LayerNorm(cfg.hidden_size, cfg.norm_eps, dtype) if cfg.do_layer_norm_before else None
         )
         self.layers = nn.ModuleList(
-            OPTDecoderLayer(cfg, dtype, group) for _ in range(cfg.num_layers)
+            OPTDecoderLayer(cfg, dtype, group, ops) for _ in range(cfg.num_layers)
         )
 
 
@@ -107,11 +108,13 @@ class OPTForCausalLM(nn.Module):
     )
     ignored_suffixes = ()
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup):
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup, ops: Ops
+    ):
         super().__init__()
         self.cfg = cfg
         self.model = nn.Module()
-        self.model.decoder = OPTDecoder(cfg, dtype, group)
+        self.model.decoder = OPTDecoder(cfg, dtype, group, ops)
         decoder = self.model.decoder
         dim = cfg.word_embed_proj_dim or cfg.hidden_size
         tied = decoder.embed_tokens if cfg.tie_word_embeddings else None

@@ -1,0 +1,187 @@
+"""The compute behind the layers: native SIMD kernels (default where built) or the torch
+reference. Chosen once per runner and passed to every layer; nothing switches at run time."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from cpud.errors import ConfigError
+from cpud.ranks.layers.attention import AttentionMetadata, causal_mask, gather_context, write_kv
+
+KINDS = ("auto", "native", "torch")
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of [T, H] or [T, heads, H]; may reuse x's storage."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual); may reuse both inputs' storage."""
+        ...
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style rotation of q [T, nh, hd] and k [T, nkv, hd]; cos_sin [P, rot] fp32."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """query [T, nh, hd], key/value [T, nkv, hd] -> [T, nh, hd]; writes the KV cache."""
+        ...
+
+
+class TorchOps:
+    """Reference implementation: plain torch, the numerics of Hugging Face's modules."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        half = cos_sin.shape[-1] // 2
+        table = cos_sin[positions].unsqueeze(1)
+        cos = torch.cat((table[..., :half], table[..., :half]), dim=-1).to(q.dtype)
+        sin = torch.cat((table[..., half:], table[..., half:]), dim=-1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        for seq, (start, qlen, ctx) in enumerate(
+            zip(meta.query_starts, meta.query_lens, meta.seq_lens)
+        ):
+            table = meta.block_tables[seq]
+            keys = gather_context(key_cache, table, ctx)
+            values = gather_context(value_cache, table, ctx)
+            q = query[start : start + qlen].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=causal_mask(qlen, ctx, sliding_window),
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + qlen] = attn.transpose(0, 1)
+        return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot_dim = cos.shape[-1]
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    half = rot_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+class NativeOps:
+    """cpud.native kernels (SIMD, OpenMP on torch's libgomp)."""
+
+    name = "native"
+
+    def __init__(self, kernels: object):
+        self.k = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.k.rms_norm(x, weight, eps, out=torch.empty_like(x))
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.rotary_embedding(positions, q, k, cos_sin, is_neox=True)
+        return q, k
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_and_mul(x)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        self.k.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        return self.k.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.query_start_loc,
+            meta.seq_lens_tensor,
+            meta.block_tables_i32,
+            scale,
+            sliding_window or 0,
+        )
+
+
+def make_ops(kind: str) -> Ops:
+    """'auto': native where the library is built, else torch; 'native' insists."""
+    if kind not in KINDS:
+        raise ConfigError(f"kernels {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "torch":
+        return TorchOps()
+    from cpud import native
+
+    if native.available():
+        return NativeOps(native.kernels())
+    if kind == "native":
+        raise ConfigError(
+            f"native kernels are not built ({native.load_error()}): reinstall with a C "
+            f"compiler (gcc >= 10) or use --kernels torch"
+        )
+    return TorchOps()
