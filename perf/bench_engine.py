@@ -3,6 +3,8 @@
     python perf/bench_engine.py                        # all scenarios, qwen3-0.6b preset
     python perf/bench_engine.py --scenario decode-1 --rounds 5
 
+Peers: transformers (eager, same weights) and, with --llamacpp, llama.cpp's llama-bench on a
+bf16 GGUF converted from the same directory (perf/peers/llamacpp.py).
 Scenarios: decode-1 (one stream), decode-32 (32 streams in lockstep), prefill-512 (one
 512-token prompt). Decode tok/s counts generated tokens after the first step; prefill tok/s
 counts prompt tokens of one forward pass. Each figure is the median over rounds; ratios are
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -88,16 +92,38 @@ def hf_prefill(model, length: int) -> float:
     return length / (time.perf_counter() - started)
 
 
-def runners(scenario: str, llm: LLM, hf, tokens: int) -> dict[str, Callable[[], float]]:
+def llamacpp_peer(path: Path):
+    """(module, gguf) for llama.cpp built from the llama-cpp-python sdist, or (None, reason)."""
+    sys.path.insert(0, str(Path(__file__).parent / "peers"))
+    try:
+        import llamacpp
+
+        llamacpp.ensure_built()
+        gguf = llamacpp.gguf_path(path)
+        if not gguf.is_file():
+            llamacpp.convert(path, gguf)
+        return llamacpp, gguf
+    except Exception as exc:  # reported, never silently skipped
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def runners(
+    scenario: str, llm: LLM, hf, llama, tokens: int, threads: int
+) -> dict[str, Callable[[], float]]:
+    module, gguf = llama if llama else (None, None)
     if scenario == "prefill-512":
         result = {"cpud": lambda: cpud_prefill(llm, 512)}
         if hf is not None:
             result["transformers"] = lambda: hf_prefill(hf, 512)
+        if module is not None:
+            result["llama.cpp"] = lambda: module.bench_prefill(gguf, 512, threads, 1)["tok_s"]
         return result
     streams = int(scenario.split("-")[1])
     result = {"cpud": lambda: cpud_decode(llm, streams, 32, tokens)}
     if hf is not None:
         result["transformers"] = lambda: hf_decode(hf, streams, 32, tokens)
+    if module is not None and streams == 1:
+        result["llama.cpp"] = lambda: module.bench_decode(gguf, threads, tokens, 32, 1)["tok_s"]
     return result
 
 
@@ -112,6 +138,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per stream")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument(
+        "--llamacpp", action="store_true", help="also run llama.cpp (built on first use)"
+    )
     args = parser.parse_args()
 
     path = model_dir(args.arch, args.preset, args.model)
@@ -123,6 +152,11 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    llama = None
+    if args.llamacpp:
+        llama = llamacpp_peer(path)
+        if llama[0] is None:
+            print(f"llama.cpp could not run: {llama[1]}")
     summary: dict = {
         "model": str(path),
         "dtype": args.dtype,
@@ -130,28 +164,35 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "cpud_load_s": load_seconds,
         "scenarios": {},
+        "loadavg_start": os.getloadavg()[0],
     }
+    if llama is not None and llama[0] is None:
+        summary["llama.cpp_error"] = llama[1]
     for scenario in args.scenario or SCENARIOS:
-        engines = runners(scenario, llm, hf, args.tokens)
+        engines = runners(scenario, llm, hf, llama, args.tokens, torch.get_num_threads())
         for fn in engines.values():  # warm-up
             fn()
         rounds = []
         for _ in range(args.rounds):
             rounds.append({name: fn() for name, fn in engines.items()})
         row = {name: statistics.median(r[name] for r in rounds) for name in engines}
-        if "transformers" in row:
-            row["ratio"] = statistics.median(r["cpud"] / r["transformers"] for r in rounds)
+        peers = [name for name in engines if name != "cpud"]
+        for peer in peers:
+            row[f"ratio_vs_{peer}"] = statistics.median(r["cpud"] / r[peer] for r in rounds)
         row["rounds"] = rounds
         summary["scenarios"][scenario] = row
-        peer = (
-            f", transformers {row['transformers']:.1f} tok/s, ratio {row['ratio']:.2f}x"
-            if "transformers" in row
-            else ""
+        text = "".join(
+            f", {peer} {row[peer]:.1f} tok/s (cpud {row[f'ratio_vs_{peer}']:.2f}x)"
+            for peer in peers
         )
-        print(f"{scenario}: cpud {row['cpud']:.1f} tok/s{peer}", flush=True)
+        print(f"{scenario}: cpud {row['cpud']:.1f} tok/s{text}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(summary, indent=2))
-    print(f"cpud load {load_seconds:.1f} s; kernels {summary['kernels']}; results in {RESULTS}")
+    summary["loadavg_end"] = os.getloadavg()[0]
+    print(
+        f"cpud load {load_seconds:.1f} s; kernels {summary['kernels']}; load average "
+        f"{summary['loadavg_start']:.2f} -> {summary['loadavg_end']:.2f}; results in {RESULTS}"
+    )
 
 
 if __name__ == "__main__":
