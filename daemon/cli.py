@@ -124,6 +124,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_args, serve_args)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from cpud.doctor import collect, render, report
+
+    checks = collect()
+    print(json.dumps(report(checks), indent=2) if args.json else render(checks))
+    return 0 if all(c.ok for c in checks) else 1
+
+
 def cmd_model_make(args: argparse.Namespace) -> int:
     from cpud.fixtures import make_model
 
@@ -185,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print outputs as JSON")
     gen.set_defaults(func=cmd_generate)
 
+    doctor = sub.add_parser("doctor", help="check this machine: ISA tier, native kernels, dtype")
+    doctor.add_argument("--json", action="store_true", help="machine-readable report")
+    doctor.set_defaults(func=cmd_doctor)
+
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     make = model_sub.add_parser("make", help="write a random-weight fixture model directory")
@@ -198,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("serve", "generate", "model", "-h", "--help")
+COMMANDS = ("serve", "generate", "doctor", "model", "-h", "--help")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

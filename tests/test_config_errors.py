@@ -165,3 +165,16 @@ def test_cli_generates_and_makes_models(tmp_path, model_factory):
     assert out["prompt"] == "Hello" and len(out["token_ids"]) <= 5
     bad = run_cli("model", "make", "--arch", "gpt9", str(tmp_path / "x"))
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_kernels_choice_without_native_library(monkeypatch):
+    from cpud import native
+    from cpud.ranks.ops import make_ops
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "load_error", lambda: "no compiler")
+    assert make_ops("auto").name == "torch"
+    with pytest.raises(ConfigError, match="native kernels are not built .*--kernels torch"):
+        make_ops("native")
+    with pytest.raises(ConfigError, match="kernels 'fast' is not one of"):
+        make_ops("fast")

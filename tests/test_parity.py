@@ -38,7 +38,8 @@ def reference(model_factory, hf_models):
 
 
 ENGINE_SETTINGS = {
-    "default": {},
+    "default": {},  # native kernels where built
+    "torch-kernels": {"kernels": "torch"},
     # Small chunks: the 301-token prompt is prefilled over ~13 steps, mixed with decodes.
     "chunked": {"max_num_batched_tokens": 24},
     "block128": {"block_size": 128, "max_num_batched_tokens": 100},
@@ -107,13 +108,14 @@ BF16_MAX_ERROR = 0.5  # max |cpud_bf16 - hf_fp32| / σ, absolute cap
 BF16_MEAN_ERROR = 0.05  # mean |cpud_bf16 - hf_fp32| / σ
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_logits_close_to_transformers(arch, model_factory, hf_models):
+def test_bf16_logits_close_to_transformers(arch, kernels, model_factory, hf_models):
     model_dir = model_factory(arch)
     prompt = make_prompts(400, lengths=(45,), seed=3)[0]
     reference = hf_logits(hf_models(model_dir, torch.float32), prompt)
     hf_bf16 = hf_logits(hf_models(model_dir, torch.bfloat16), prompt)
-    ours = engine_logits(LLM(model_dir, dtype="bfloat16"), prompt)
+    ours = engine_logits(LLM(model_dir, dtype="bfloat16", kernels=kernels), prompt)
     sigma = reference.std()
     ours_err = (ours - reference).abs() / sigma
     hf_err = (hf_bf16 - reference).abs() / sigma
