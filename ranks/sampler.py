@@ -74,6 +74,11 @@ def sample(
     logits: torch.Tensor, works: list[SeqWork], generator: torch.Generator
 ) -> list[SampledToken]:
     """logits: [S, vocab] for the sequences in `works` (all with sample=True)."""
+    if all(_plain_greedy(w) for w in works):
+        # Nothing to process: argmax of the raw logits; max() is vectorized for bf16 where
+        # argmax() is not, and picks the same (first) index.
+        tokens = logits.max(dim=-1).indices.tolist()
+        return [SampledToken(w.seq_id, t) for w, t in zip(works, tokens)]
     logits = logits.float()
     want_logprobs = any(w.sampling is not None and w.sampling.num_logprobs >= 0 for w in works)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
@@ -95,6 +100,20 @@ def sample(
         _sampled(work, int(tokens[row]), None if raw_logprobs is None else raw_logprobs[row])
         for row, work in enumerate(works)
     ]
+
+
+def _plain_greedy(work: SeqWork) -> bool:
+    spec = work.sampling
+    return not work.banned_token_ids and (
+        spec is None
+        or (
+            spec.temperature == 0
+            and spec.num_logprobs < 0
+            and spec.repetition_penalty == 1.0
+            and spec.presence_penalty == 0.0
+            and spec.frequency_penalty == 0.0
+        )
+    )
 
 
 def _sampled(work: SeqWork, token: int, logprobs: torch.Tensor | None) -> SampledToken:
