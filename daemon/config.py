@@ -35,6 +35,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     seed: int = 0
     kernels: str = "auto"
+    bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND syntax; None: env, else auto
+    reserved_cpus: int | None = None
+    collective: str = "shm"  # "shm" | "gloo"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     kernels: str = "auto"
+    collective: str = "shm"
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -76,6 +80,8 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         raise ConfigError(f"block_size must be a multiple of 16, got {args.block_size}")
     if args.kernels not in KERNEL_KINDS:
         raise ConfigError(f"kernels must be one of {', '.join(KERNEL_KINDS)}, got {args.kernels!r}")
+    if args.collective not in ("shm", "gloo"):
+        raise ConfigError(f"collective must be shm or gloo, got {args.collective!r}")
     dtype = resolve_dtype(args.dtype)
     max_model_len = args.max_model_len or min(model.max_position_embeddings, 8192)
     if max_model_len > model.max_position_embeddings:
@@ -112,4 +118,5 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         num_kv_blocks=num_blocks,
         seed=args.seed,
         kernels=args.kernels,
+        collective=args.collective,
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cpud.config import EngineArgs, resolve_config
-from cpud.engine.executor import InProcessExecutor
+from cpud.engine.executor import make_executor
 from cpud.engine.llm_engine import LLMEngine
 from cpud.engine.outputs import RequestOutput
 from cpud.errors import ConfigError
@@ -48,12 +48,8 @@ class LLM:
         model_dir = resolve_model_dir(model)
         self.config = resolve_config(args, model_dir)
         self.tokenizer = Tokenizer(model_dir)
-        if self.config.tp != 1:
-            raise ConfigError(
-                f"tp={self.config.tp} needs rank processes, which this build does not start yet: "
-                f"use tp=1"
-            )
-        self.engine = LLMEngine(self.config, self.tokenizer, InProcessExecutor(self.config))
+        executor = make_executor(self.config, args.bind, args.reserved_cpus)
+        self.engine = LLMEngine(self.config, self.tokenizer, executor)
         self._request_ids = 0
 
     def generate(
@@ -114,3 +110,13 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        """Stop rank processes (tp > 1); the object is unusable afterwards."""
+        self.engine.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -3,12 +3,15 @@ provides an executor with the same two methods over ZeroMQ."""
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from cpud.config import EngineConfig
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
+
+log = logging.getLogger("cpud.executor")
 
 
 class Executor(Protocol):
@@ -40,3 +43,22 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         self.runner = None
+
+
+def make_executor(config: EngineConfig, bind: str | None, reserved_cpus: int | None) -> Executor:
+    """In-process at tp=1; otherwise one bound rank process per shard, placed by the plan."""
+    if config.tp == 1:
+        return InProcessExecutor(config)
+    import torch
+
+    from cpud.engine.multiproc import MultiprocExecutor, RankSlot
+    from cpud.placement.binding import binding_spec, plan_binding
+    from cpud.placement.topology import discover_topology
+
+    plan = plan_binding(binding_spec(bind, reserved_cpus), config.tp, discover_topology())
+    for line in plan.describe():
+        log.info("binding: %s", line)
+    slots = [RankSlot(list(r.cpus) or None, r.numa_node) for r in plan.ranks]
+    # The frontend only schedules and detokenizes: keep its torch off the rank cores.
+    torch.set_num_threads(1)
+    return MultiprocExecutor(config, slots, config.collective)
