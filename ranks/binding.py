@@ -22,7 +22,12 @@ def die_with_parent(sig: int = 9) -> None:
 
 
 def set_affinity(cpus: list[int]) -> None:
-    os.sched_setaffinity(0, cpus)
+    """Every thread of the process (sched_setaffinity(0) alone moves only the caller)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass
 
 
 def bind_memory(node: int) -> str | None:

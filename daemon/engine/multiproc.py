@@ -190,8 +190,16 @@ class MultiprocExecutor:
             if isinstance(message, StepResult) and message.step_id == plan.step_id:
                 return message
             if isinstance(message, RankFailed):
+                self._blame_dead_peer()
                 raise RankDiedError(f"rank {message.rank} failed: {message.message}")
             self._check_alive()
+
+    def _blame_dead_peer(self, grace_s: float = 1.0) -> None:
+        """A rank whose collective broke usually reports first; name the one that died."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            time.sleep(0.05)
 
     def shutdown(self) -> None:
         if self.ctx.closed:

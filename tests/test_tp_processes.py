@@ -1,0 +1,134 @@
+"""TP=2 with real rank processes on this 2-core machine (--bind "0|1"): same tokens as TP=1,
+threads pinned to their cores and busy, and clean failure when a rank dies or hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cpud import LLM, SamplingParams
+from cpud.engine.multiproc import RankDiedError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 90)), [300, 12, 44]]
+COLLECTIVES = ["gloo"]
+try:
+    from cpud.native import shm_allreduce  # noqa: F401
+
+    COLLECTIVES.insert(0, "shm")
+except ImportError:
+    pass
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def thread_info(pid: int) -> dict[int, tuple[str, int]]:
+    """tid -> (Cpus_allowed_list, utime+stime ticks)."""
+    info = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        allowed = next(
+            line.split(":")[1].strip()
+            for line in status.splitlines()
+            if line.startswith("Cpus_allowed_list")
+        )
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        info[int(task.name)] = (allowed, int(fields[11]) + int(fields[12]))
+    return info
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt"])
+def test_tp2_tokens_equal_tp1(arch, collective, model_factory):
+    model_dir = model_factory(arch)
+    expected = [
+        o.outputs[0].token_ids for o in LLM(model_dir, dtype="float32").generate(PROMPTS, GREEDY)
+    ]
+    with LLM(model_dir, dtype="float32", tp=2, bind="0|1", collective=collective) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == expected
+
+
+def test_rank_threads_pinned_and_busy(model_factory):
+    with LLM(
+        model_factory("qwen3"), dtype="bfloat16", tp=2, bind="0|1", collective=COLLECTIVES[0]
+    ) as llm:
+        ready = llm.engine.executor.ready
+        assert [r.thread_cpus for r in ready] == [[0], [1]]
+        pids = [r.pid for r in ready]
+        before = {pid: thread_info(pid) for pid in pids}
+        llm.generate([list(range(5, 200))] * 4, SamplingParams(max_tokens=40, ignore_eos=True))
+        for rank, pid in enumerate(pids):
+            after = thread_info(pid)
+            # Every thread of the rank may only run on the rank's core.
+            assert {allowed for allowed, _ in after.values()} == {str(rank)}
+            busy = [
+                tid for tid, (_, ticks) in after.items() if ticks > before[pid].get(tid, ("", 0))[1]
+            ]
+            assert busy, f"no thread of rank {rank} did work"
+
+
+def test_killed_rank_fails_the_generation_promptly(model_factory):
+    llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
+    pids = [r.pid for r in llm.engine.executor.ready]
+    killer = threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match="rank 1"):
+        llm.generate([list(range(5, 60))] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+    assert time.monotonic() - started < 10
+    llm.shutdown()
+    time.sleep(0.2)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a rank survived"
+    assert not children(os.getpid())
+
+
+def test_rank_that_fails_to_load_is_named(model_factory, tmp_path):
+    import shutil
+
+    model_dir = tmp_path / "broken"
+    shutil.copytree(model_factory("llama"), model_dir)
+    # The frontend reads config.json; the ranks then find no weights to load.
+    (model_dir / "model.safetensors").rename(model_dir / "weights.bin")
+    with pytest.raises(RankDiedError, match=r"rank \d failed to start: .*safetensors"):
+        LLM(model_dir, dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
+    assert not children(os.getpid())
+
+
+def test_rank_that_never_answers_is_named(model_factory, monkeypatch):
+    from cpud.engine import multiproc
+
+    original = multiproc.MultiprocExecutor._spawn
+
+    def spawn_then_stop_rank1(self, slots, collective):
+        original(self, slots, collective)
+        os.kill(self.procs[1].pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "_spawn", spawn_then_stop_rank1)
+    original_init = multiproc.MultiprocExecutor.__init__
+
+    def short_timeout(self, config, slots, collective="shm", ready_timeout=300.0):
+        original_init(self, config, slots, collective, ready_timeout=5.0)
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", short_timeout)
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"rank\(s\) \[1\] did not report ready within 5 s"):
+        LLM(model_factory("llama"), dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
+    assert time.monotonic() - started < 30
+    assert not children(os.getpid())
