@@ -40,6 +40,22 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--bind",
+        help="CPUs per rank: auto (one rank per NUMA node, one thread per physical core), "
+        "nobind, or lists like 0-31|32-63 (env VLLM_CPU_OMP_THREADS_BIND)",
+    )
+    parser.add_argument(
+        "--reserved-cpus",
+        type=int,
+        help="cores per rank kept for the frontend (env VLLM_CPU_NUM_OF_RESERVED_CPU)",
+    )
+    parser.add_argument(
+        "--collective",
+        choices=("shm", "gloo"),
+        default="shm",
+        help="all-reduce between ranks: shared memory (default) or torch gloo",
+    )
+    parser.add_argument(
         "--kernels",
         choices=("auto", "native", "torch"),
         default="auto",
@@ -59,6 +75,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         kernels=args.kernels,
+        bind=args.bind,
+        reserved_cpus=args.reserved_cpus,
+        collective=args.collective,
     )
 
 

@@ -15,9 +15,8 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from cpud.config import EngineArgs, resolve_config
-from cpud.engine.executor import InProcessExecutor
+from cpud.engine.executor import make_executor
 from cpud.engine.llm_engine import LLMEngine
-from cpud.errors import ConfigError
 from cpud.frontend.app import create_app
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.state import Phase, ServerConfig, ServerState
@@ -25,6 +24,7 @@ from cpud.llm import resolve_model_dir
 from cpud.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.serve")
+EXIT_ENGINE_FAILED = 3
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,9 @@ class ServeArgs:
 
 def build_engine(args: EngineArgs, model_dir: Path, max_waiting: int) -> AsyncEngine:
     config = resolve_config(args, model_dir)
-    if config.tp != 1:
-        raise ConfigError(
-            f"tp={config.tp} needs the multi-process daemon, not built yet: use --tp 1"
-        )
     tokenizer = Tokenizer(model_dir)
-    return AsyncEngine(LLMEngine(config, tokenizer, InProcessExecutor(config)), max_waiting)
+    executor = make_executor(config, args.bind, args.reserved_cpus)
+    return AsyncEngine(LLMEngine(config, tokenizer, executor), max_waiting)
 
 
 async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
@@ -95,6 +92,20 @@ async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
         await server
         raise
     state.attach(engine)
+
+    async def watch_engine() -> None:
+        # A dead engine (a rank died) has already failed its requests: exit non-zero so the
+        # service manager restarts the daemon with fresh ranks.
+        while not stop.is_set():
+            if not engine.alive:
+                log.error("engine stopped (%s): exiting for a restart", engine.error)
+                failed.set()
+                stop.set()
+                return
+            await asyncio.sleep(0.2)
+
+    failed = asyncio.Event()
+    watcher = asyncio.ensure_future(watch_engine())
     log.info(
         "ready in %.1f s: serving %s on http://%s:%d",
         time.monotonic() - started,
@@ -103,8 +114,9 @@ async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
         serve_args.port,
     )
     await server
+    watcher.cancel()
     engine.shutdown()
-    return 0
+    return EXIT_ENGINE_FAILED if failed.is_set() else 0
 
 
 def serve(engine_args: EngineArgs, serve_args: ServeArgs) -> int:

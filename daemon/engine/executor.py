@@ -17,6 +17,10 @@ log = logging.getLogger("cpud.executor")
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run steps (called while idle)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -40,6 +44,9 @@ class InProcessExecutor:
         result = self.runner.execute(plan)
         assert result is not None, "a single rank always returns its result"
         return result
+
+    def check_health(self) -> None:
+        return None
 
     def shutdown(self) -> None:
         self.runner = None

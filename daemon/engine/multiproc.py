@@ -144,6 +144,9 @@ class MultiprocExecutor:
                 subprocess.Popen([sys.executable, "-m", "cpud.ranks.worker", str(path)])
             )
 
+    def check_health(self) -> None:
+        self._check_alive()
+
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self.procs):
             code = proc.poll()

@@ -180,6 +180,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished():
+                    self.engine.executor.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -192,7 +193,10 @@ class AsyncEngine:
                     if output.finished:
                         self._sinks.pop(output.request_id, None)
         except BaseException as exc:
-            log.exception("engine loop failed")
+            if isinstance(exc, CpudError):
+                log.error("engine loop stopped: %s", exc)
+            else:
+                log.exception("engine loop failed")
             self.error = exc
             dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
             for request_id in list(self._sinks):

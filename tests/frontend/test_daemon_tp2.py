@@ -1,0 +1,81 @@
+"""`cpud serve --tp 2 --bind 0|1`: serves like tp=1, fails in-flight requests promptly when a
+rank dies and exits non-zero for a restart, drains on SIGTERM; never leaves a process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cpud_server_helpers import start_server
+
+TP2 = ("--tp", "2", "--bind", "0|1", "--max-model-len", "256")
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == server_pid and b"cpud.ranks.worker" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def tp2(model_factory, tmp_path):
+    servers = []
+
+    def start():
+        srv = start_server(model_factory("qwen3"), tmp_path / "tp2.log", *TP2)
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+
+
+def test_tp2_serves_what_tp1_serves(tp2, server):
+    body = {"prompt": "The same answer", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    one = httpx.post(server.base_url + "/v1/completions", json=body).json()
+    srv = tp2()
+    assert len(rank_pids(srv.proc.pid)) == 2
+    two = httpx.post(srv.base_url + "/v1/completions", json=body).json()
+    assert two["choices"][0]["text"] == one["choices"][0]["text"]
+    pids = rank_pids(srv.proc.pid)
+    assert srv.stop(signal.SIGTERM) == 0
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_rank_death_ends_streams_with_an_error_and_exits_nonzero(tp2):
+    srv = tp2()
+    pids = rank_pids(srv.proc.pid)
+    body = {"prompt": "go", "max_tokens": 240, "n": 8, "ignore_eos": True, "stream": True}
+    events = []
+    started = time.monotonic()
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 2:
+                os.kill(pids[1], signal.SIGKILL)
+    assert time.monotonic() - started < 15
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_dead" and "rank 1" in error["message"]
+    assert srv.proc.wait(15) == 3
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
