@@ -132,3 +132,18 @@ def test_rank_that_never_answers_is_named(model_factory, monkeypatch):
         LLM(model_factory("llama"), dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
     assert time.monotonic() - started < 30
     assert not children(os.getpid())
+
+
+def test_hung_rank_during_a_step_is_reported(model_factory):
+    llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1", collective="gloo")
+    executor = llm.engine.executor
+    object.__setattr__(executor, "step_timeout", 3.0)
+    pids = [r.pid for r in executor.ready]
+    os.kill(pids[0], signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match="within 3 s: a rank is hung"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert time.monotonic() - started < 10
+    llm.shutdown()
+    time.sleep(0.2)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)

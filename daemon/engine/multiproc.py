@@ -88,10 +88,12 @@ class MultiprocExecutor:
         slots: list[RankSlot],
         collective: str = "shm",
         ready_timeout: float = 300.0,
+        step_timeout: float = 300.0,
     ):
         if len(slots) != config.tp:
             raise ConfigError(f"{len(slots)} rank placements for tp={config.tp}")
         self.config = config
+        self.step_timeout = step_timeout
         self.runtime_dir = tempfile.mkdtemp(prefix="cpud-", dir=runtime_parent())
         os.chmod(self.runtime_dir, 0o700)
         self.ctx = zmq.Context()
@@ -188,7 +190,13 @@ class MultiprocExecutor:
         payload = encoder.encode(plan)
         for sock in self.plans:
             sock.send(payload, copy=False)
+        deadline = time.monotonic() + self.step_timeout
         while True:
+            if time.monotonic() > deadline:
+                raise RankDiedError(
+                    f"no result for step {plan.step_id} within {self.step_timeout:g} s: "
+                    f"a rank is hung (pids {[p.pid for p in self.procs]})"
+                )
             message = self._receive(POLL_MS / 1000)
             if isinstance(message, StepResult) and message.step_id == plan.step_id:
                 return message
