@@ -27,9 +27,23 @@ from .kernels import (
     thread_cpus,
 )
 from .rope import rope_cos_sin_cache
+from .shm_allreduce import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GroupAborted,
+    PeerDied,
+    ShmGroup,
+)
 
 __all__ = [
     "ISAS",
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "GroupAborted",
+    "PeerDied",
+    "ShmGroup",
     "Kernels",
     "PackedWeight",
     "available",

@@ -33,6 +33,10 @@ SOURCES = [
     "tier_avx2.c",
     "tier_avx512.c",
     "tier_avx512bf16.c",
+    "shm_allreduce.c",
+    "shm_tier_scalar.c",
+    "shm_tier_avx2.c",
+    "shm_tier_avx512.c",
 ]
 CFLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wextra"]
 

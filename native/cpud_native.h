@@ -119,4 +119,66 @@ int cpud_pin_threads(const int *cpus, int n, int *out_cpus);
 /* sched_getcpu() of each thread of an n-thread parallel region. */
 int cpud_thread_cpus(int n, int *out_cpus);
 
+/* ---------------------------------------------------------------------------
+ * Shared-memory collectives for the tensor-parallel ranks of one machine
+ * (shm_allreduce.c).  One segment, mapped by every rank, holds a header, one
+ * control block per rank (own cache lines: sequence counter, round metadata,
+ * pid) and two data slots of slot_bytes per rank.  A collective is a series
+ * of rounds; in round g each rank copies its chunk into its slot g & 1,
+ * publishes seq = g (release) and waits until every peer's seq >= g
+ * (acquire): pause-spin, then sched_yield, then short sleeps.  Two slots per
+ * rank make a reader-done flag unnecessary: a rank reaches round g + 2 only
+ * after every peer has arrived at g + 1, i.e. finished reading round g.
+ * Sums run over ranks 0..world-1 in that order on every rank (bit-identical
+ * results), in fp32 for bf16.  Waits end with CPUD_ETIMEDOUT after timeout_ns
+ * (<= 0: never), CPUD_EPEERDEAD when the missing peer's process is gone, or
+ * CPUD_EABORTED once any member or the owner called cpud_shm_abort; the first
+ * two also abort the group, so the other ranks stop waiting promptly.
+ * *peer receives the rank at fault (-1 when unknown).  One handle per rank,
+ * used by one thread at a time.
+ * ------------------------------------------------------------------------- */
+#define CPUD_SHM_MAX_WORLD 64
+enum cpud_shm_err {
+    CPUD_ETIMEDOUT = -4, /* a peer did not arrive in time            */
+    CPUD_EPEERDEAD = -5, /* a peer's process is gone                 */
+    CPUD_EABORTED = -6,  /* the group was aborted                    */
+    CPUD_EMISMATCH = -7, /* a peer ran another collective or size    */
+    CPUD_EBUSY = -8,     /* the rank is already attached             */
+    CPUD_EHEADER = -9    /* not a cpud segment, or another layout    */
+};
+typedef struct cpud_shm cpud_shm;
+
+/* Bytes of a segment for world ranks with data slots of slot_bytes (a
+ * multiple of 4096); -1 if out of range. */
+int64_t cpud_shm_segment_bytes(int world, int64_t slot_bytes);
+/* Writes the header into a fresh zero-filled mapping of bytes at base. */
+int cpud_shm_init(intptr_t base, int64_t bytes, int world, int64_t slot_bytes);
+/* A handle on the mapping at base: rank >= 0 joins as that rank (records its
+ * pid, prefaults its slots so the pages land on its NUMA node); rank -1
+ * observes (abort and seq only).  NULL with *err set on failure. */
+cpud_shm *cpud_shm_open(intptr_t base, int64_t bytes, int rank, int world, int isa, int *err);
+void cpud_shm_close(cpud_shm *h);
+int64_t cpud_shm_slot_bytes(const cpud_shm *h);
+/* Published round count of rank r (its last completed-or-current round). */
+uint64_t cpud_shm_seq(const cpud_shm *h, int r);
+/* Pid rank r attached with (0: not attached yet). */
+int cpud_shm_pid(const cpud_shm *h, int r);
+/* Makes every current and future wait of the group fail with CPUD_EABORTED;
+ * culprit: the rank at fault, or -1.  The first abort wins. */
+void cpud_shm_abort(cpud_shm *h, int culprit);
+/* -2: not aborted; else the culprit given to the first abort (-1: unknown). */
+int cpud_shm_abort_culprit(const cpud_shm *h);
+
+/* data += every other rank's data, in place (sum in rank order). */
+int cpud_shm_all_reduce(cpud_shm *h, int dtype,
+                        intptr_t data, /* [n] dtype, contiguous */
+                        int64_t n, int64_t timeout_ns, int *peer);
+/* Rank 0: out[r][p*cols + c] = data of rank p [r][c]; other ranks pass out = 0. */
+int cpud_shm_gather_last_dim(cpud_shm *h, int elem_size,
+                             intptr_t data, /* [rows][cols] of elem_size bytes        */
+                             int64_t rows, int64_t cols,
+                             intptr_t out,  /* rank 0: [rows][world * cols], else 0 */
+                             int64_t timeout_ns, int *peer);
+int cpud_shm_barrier(cpud_shm *h, int64_t timeout_ns, int *peer);
+
 #endif

@@ -20,6 +20,7 @@ import msgspec
 from cpud.ranks.binding import bind_memory, die_with_parent, pin_threads, set_affinity
 
 log = logging.getLogger("cpud.rank")
+LOAD_BARRIER_TIMEOUT_S = 1800.0
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -108,6 +109,9 @@ def run(spec: RankSpec) -> int:
                 )
             )
         )
+        if hasattr(group, "barrier"):
+            # Ranks load at different speeds; the per-collective timeout starts after this.
+            group.barrier(timeout=LOAD_BARRIER_TIMEOUT_S)
         while True:
             message = to_rank_decoder.decode(plans.recv())
             if isinstance(message, Shutdown):

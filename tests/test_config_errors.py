@@ -178,3 +178,9 @@ def test_kernels_choice_without_native_library(monkeypatch):
         make_ops("native")
     with pytest.raises(ConfigError, match="kernels 'fast' is not one of"):
         make_ops("fast")
+
+
+def test_kv_cache_that_does_not_fit_memory_is_refused_with_numbers(model_factory):
+    with pytest.raises(ConfigError, match="GiB") as info:
+        LLM(model_factory("llama"), dtype="float32", num_kv_blocks=10**9)
+    assert "\n" not in str(info.value)

@@ -95,7 +95,9 @@ def test_preemption_under_tiny_kv_cache_gives_same_tokens(arch, model_factory, h
     rng = random.Random(7)
     prompts = [[rng.randrange(4, 400) for _ in range(n)] for n in (40, 35, 44, 38)]
     # Each request needs 5 blocks of 16 at its end; 4 run at once would need 20.
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=12, enable_prefix_caching=False)
+    llm = LLM(
+        model_dir, dtype="float32", num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False
+    )
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     model = hf_models(model_dir)
@@ -106,7 +108,7 @@ def test_preemption_under_tiny_kv_cache_gives_same_tokens(arch, model_factory, h
 
 
 def test_free_blocks_restored_after_every_request_and_abort(model_factory):
-    llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=40)
+    llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=40, max_model_len=640)
     engine = llm.engine
     for n in (1, 17, 64):
         llm.generate([list(range(5, 5 + n))], SamplingParams(max_tokens=5, temperature=0))

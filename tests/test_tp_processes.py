@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -85,10 +84,19 @@ def test_rank_threads_pinned_and_busy(model_factory):
 
 
 def test_killed_rank_fails_the_generation_promptly(model_factory):
-    llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
-    pids = [r.pid for r in llm.engine.executor.ready]
-    killer = threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL))
-    killer.start()
+    llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1")
+    executor = llm.engine.executor
+    pids = [r.pid for r in executor.ready]
+    execute = executor.execute
+    steps = []
+
+    def execute_then_kill(plan):
+        steps.append(plan.step_id)
+        if len(steps) == 3:  # mid-generation: after prefill, during decode
+            os.kill(pids[1], signal.SIGKILL)
+        return execute(plan)
+
+    executor.execute = execute_then_kill
     started = time.monotonic()
     with pytest.raises(RankDiedError, match="rank 1"):
         llm.generate([list(range(5, 60))] * 8, SamplingParams(max_tokens=200, ignore_eos=True))

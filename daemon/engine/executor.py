@@ -52,17 +52,40 @@ class InProcessExecutor:
         self.runner = None
 
 
+def check_memory(config: EngineConfig, plan: object, topology: object) -> None:
+    """Refuse, with numbers, a configuration whose weights + KV cache do not fit a node."""
+    from cpud.placement.memory_plan import plan_memory
+
+    memory = plan_memory(
+        config.model,
+        config.dtype,
+        plan,
+        topology,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_space_gib=config.kv_cache_bytes_per_rank / (1 << 30),
+    )
+    for line in memory.describe():
+        log.info("memory: %s", line)
+
+
 def make_executor(config: EngineConfig, bind: str | None, reserved_cpus: int | None) -> Executor:
-    """In-process at tp=1; otherwise one bound rank process per shard, placed by the plan."""
+    """In-process at tp=1; otherwise one bound rank process per shard, placed by the plan.
+    Either way the memory plan is checked first."""
+    from cpud.placement.binding import binding_spec, plan_binding
+    from cpud.placement.topology import discover_topology
+
+    topology = discover_topology()
+    plan = plan_binding(binding_spec(bind, reserved_cpus), config.tp, topology)
+    check_memory(config, plan, topology)
     if config.tp == 1:
         return InProcessExecutor(config)
     import torch
 
     from cpud.engine.multiproc import MultiprocExecutor, RankSlot
-    from cpud.placement.binding import binding_spec, plan_binding
-    from cpud.placement.topology import discover_topology
 
-    plan = plan_binding(binding_spec(bind, reserved_cpus), config.tp, discover_topology())
     for line in plan.describe():
         log.info("binding: %s", line)
     slots = [RankSlot(list(r.cpus) or None, r.numa_node) for r in plan.ranks]

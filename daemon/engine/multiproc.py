@@ -153,6 +153,8 @@ class MultiprocExecutor:
         for rank, proc in enumerate(self.procs):
             code = proc.poll()
             if code is not None:
+                if self._shm is not None:
+                    self._shm.abort(rank)  # peers blocked in a collective stop waiting now
                 raise RankDiedError(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 
     def _receive(self, timeout_s: float) -> object | None:
