@@ -79,3 +79,26 @@ def test_rank_death_ends_streams_with_an_error_and_exits_nonzero(tp2):
     assert error["code"] == "engine_dead" and "rank 1" in error["message"]
     assert srv.proc.wait(15) == 3
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_sigterm_drains_in_flight_requests_at_tp2(tp2):
+    import threading
+
+    srv = tp2()
+    pids = rank_pids(srv.proc.pid)
+    body = {"prompt": "go", "max_tokens": 200, "n": 4, "ignore_eos": True}
+    result: dict = {}
+
+    def call() -> None:
+        response = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+        result["status"], result["body"] = response.status_code, response.json()
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    time.sleep(0.3)
+    srv.proc.send_signal(signal.SIGTERM)
+    worker.join(60)
+    assert result["status"] == 200
+    assert result["body"]["usage"]["completion_tokens"] == 4 * 200
+    assert srv.proc.wait(30) == 0
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
