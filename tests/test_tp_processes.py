@@ -25,14 +25,17 @@ except ImportError:
 
 
 def children(pid: int) -> list[int]:
+    """Rank processes (cpud.ranks.worker) whose parent is `pid`."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"cpud.ranks.worker" in cmdline:
                 found.append(int(entry.name))
     return found
 
