@@ -33,8 +33,24 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
+class RankStats(msgspec.Struct, frozen=True, tag="stats"):
+    """Cumulative counters of one rank, sent about once a second while it works."""
+
+    rank: int
+    numa_node: int | None
+    steps: int
+    step_seconds: float
+    allreduce_seconds: float
+    allreduce_calls: int
+    threads: int  # OpenMP threads the rank runs
+    threads_bound: int  # of those, pinned to their own CPU as planned
+    threads_busy: int  # threads that used CPU time since the previous report
+    resident_bytes: int
+    kv_bytes: int
+
+
 ToRank = StepPlan | Shutdown
-FromRank = Ready | RankFailed | StepResult
+FromRank = Ready | RankFailed | StepResult | RankStats
 
 encoder = msgspec.msgpack.Encoder()
 to_rank_decoder = msgspec.msgpack.Decoder(ToRank)

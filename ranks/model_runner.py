@@ -62,6 +62,10 @@ class ModelRunner:
         ]
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None."""

@@ -90,8 +90,12 @@ def run(spec: RankSpec) -> int:
         from cpud.engine.multiproc import RankEngineConfig, build_runner
 
         config = msgspec.json.decode(spec.engine_config_json, type=RankEngineConfig)
-        group = make_group(spec)
+        from cpud.ranks.stats import RankStatsCollector, TimedGroup
+
+        group = TimedGroup(make_group(spec))
         runner = build_runner(config, group)
+        bound = sum(1 for got, want in zip(thread_cpus, cpus) if got == want)
+        stats = RankStatsCollector(spec.rank, spec.numa_node, cpus, bound)
         plans = ctx.socket(zmq.PULL)
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         plans.bind(plan_socket(spec.runtime_dir, spec.rank))
@@ -109,16 +113,19 @@ def run(spec: RankSpec) -> int:
                 )
             )
         )
-        if hasattr(group, "barrier"):
-            # Ranks load at different speeds; the per-collective timeout starts after this.
-            group.barrier(timeout=LOAD_BARRIER_TIMEOUT_S)
+        # Ranks load at different speeds; the per-collective timeout starts after this.
+        group.barrier(timeout=LOAD_BARRIER_TIMEOUT_S)
         while True:
             message = to_rank_decoder.decode(plans.recv())
             if isinstance(message, Shutdown):
                 return 0
+            step_started = time.perf_counter()
             result = runner.execute(message)
+            stats.observe_step(time.perf_counter() - step_started)
             if result is not None:
                 results.send(encoder.encode(result))
+            if stats.due():
+                results.send(encoder.encode(stats.snapshot(group, runner.kv_cache_bytes)))
     except BaseException as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.error("rank %d failed: %s\n%s", spec.rank, detail, traceback.format_exc())

@@ -7,9 +7,11 @@ import logging
 from typing import Protocol
 
 from cpud.config import EngineConfig
+from cpud.protocol.control import RankStats
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
+from cpud.ranks.stats import RankStatsCollector
 
 log = logging.getLogger("cpud.executor")
 
@@ -19,6 +21,10 @@ class Executor(Protocol):
 
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (called while idle)."""
+        ...
+
+    def rank_stats(self) -> list[RankStats]:
+        """The latest counters of every rank (for metrics)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -38,15 +44,23 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
 
 class InProcessExecutor:
     def __init__(self, config: EngineConfig):
+        import os
+
         self.runner = ModelRunner(runner_config(config), config.model, SingleRank())
+        cpus = sorted(os.sched_getaffinity(0))
+        self.stats = RankStatsCollector(0, None, cpus, 0)
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self.runner.execute(plan)
         assert result is not None, "a single rank always returns its result"
+        self.stats.observe_step(result.forward_seconds)
         return result
 
     def check_health(self) -> None:
         return None
+
+    def rank_stats(self) -> list[RankStats]:
+        return [self.stats.snapshot(None, self.runner.kv_cache_bytes)]
 
     def shutdown(self) -> None:
         self.runner = None

@@ -28,6 +28,7 @@ from cpud.errors import ConfigError, CpudError
 from cpud.protocol.control import (
     MAX_MESSAGE_BYTES,
     RankFailed,
+    RankStats,
     Ready,
     Shutdown,
     encoder,
@@ -103,6 +104,7 @@ class MultiprocExecutor:
         self.plans: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         self.ready: list[Ready] = []
+        self.stats: dict[int, RankStats] = {}
         self._shm = None
         try:
             if collective == "shm" and config.tp > 1:
@@ -147,6 +149,9 @@ class MultiprocExecutor:
             )
 
     def check_health(self) -> None:
+        message = self._receive(0)
+        if isinstance(message, RankFailed):
+            raise RankDiedError(f"rank {message.rank} failed: {message.message}")
         self._check_alive()
 
     def _check_alive(self) -> None:
@@ -158,9 +163,16 @@ class MultiprocExecutor:
                 raise RankDiedError(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 
     def _receive(self, timeout_s: float) -> object | None:
-        if self.results.poll(int(timeout_s * 1000)):
-            return from_rank_decoder.decode(self.results.recv())
+        """The next message that needs an answer; statistics are filed on the way."""
+        while self.results.poll(int(timeout_s * 1000)):
+            message = from_rank_decoder.decode(self.results.recv())
+            if not isinstance(message, RankStats):
+                return message
+            self.stats[message.rank] = message
         return None
+
+    def rank_stats(self) -> list[RankStats]:
+        return [self.stats[r] for r in sorted(self.stats)]
 
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -14,6 +14,40 @@ from cpud.frontend.async_engine import AsyncEngine
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+RANK_LABELS = ["rank", "numa_node"]
+RANK_SERIES = (
+    # (name, help, kind, RankStats field)
+    ("cpud_rank_steps", "Steps the rank executed", "counter", "steps"),
+    (
+        "cpud_rank_step_seconds",
+        "Time spent executing steps",
+        "counter",
+        "step_seconds",
+    ),
+    ("cpud_rank_allreduce_seconds", "Wall time in all-reduce", "counter", "allreduce_seconds"),
+    ("cpud_rank_threads", "OpenMP threads the rank runs", "gauge", "threads"),
+    ("cpud_rank_threads_bound", "Threads pinned to their planned CPU", "gauge", "threads_bound"),
+    (
+        "cpud_rank_threads_busy",
+        "Threads that ran since the last report",
+        "gauge",
+        "threads_busy",
+    ),
+    ("cpud_rank_resident_bytes", "Resident memory of the rank process", "gauge", "resident_bytes"),
+    ("cpud_rank_kv_cache_bytes", "KV cache allocated by the rank", "gauge", "kv_bytes"),
+)
+
+
+def rank_families(stats: list) -> Iterator:
+    for name, help_text, kind, field in RANK_SERIES:
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = family_type(name, help_text, labels=RANK_LABELS)
+        for entry in stats:
+            node = "" if entry.numa_node is None else str(entry.numa_node)
+            family.add_metric([str(entry.rank), node], getattr(entry, field))
+        yield family
+
+
 class EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
@@ -41,6 +75,7 @@ class EngineCollector(Collector):
             stats.preemptions,
         )
         yield CounterMetricFamily("cpud_engine_steps", "Engine steps run", stats.steps)
+        yield from rank_families(self.engine.engine.executor.rank_stats())
         yield CounterMetricFamily(
             "cpud_engine_step_seconds", "Wall time spent in engine steps", stats.step_seconds
         )

@@ -55,6 +55,19 @@ def test_tp2_serves_what_tp1_serves(tp2, server):
     assert len(rank_pids(srv.proc.pid)) == 2
     two = httpx.post(srv.base_url + "/v1/completions", json=body).json()
     assert two["choices"][0]["text"] == one["choices"][0]["text"]
+    # Per-rank series, labelled by rank and NUMA node, arrive within about a second of work.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        httpx.post(srv.base_url + "/v1/completions", json=body)
+        text = httpx.get(srv.base_url + "/metrics").text
+        if all(f'cpud_rank_steps_total{{numa_node="0",rank="{r}"}}' in text for r in "01"):
+            break
+    for rank in ("0", "1"):
+        labels = f'{{numa_node="0",rank="{rank}"}}'
+        rank_lines = [line for line in text.splitlines() if line.startswith("cpud_rank")]
+        assert f"cpud_rank_threads_bound{labels} 1.0" in text, rank_lines
+        assert f"cpud_rank_kv_cache_bytes{labels}" in text
+        assert f"cpud_rank_allreduce_seconds_total{labels}" in text
     pids = rank_pids(srv.proc.pid)
     assert srv.stop(signal.SIGTERM) == 0
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)

@@ -124,3 +124,22 @@ def test_completion_logprobs(client):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_metrics_cover_requests_latency_and_the_rank(client, server):
+    import httpx
+
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in (
+        'cpud_requests_total{endpoint="/v1/completions",status="200"}',
+        "cpud_time_to_first_token_seconds_bucket",
+        "cpud_inter_token_latency_seconds_bucket",
+        "cpud_e2e_request_latency_seconds_count",
+        "cpud_kv_cache_usage_ratio",
+        "cpud_prefix_cache_hits_total",
+        "cpud_preemptions_total",
+        'cpud_rank_steps_total{numa_node="",rank="0"}',
+        'cpud_rank_resident_bytes{numa_node="",rank="0"}',
+    ):
+        assert name in text, name
