@@ -62,6 +62,9 @@ async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
     hyper.bind = [f"{serve_args.host}:{serve_args.port}"]
     hyper.accesslog = None
     hyper.graceful_timeout = 5.0
+    # Longer than the idle timeout of common clients and load balancers (60 s), so the server
+    # is never the side that closes a pooled connection just as a request goes out on it.
+    hyper.keep_alive_timeout = 75.0
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -159,7 +159,9 @@ async def collect_or_abort(
 
 
 def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    # ASCII-only JSON: U+2028 / U+0085 inside generated text would otherwise be split as line
+    # breaks by clients that use str.splitlines() on the event stream.
+    payload = data if isinstance(data, str) else json.dumps(data)
     return f"data: {payload}\n\n"
 
 

@@ -12,24 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cpud_server_helpers import start_server
+from cpud_server_helpers import rank_pids, start_server
 
 TP2 = ("--tp", "2", "--bind", "0|1", "--max-model-len", "256")
-
-
-def rank_pids(server_pid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == server_pid and b"cpud.ranks.worker" in cmdline:
-                pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture

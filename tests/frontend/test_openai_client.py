@@ -143,3 +143,16 @@ def test_metrics_cover_requests_latency_and_the_rank(client, server):
         'cpud_rank_resident_bytes{numa_node="",rank="0"}',
     ):
         assert name in text, name
+
+
+def test_stream_events_are_ascii_json_lines(server):
+    import httpx
+
+    body = {"prompt": "héllo", "max_tokens": 24, "stream": True, "seed": 3}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as response:
+        raw = response.read()
+    assert raw.isascii()  # no raw U+2028 / U+0085 that splitlines() would break on
+    lines = [line for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(raw.decode().splitlines()) == len(
+        raw.decode().split("\n")
+    ) - (1 if raw.decode().endswith("\n") else 0)
