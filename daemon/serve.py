@@ -73,11 +73,10 @@ async def run_server(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
             return
         state.phase = Phase.DRAINING
         deadline = time.monotonic() + serve_args.drain_timeout
-        engine = state._engine
-        while engine is not None and engine.num_unfinished and time.monotonic() < deadline:
+        while state.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine is not None and engine.num_unfinished:
-            log.warning("drain timeout: %d requests still running", engine.num_unfinished)
+        if state.in_flight:
+            log.warning("drain timeout: %d requests still running", state.in_flight)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):

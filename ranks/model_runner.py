@@ -15,7 +15,7 @@ from cpud.ranks.models import build_model, pack_for_native
 from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.sampler import sample
-from cpud.ranks.step_inputs import build_step_inputs
+from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None."""
         started = time.perf_counter()
-        inputs = build_step_inputs(plan, self.config.block_size)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        inputs, hidden = self._forward(plan)
         tokens = []
         if inputs.sampling_works:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -85,6 +84,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits for every token of the plan (tests and prompt logprobs); [T, vocab]."""
+        return self.model.compute_logits(self._forward(plan)[1])
+
+    def _forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
+        """Hidden states of every token of the plan; writes their KV."""
         inputs = build_step_inputs(plan, self.config.block_size)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return self.model.compute_logits(hidden)
+        return inputs, hidden

@@ -48,6 +48,11 @@ class ServerState:
         return self._engine
 
     @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished (0 before the engine is loaded)."""
+        return 0 if self._engine is None else self._engine.num_unfinished
+
+    @property
     def engine_alive(self) -> bool:
         return self._engine is not None and self._engine.alive
 
