@@ -73,7 +73,9 @@ class RankStatsCollector:
 
     def snapshot(self, group: TimedGroup | None, kv_bytes: int) -> RankStats:
         ticks = _thread_ticks()
-        busy = sum(1 for tid, t in ticks.items() if t > self._ticks.get(tid, 0))
+        # zmq I/O and heartbeat threads count too; they rarely tick, but never report more
+        # busy threads than the rank runs.
+        busy = min(len(self.cpus), sum(1 for t, n in ticks.items() if n > self._ticks.get(t, 0)))
         self._ticks = ticks
         self._last = time.monotonic()
         return RankStats(

@@ -2,15 +2,18 @@
 
     python -m cpud.ranks.worker SPEC_JSON
 
-The spec (a RankSpec, msgspec JSON) says where to run and how to reach the frontend. Rank 0
-returns each step's sampled tokens; every rank reports READY once loaded, or FAILED.
+The spec (a RankSpec, msgspec JSON) says where to run and where the sockets are. Every rank
+reports READY (or FAILED) and a heartbeat every second to the supervisor; step plans come from
+the frontend, and rank 0 returns each step's sampled tokens to it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -55,8 +58,54 @@ def make_group(spec: RankSpec):
     return ShmGroup.attach(f"{spec.runtime_dir}/allreduce.shm", spec.rank, spec.world_size)
 
 
+class StepClock:
+    """When the current step started (None while idle), read by the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+
+    def busy_seconds(self) -> float:
+        started = self.started
+        return 0.0 if started is None else time.monotonic() - started
+
+
+def start_heartbeat(ctx, spec: RankSpec, clock: StepClock, stop: threading.Event) -> None:
+    """A thread that keeps telling the supervisor this process is alive (and how long its
+    current step has run), while loading and while serving."""
+    import zmq
+
+    from cpud.protocol.supervision import (
+        HEARTBEAT_INTERVAL_S,
+        Heartbeat,
+        encoder,
+        supervisor_socket,
+    )
+
+    def beat() -> None:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(supervisor_socket(spec.runtime_dir))
+        try:
+            while not stop.is_set():
+                beat = Heartbeat("rank", spec.rank, os.getpid(), clock.busy_seconds())
+                try:
+                    sock.send(encoder.encode(beat), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError:
+                    return  # the context is closing
+                stop.wait(HEARTBEAT_INTERVAL_S)
+        finally:
+            sock.close()
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
 def run(spec: RankSpec) -> int:
     die_with_parent()
+    # Ctrl-C reaches the whole process group; the supervisor decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.perf_counter()
     warnings: list[str] = []
     if spec.cpus is not None:
@@ -68,16 +117,16 @@ def run(spec: RankSpec) -> int:
 
     import zmq
 
-    from cpud.protocol.control import (
-        MAX_MESSAGE_BYTES,
-        RankFailed,
-        Ready,
-        Shutdown,
-        encoder,
-        to_rank_decoder,
-    )
+    from cpud.protocol.control import MAX_MESSAGE_BYTES, Shutdown, encoder, to_rank_decoder
+    from cpud.protocol.supervision import RankFailed, Ready, supervisor_socket
 
     ctx = zmq.Context()
+    clock = StepClock()
+    stop_heartbeat = threading.Event()
+    start_heartbeat(ctx, spec, clock, stop_heartbeat)
+    control = ctx.socket(zmq.PUSH)
+    control.setsockopt(zmq.LINGER, 2000)
+    control.connect(supervisor_socket(spec.runtime_dir))
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 2000)
     results.connect(results_socket(spec.runtime_dir))
@@ -99,7 +148,7 @@ def run(spec: RankSpec) -> int:
         plans = ctx.socket(zmq.PULL)
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         plans.bind(plan_socket(spec.runtime_dir, spec.rank))
-        results.send(
+        control.send(
             encoder.encode(
                 Ready(
                     rank=spec.rank,
@@ -109,6 +158,7 @@ def run(spec: RankSpec) -> int:
                     thread_cpus=thread_cpus,
                     load_seconds=time.perf_counter() - started,
                     kernels=runner.ops.name,
+                    num_kv_blocks=config.num_kv_blocks,
                     warnings=warnings,
                 )
             )
@@ -120,7 +170,9 @@ def run(spec: RankSpec) -> int:
             if isinstance(message, Shutdown):
                 return 0
             step_started = time.perf_counter()
+            clock.started = time.monotonic()
             result = runner.execute(message)
+            clock.started = None
             stats.observe_step(time.perf_counter() - step_started)
             if result is not None:
                 results.send(encoder.encode(result))
@@ -129,10 +181,12 @@ def run(spec: RankSpec) -> int:
     except BaseException as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.error("rank %d failed: %s\n%s", spec.rank, detail, traceback.format_exc())
-        results.send(encoder.encode(RankFailed(spec.rank, detail)))
+        control.send(encoder.encode(RankFailed(spec.rank, detail)))
         return 1
     finally:
+        stop_heartbeat.set()
         results.close()
+        control.close()
         ctx.term()
 
 

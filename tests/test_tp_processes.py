@@ -124,18 +124,19 @@ def test_rank_that_fails_to_load_is_named(model_factory, tmp_path):
 
 def test_rank_that_never_answers_is_named(model_factory, monkeypatch):
     from cpud.engine import multiproc
+    from cpud.engine.rank_group import RankGroup, RankTimeouts
 
-    original = multiproc.MultiprocExecutor._spawn
+    original = RankGroup._spawn
 
-    def spawn_then_stop_rank1(self, slots, collective):
-        original(self, slots, collective)
+    def spawn_then_stop_rank1(self, engine, slots, collective):
+        original(self, engine, slots, collective)
         os.kill(self.procs[1].pid, signal.SIGSTOP)
 
-    monkeypatch.setattr(multiproc.MultiprocExecutor, "_spawn", spawn_then_stop_rank1)
+    monkeypatch.setattr(RankGroup, "_spawn", spawn_then_stop_rank1)
     original_init = multiproc.MultiprocExecutor.__init__
 
-    def short_timeout(self, config, slots, collective="shm", ready_timeout=300.0):
-        original_init(self, config, slots, collective, ready_timeout=5.0)
+    def short_timeout(self, config, slots, collective="shm", timeouts=None):
+        original_init(self, config, slots, collective, RankTimeouts(ready=5.0))
 
     monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", short_timeout)
     started = time.monotonic()
@@ -145,10 +146,33 @@ def test_rank_that_never_answers_is_named(model_factory, monkeypatch):
     assert not children(os.getpid())
 
 
+def test_silent_rank_is_killed_and_named(model_factory, monkeypatch):
+    """A rank that stops sending heartbeats (stopped, wedged) is declared lost, not waited on."""
+    from cpud.engine import multiproc
+    from cpud.engine.rank_group import RankTimeouts
+
+    original_init = multiproc.MultiprocExecutor.__init__
+
+    def short_silence(self, config, slots, collective="shm", timeouts=None):
+        original_init(self, config, slots, collective, RankTimeouts(silent=3.0))
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", short_silence)
+    llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1")
+    pids = [r.pid for r in llm.engine.executor.ready]
+    os.kill(pids[1], signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"rank 1 .* sent no heartbeat for \d+ s"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=400, ignore_eos=True))
+    assert time.monotonic() - started < 10
+    llm.shutdown()
+    time.sleep(0.2)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
 def test_hung_rank_during_a_step_is_reported(model_factory):
     llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1", collective="gloo")
     executor = llm.engine.executor
-    object.__setattr__(executor, "step_timeout", 3.0)
+    executor.client.step_timeout = 3.0
     pids = [r.pid for r in executor.ready]
     os.kill(pids[0], signal.SIGSTOP)
     started = time.monotonic()

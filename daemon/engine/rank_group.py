@@ -1,0 +1,251 @@
+"""The rank processes of one engine: spawned, watched and stopped by one owner.
+
+The owner (the supervisor of the daemon, or the offline `LLM` in its own process) creates the
+group in a private runtime directory. Ranks report READY or FAILED and a heartbeat every second
+on the supervisor socket; `poll` turns every way a rank can be lost into RankDiedError naming
+the rank: a FAILED report, an exit, silence for longer than the rank timeout (a stopped or
+wedged process, which is then killed), or one step running past the step timeout. A rank that
+is lost is aborted in the shared-memory all-reduce so its peers stop waiting for it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from cpud.errors import CpudError
+from cpud.protocol.supervision import (
+    MAX_MESSAGE_BYTES,
+    Heartbeat,
+    RankFailed,
+    Ready,
+    supervisor_socket,
+    to_supervisor_decoder,
+)
+from cpud.ranks.worker import RankSpec
+
+log = logging.getLogger("cpud.ranks")
+
+
+class RankDiedError(CpudError):
+    """A rank process exited, failed or hung; the engine cannot continue."""
+
+
+class RankEngineConfig(msgspec.Struct, frozen=True):
+    """What a rank needs to build its runner (sent as JSON in its spec)."""
+
+    model_dir: str
+    dtype: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    seed: int
+    kernels: str
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    cpus: list[int] | None
+    numa_node: int | None
+
+
+@dataclass(frozen=True)
+class RankTimeouts:
+    ready: float = 600.0  # spawn to READY (loading weights)
+    silent: float = 30.0  # no heartbeat for this long: the rank is stopped or wedged
+    step: float = 300.0  # one step running longer than this: the rank is hung
+    fresh: float = 5.0  # heartbeats younger than this count as fresh (systemd watchdog)
+
+
+class RankGroup:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        runtime_dir: str,
+        engine: RankEngineConfig,
+        slots: list[RankSlot],
+        collective: str = "shm",
+        timeouts: RankTimeouts = RankTimeouts(),
+        on_message: Callable[[object], None] | None = None,
+    ):
+        self.runtime_dir = runtime_dir
+        self.world_size = len(slots)
+        self.timeouts = timeouts
+        self.on_message = on_message
+        self.procs: list[subprocess.Popen] = []
+        self.ready: dict[int, Ready] = {}
+        self.last_beat: dict[int, float] = {}
+        self.busy: dict[int, float] = {}
+        self.failure: str | None = None
+        self.failed_rank: int | None = None
+        self._failure_reported = False  # the failure came from a FAILED report, not an exit
+        self.reported: set[int] = set()  # ranks that sent FAILED
+        self.control = ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(supervisor_socket(runtime_dir))
+        self._shm = None
+        if collective == "shm" and self.world_size > 1:
+            from cpud.native.shm_allreduce import ShmGroup
+
+            self._shm = ShmGroup.create(f"{runtime_dir}/allreduce.shm", self.world_size, 8 << 20)
+        self._spawn(engine, slots, collective)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _spawn(self, engine: RankEngineConfig, slots: list[RankSlot], collective: str) -> None:
+        now = time.monotonic()
+        for rank, slot in enumerate(slots):
+            spec = RankSpec(
+                rank=rank,
+                world_size=self.world_size,
+                runtime_dir=self.runtime_dir,
+                cpus=slot.cpus,
+                numa_node=slot.numa_node,
+                collective=collective,
+                engine_config_json=msgspec.json.encode(engine).decode(),
+            )
+            path = Path(self.runtime_dir) / f"rank{rank}.json"
+            path.write_bytes(msgspec.json.encode(spec))
+            self.procs.append(
+                subprocess.Popen([sys.executable, "-m", "cpud.ranks.worker", str(path)])
+            )
+            self.last_beat[rank] = now
+
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """File every waiting control message; wait up to timeout_s for the first one."""
+        wait_ms = int(timeout_s * 1000)
+        while self.control.poll(wait_ms):
+            wait_ms = 0
+            message = to_supervisor_decoder.decode(self.control.recv())
+            if isinstance(message, Heartbeat) and message.role == "rank":
+                self.last_beat[message.index] = time.monotonic()
+                self.busy[message.index] = message.busy_seconds
+            elif isinstance(message, Ready):
+                self.ready[message.rank] = message
+                self.last_beat[message.rank] = time.monotonic()
+                for warning in message.warnings:
+                    log.warning("rank %d: %s", message.rank, warning)
+                log.info(
+                    "rank %d ready in %.1f s: pid %d, node %s, threads on cpus %s, kernels %s",
+                    message.rank,
+                    message.load_seconds,
+                    message.pid,
+                    message.numa_node,
+                    message.thread_cpus,
+                    message.kernels,
+                )
+            elif isinstance(message, RankFailed):
+                self.reported.add(message.rank)
+                self._lose(message.rank, f"rank {message.rank} failed: {message.message}")
+            elif self.on_message is not None:
+                self.on_message(message)
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """File control messages, then raise RankDiedError if any rank is lost."""
+        self.pump(timeout_s)
+        if self.failure is None:
+            self._check_processes()
+        if self.failure is not None:
+            self.settle()
+            raise RankDiedError(self.failure)
+
+    def _check_processes(self) -> None:
+        now = time.monotonic()
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                self._lose(rank, f"rank {rank} (pid {proc.pid}) exited with code {code}", True)
+                continue
+            silent = now - self.last_beat[rank]
+            busy = self.busy.get(rank, 0.0)
+            if silent > self.timeouts.silent:
+                proc.kill()
+                reason = f"sent no heartbeat for {silent:.0f} s: stopped or wedged; killed"
+            elif busy > self.timeouts.step:
+                proc.kill()
+                reason = (
+                    f"ran one step for {busy:.0f} s (step timeout {self.timeouts.step:g} s): "
+                    "hung; killed"
+                )
+            else:
+                continue
+            self._lose(rank, f"rank {rank} (pid {proc.pid}) {reason}", True)
+
+    def _lose(self, rank: int, reason: str, exited: bool = False) -> None:
+        if self.failure is not None:
+            # A rank whose collective broke often reports first; a peer that died is the news.
+            if not (exited and self._failure_reported and rank not in self.reported):
+                return
+        self.failure, self.failed_rank, self._failure_reported = reason, rank, not exited
+        if self._shm is not None:
+            self._shm.abort(rank)  # peers blocked in a collective stop waiting now
+        log.error("%s", reason)
+
+    def settle(self, grace_s: float = 1.0) -> None:
+        """After a FAILED report, give a peer that died a moment to be named instead."""
+        deadline = time.monotonic() + grace_s
+        while self._failure_reported and time.monotonic() < deadline:
+            self.pump(0)
+            self._check_processes()
+            time.sleep(0.05)
+
+    def wait_ready(self, on_progress: Callable[[int], None] | None = None) -> list[Ready]:
+        deadline = time.monotonic() + self.timeouts.ready
+        reported = -1
+        while len(self.ready) < self.world_size:
+            try:
+                self.poll(0.1)
+            except RankDiedError as exc:
+                raise RankDiedError(str(exc).replace("failed:", "failed to start:", 1)) from None
+            if on_progress is not None and len(self.ready) != reported:
+                reported = len(self.ready)
+                on_progress(reported)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(self.ready))
+                raise RankDiedError(
+                    f"rank(s) {missing} did not report ready within {self.timeouts.ready:g} s"
+                )
+        return [self.ready[r] for r in range(self.world_size)]
+
+    def heartbeats_fresh(self) -> bool:
+        now = time.monotonic()
+        return self.failure is None and all(
+            now - beat <= self.timeouts.fresh for beat in self.last_beat.values()
+        )
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the ranks to exit (after Shutdown), then terminate and kill stragglers."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.control.close(0)
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        self.stop(0)
