@@ -126,8 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from cpud import envs
-    from cpud.config import EngineArgs
-    from cpud.serve import ServeArgs, serve
+    from cpud.config import EngineArgs, ServeArgs
+    from cpud.supervisor import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
@@ -139,16 +139,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         metrics_need_key=args.metrics_need_key,
         max_waiting=args.max_pending_requests,
+        ready_timeout=args.ready_timeout,
+        rank_timeout=args.rank_timeout,
+        step_timeout=args.step_timeout,
     )
     return serve(engine_args, serve_args)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from cpud.doctor import collect, render, report
+    from cpud.doctor.run import run_command
 
-    checks = collect()
-    print(json.dumps(report(checks), indent=2) if args.json else render(checks))
-    return 0 if all(c.ok for c in checks) else 1
+    return run_command(args)
 
 
 def cmd_model_make(args: argparse.Namespace) -> int:
@@ -198,6 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="requests admitted at once (running + queued); more get 429 with Retry-After",
     )
+    srv.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the ranks may take to bind, pin and load their weights",
+    )
+    srv.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a rank or the frontend may go without a heartbeat before the daemon "
+        "counts it as lost and exits 3 for a restart",
+    )
+    srv.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one model step may run before its rank counts as hung",
+    )
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text offline (no HTTP)")
@@ -212,8 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print outputs as JSON")
     gen.set_defaults(func=cmd_generate)
 
-    doctor = sub.add_parser("doctor", help="check this machine: ISA tier, native kernels, dtype")
-    doctor.add_argument("--json", action="store_true", help="machine-readable report")
+    from cpud.doctor.args import EPILOG, add_doctor_arguments
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="what cpud will do on this machine (CPUs, NUMA, cgroup, binding, memory) and "
+        "what to change",
+        epilog=EPILOG,
+    )
+    add_doctor_arguments(doctor)
     doctor.set_defaults(func=cmd_doctor)
 
     model = sub.add_parser("model", help="model utilities")

@@ -41,6 +41,22 @@ class EngineArgs:
 
 
 @dataclass(frozen=True)
+class ServeArgs:
+    """How `cpud serve` listens, admits, drains and watches its ranks."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    max_waiting: int = 1024
+    metrics_need_key: bool = False
+    ready_timeout: float = 600.0  # seconds ranks may take to load
+    rank_timeout: float = 30.0  # seconds without a heartbeat before a child counts as lost
+    step_timeout: float = 300.0  # seconds one step may run before its rank counts as hung
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
     model: ModelConfig

@@ -24,6 +24,7 @@ from cpud.ranks.binding import bind_memory, die_with_parent, pin_threads, set_af
 
 log = logging.getLogger("cpud.rank")
 LOAD_BARRIER_TIMEOUT_S = 1800.0
+STATS_INTERVAL_MS = 1000
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -69,7 +70,9 @@ class StepClock:
         return 0.0 if started is None else time.monotonic() - started
 
 
-def start_heartbeat(ctx, spec: RankSpec, clock: StepClock, stop: threading.Event) -> None:
+def start_heartbeat(
+    ctx, spec: RankSpec, clock: StepClock, stop: threading.Event
+) -> threading.Thread:
     """A thread that keeps telling the supervisor this process is alive (and how long its
     current step has run), while loading and while serving."""
     import zmq
@@ -99,13 +102,17 @@ def start_heartbeat(ctx, spec: RankSpec, clock: StepClock, stop: threading.Event
         finally:
             sock.close()
 
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    return thread
 
 
 def run(spec: RankSpec) -> int:
     die_with_parent()
-    # Ctrl-C reaches the whole process group; the supervisor decides when ranks stop.
+    # Ctrl-C, `timeout` and `kill -- -PGID` signal the whole process group; the owner decides
+    # when ranks stop (a Shutdown message after the drain, or SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     started = time.perf_counter()
     warnings: list[str] = []
     if spec.cpus is not None:
@@ -123,7 +130,7 @@ def run(spec: RankSpec) -> int:
     ctx = zmq.Context()
     clock = StepClock()
     stop_heartbeat = threading.Event()
-    start_heartbeat(ctx, spec, clock, stop_heartbeat)
+    heartbeat = start_heartbeat(ctx, spec, clock, stop_heartbeat)
     control = ctx.socket(zmq.PUSH)
     control.setsockopt(zmq.LINGER, 2000)
     control.connect(supervisor_socket(spec.runtime_dir))
@@ -165,7 +172,11 @@ def run(spec: RankSpec) -> int:
         )
         # Ranks load at different speeds; the per-collective timeout starts after this.
         group.barrier(timeout=LOAD_BARRIER_TIMEOUT_S)
+        results.send(encoder.encode(stats.snapshot(group, runner.kv_cache_bytes)))
         while True:
+            if not plans.poll(STATS_INTERVAL_MS):  # idle: keep the metrics current
+                results.send(encoder.encode(stats.snapshot(group, runner.kv_cache_bytes)))
+                continue
             message = to_rank_decoder.decode(plans.recv())
             if isinstance(message, Shutdown):
                 return 0
@@ -185,9 +196,8 @@ def run(spec: RankSpec) -> int:
         return 1
     finally:
         stop_heartbeat.set()
-        results.close()
-        control.close()
-        ctx.term()
+        heartbeat.join(5)
+        ctx.destroy(linger=2000)  # every socket, the plans one included, then the context
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,24 +85,36 @@ def check_memory(config: EngineConfig, plan: object, topology: object) -> None:
         log.info("memory: %s", line)
 
 
-def make_executor(config: EngineConfig, bind: str | None, reserved_cpus: int | None) -> Executor:
-    """In-process at tp=1; otherwise one bound rank process per shard, placed by the plan.
-    Either way the memory plan is checked first."""
+def plan_placement(config: EngineConfig, bind: str | None, reserved_cpus: int | None):
+    """The binding plan for config.tp ranks on this machine, after checking that weights and
+    KV cache fit each rank's memory node (ConfigError with numbers otherwise)."""
     from cpud.placement.binding import binding_spec, plan_binding
     from cpud.placement.topology import discover_topology
 
     topology = discover_topology()
     plan = plan_binding(binding_spec(bind, reserved_cpus), config.tp, topology)
     check_memory(config, plan, topology)
+    for line in plan.describe():
+        log.info("binding: %s", line)
+    return plan
+
+
+def rank_slots(plan: object) -> list:
+    from cpud.engine.rank_group import RankSlot
+
+    return [RankSlot(list(r.cpus) or None, r.numa_node) for r in plan.ranks]
+
+
+def make_executor(config: EngineConfig, bind: str | None, reserved_cpus: int | None) -> Executor:
+    """In-process at tp=1; otherwise one bound rank process per shard, placed by the plan.
+    Either way the memory plan is checked first."""
+    plan = plan_placement(config, bind, reserved_cpus)
     if config.tp == 1:
         return InProcessExecutor(config)
     import torch
 
-    from cpud.engine.multiproc import MultiprocExecutor, RankSlot
+    from cpud.engine.multiproc import MultiprocExecutor
 
-    for line in plan.describe():
-        log.info("binding: %s", line)
-    slots = [RankSlot(list(r.cpus) or None, r.numa_node) for r in plan.ranks]
-    # The frontend only schedules and detokenizes: keep its torch off the rank cores.
+    # The caller only schedules and detokenizes: keep its torch off the rank cores.
     torch.set_num_threads(1)
-    return MultiprocExecutor(config, slots, config.collective)
+    return MultiprocExecutor(config, rank_slots(plan), config.collective)

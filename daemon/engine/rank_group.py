@@ -11,7 +11,6 @@ is lost is aborted in the shared-memory all-reduce so its peers stop waiting for
 from __future__ import annotations
 
 import logging
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import msgspec
 import zmq
 
 from cpud.errors import CpudError
+from cpud.protocol.control import Shutdown, encoder
 from cpud.protocol.supervision import (
     MAX_MESSAGE_BYTES,
     Heartbeat,
@@ -31,7 +31,7 @@ from cpud.protocol.supervision import (
     supervisor_socket,
     to_supervisor_decoder,
 )
-from cpud.ranks.worker import RankSpec
+from cpud.ranks.worker import RankSpec, plan_socket
 
 log = logging.getLogger("cpud.ranks")
 
@@ -89,6 +89,8 @@ class RankGroup:
         self.failed_rank: int | None = None
         self._failure_reported = False  # the failure came from a FAILED report, not an exit
         self.reported: set[int] = set()  # ranks that sent FAILED
+        self.stopping = False  # set once ranks are expected to exit
+        self.ctx = ctx
         self.control = ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -165,6 +167,8 @@ class RankGroup:
         now = time.monotonic()
         for rank, proc in enumerate(self.procs):
             code = proc.poll()
+            if code == 0 and self.stopping:
+                continue  # told to stop: the frontend ended the ranks after a drain
             if code is not None:
                 self._lose(rank, f"rank {rank} (pid {proc.pid}) exited with code {code}", True)
                 continue
@@ -226,16 +230,23 @@ class RankGroup:
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Wait for the ranks to exit (after Shutdown), then terminate and kill stragglers."""
+        """Tell the ranks to exit after the step they are in, wait, then kill stragglers
+        (ranks ignore SIGTERM: their owner alone decides when they stop)."""
+        self.stopping = True
+        for rank in range(self.world_size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, 100)
+            try:
+                sock.connect(plan_socket(self.runtime_dir, rank))
+                sock.send(encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass  # gone already
+            finally:
+                sock.close(linger=500)
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(2)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -1,0 +1,186 @@
+"""The plans `cpud serve` would make with the given settings, made the same way and kept
+together with the reason wherever a step refuses (several checks read the same plans).
+
+The steps mirror cpud.engine.executor.make_executor: topology, binding spec and plan, the
+resolved engine config, then the memory plan with the config's KV cache size per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from cpud.config import EngineConfig, resolve_config
+from cpud.doctor.inputs import DoctorInputs
+from cpud.errors import CpudError
+from cpud.placement.binding import BindingPlan, BindingSpec, binding_spec, plan_binding
+from cpud.placement.cgroup import CgroupCpuset, read_cpuset
+from cpud.placement.memory_plan import (
+    FRONTEND_BYTES,
+    MemoryPlan,
+    overhead_bytes,
+    plan_memory,
+    weight_bytes,
+)
+from cpud.placement.topology import Topology, discover_topology
+from cpud.ranks.model_runner import kv_block_bytes
+
+GiB = 1 << 30
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+    # True: not attempted because a step it needs failed (the reason names that step)
+    upstream: bool = False
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """The most KV cache the tightest rank could hold next to its weights and runtime."""
+
+    kv_bytes: int
+    # kv_bytes rounded down to a --kv-cache-space value that still fits
+    kv_gib: float
+    kv_tokens: int
+    # the longest context one sequence could use: kv_tokens, capped by the model
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Planning:
+    affinity: frozenset[int] | Failed
+    cpuset: CgroupCpuset | None
+    topology: Topology | Failed
+    spec: BindingSpec | Failed
+    binding: BindingPlan | Failed
+    config: EngineConfig | Failed
+    memory: MemoryPlan | Failed
+    headroom: Headroom | None
+    # what the whole plan holds under one cgroup: every rank plus the frontend
+    need_bytes: int | None
+
+
+def _attempt(step: Callable[[], T]) -> T | Failed:
+    try:
+        return step()
+    except CpudError as exc:
+        return Failed(str(exc))
+    except Exception as exc:  # a diagnostic reports a broken step instead of crashing
+        return Failed(f"unexpected {type(exc).__name__}: {exc}")
+
+
+def _upstream(**steps: object) -> Failed | None:
+    for name, step in steps.items():
+        if isinstance(step, Failed):
+            return Failed(f"no {name}: {step.reason}", upstream=True)
+    return None
+
+
+def allowed_cpus(affinity: frozenset[int], cpuset: CgroupCpuset | None) -> frozenset[int]:
+    """The affinity mask within the cgroup's cpuset. On Linux the mask already lies inside
+    the cpuset; a cpuset read from the wrong cgroup (no overlap) is ignored."""
+    if cpuset is None:
+        return affinity
+    return (affinity & frozenset(cpuset.cpus)) or affinity
+
+
+def _per_rank_bytes(config: EngineConfig) -> tuple[int, int]:
+    """(weights + runtime, KV cache) of one rank as the memory planner counts them."""
+    weights = weight_bytes(config.model, config.dtype, config.tp)
+    runtime = overhead_bytes(
+        config.model,
+        config.dtype,
+        config.tp,
+        config.max_model_len,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+    )
+    return weights + runtime, config.kv_cache_bytes_per_rank
+
+
+def _plan_memory(
+    config: EngineConfig,
+    binding: BindingPlan,
+    topology: Topology,
+    *,
+    max_model_len: int | None = None,
+    kv_cache_space_gib: float | None = None,
+    kv_cache_fraction: float | None = None,
+) -> MemoryPlan:
+    return plan_memory(
+        config.model,
+        config.dtype,
+        binding,
+        topology,
+        max_model_len=max_model_len or config.max_model_len,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_space_gib=kv_cache_space_gib,
+        kv_cache_fraction=kv_cache_fraction,
+    )
+
+
+def headroom(config: EngineConfig, binding: BindingPlan, topology: Topology) -> Headroom:
+    """Largest KV cache per rank that fits, whatever --kv-cache-space asks for.
+
+    A one-block context with the KV fraction at 1 always plans when anything fits; its rank
+    budgets less weights and the runtime at the real context length leave the KV room.
+    """
+    block_bytes = kv_block_bytes(config.model, config.tp, config.block_size, config.dtype)
+    probe = _attempt(
+        lambda: _plan_memory(
+            config, binding, topology, max_model_len=config.block_size, kv_cache_fraction=1.0
+        )
+    )
+    fixed, _ = _per_rank_bytes(config)
+    if isinstance(probe, Failed):
+        room = 0
+    else:
+        room = max(0, min(rank.budget_bytes for rank in probe.ranks) - fixed)
+    kv_gib = math.floor(room / GiB * 100) / 100
+    tokens = int(kv_gib * GiB) // block_bytes * config.block_size
+    return Headroom(room, kv_gib, tokens, min(tokens, config.model.max_position_embeddings))
+
+
+def plan(inputs: DoctorInputs) -> Planning:
+    from cpud.llm import resolve_model_dir
+
+    args = inputs.engine
+    affinity = _attempt(inputs.syscalls.affinity)
+    cpuset = read_cpuset(inputs.cgroup_dir, inputs.proc_root)
+    allowed = None if isinstance(affinity, Failed) else allowed_cpus(affinity, cpuset)
+    topology = _attempt(
+        lambda: discover_topology(
+            inputs.sysfs_root,
+            proc_root=inputs.proc_root,
+            cgroup_root=inputs.cgroup_dir,
+            allowed_cpus=allowed,
+        )
+    )
+    spec = _attempt(lambda: binding_spec(args.bind, args.reserved_cpus))
+    if isinstance(spec, Failed):
+        binding: BindingPlan | Failed = spec
+    else:
+        binding = _upstream(topology=topology) or _attempt(
+            lambda: plan_binding(spec, args.tp, topology)
+        )
+    config = _attempt(lambda: resolve_config(args, resolve_model_dir(args.model)))
+
+    need = None
+    if not isinstance(config, Failed):
+        fixed, kv = _per_rank_bytes(config)
+        need = config.tp * (fixed + kv) + FRONTEND_BYTES
+    memory = _upstream(binding=binding, config=config) or _attempt(
+        lambda: _plan_memory(
+            config, binding, topology, kv_cache_space_gib=config.kv_cache_bytes_per_rank / GiB
+        )
+    )
+    fits = None
+    if not isinstance(memory, Failed) or not memory.upstream:
+        fits = headroom(config, binding, topology)
+    return Planning(affinity, cpuset, topology, spec, binding, config, memory, fits, need)

@@ -1,0 +1,176 @@
+"""The frontend process of `cpud serve`: HTTP comes up first (/health says 503 while the ranks
+load), the engine attaches when the supervisor reports every rank ready, then requests are
+served. SIGTERM/SIGINT drain: no new requests, in-flight ones finish up to the drain timeout,
+then the process exits 0. When a rank is lost the engine fails every in-flight request with an
+error and the process exits EXIT_CHILD_LOST for the supervisor.
+
+    python -m cpud.frontend.server SPEC_JSON
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from cpud.config import EngineArgs, ServeArgs, resolve_config
+from cpud.engine.llm_engine import LLMEngine
+from cpud.engine.rank_client import RankClient
+from cpud.frontend.app import create_app
+from cpud.frontend.async_engine import AsyncEngine
+from cpud.frontend.state import Phase, ServerConfig, ServerState
+from cpud.frontend.supervisor_link import SupervisorLink
+from cpud.llm import resolve_model_dir
+from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
+from cpud.tokenizer import Tokenizer
+
+log = logging.getLogger("cpud.frontend")
+EXIT_CONFIG = 2
+EXIT_CHILD_LOST = 3
+
+
+class FrontendSpec(msgspec.Struct, frozen=True):
+    runtime_dir: str
+    engine_args: dict
+    serve_args: dict
+
+
+def frontend_spec(runtime_dir: str, engine_args: EngineArgs, serve_args: ServeArgs) -> FrontendSpec:
+    engine = dataclasses.asdict(engine_args)
+    engine["model"] = None if engine_args.model is None else str(engine_args.model)
+    return FrontendSpec(runtime_dir, engine, dataclasses.asdict(serve_args))
+
+
+def hypercorn_config(serve_args: ServeArgs) -> HypercornConfig:
+    hyper = HypercornConfig()
+    hyper.bind = [f"{serve_args.host}:{serve_args.port}"]
+    hyper.accesslog = None
+    hyper.graceful_timeout = 5.0
+    # Longer than the idle timeout of common clients and load balancers (60 s), so the server
+    # is never the side that closes a pooled connection just as a request goes out on it.
+    hyper.keep_alive_timeout = 75.0
+    return hyper
+
+
+async def run_frontend(spec: FrontendSpec) -> int:
+    engine_args = EngineArgs(**spec.engine_args)
+    serve_args = ServeArgs(
+        **{**spec.serve_args, "served_model_names": tuple(spec.serve_args["served_model_names"])}
+    )
+    model_dir = resolve_model_dir(engine_args.model)
+    config = resolve_config(engine_args, model_dir)
+    names = serve_args.served_model_names or (str(engine_args.model or "cpud-default"),)
+    tokenizer = Tokenizer(model_dir)
+    state = ServerState(
+        ServerConfig(
+            served_model_names=names,
+            max_model_len=config.max_model_len,
+            api_key=serve_args.api_key,
+            metrics_need_key=serve_args.metrics_need_key,
+        ),
+        tokenizer,
+    )
+    ctx = zmq.Context()
+    link = SupervisorLink(ctx, spec.runtime_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    address = f"http://{serve_args.host}:{serve_args.port}"
+
+    async def drain() -> None:
+        if state.phase is Phase.DRAINING:
+            return
+        state.phase = Phase.DRAINING
+        deadline = time.monotonic() + serve_args.drain_timeout
+        while state.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.in_flight:
+            log.warning("drain timeout: %d requests still running", state.in_flight)
+        stop.set()
+
+    async def heartbeat() -> None:
+        # From the event loop itself: a wedged loop stops the heartbeat.
+        while True:
+            link.heartbeat()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(drain()))
+    beats = asyncio.ensure_future(heartbeat())
+    server = asyncio.ensure_future(
+        hypercorn_serve(create_app(state), hypercorn_config(serve_args), shutdown_trigger=stop.wait)
+    )
+    engine: AsyncEngine | None = None
+    try:
+        while (ranks := link.ranks_ready()) is None:
+            if link.down is not None:
+                log.error("not serving: %s", link.down.reason)
+                return EXIT_CHILD_LOST
+            if server.done() and not stop.is_set():
+                exc = server.exception()
+                log.error("cannot listen on %s:%d: %s", serve_args.host, serve_args.port, exc)
+                return EXIT_CONFIG
+            if stop.is_set():
+                await server
+                return 0
+            await asyncio.sleep(0.05)
+        blocks = {r.num_kv_blocks for r in ranks.ranks}
+        if blocks != {config.num_kv_blocks}:
+            log.error("ranks hold %s KV blocks, expected %d", blocks, config.num_kv_blocks)
+            return EXIT_CHILD_LOST
+        client = RankClient(
+            ctx,
+            spec.runtime_dir,
+            config.tp,
+            link.liveness,
+            # The supervisor names a hung rank first; this only ends a wait it missed.
+            serve_args.step_timeout + 30,
+        )
+        engine = AsyncEngine(LLMEngine(config, tokenizer, client), serve_args.max_waiting)
+        state.attach(engine)
+        link.serving(address)
+        log.info("serving %s on %s", names[0], address)
+        failed = False
+        while not server.done():
+            if not engine.alive and not failed:
+                # The engine has failed its requests already; stop for a restart.
+                log.error("engine stopped (%s): exiting for a restart", engine.error)
+                failed = True
+                stop.set()
+            await asyncio.sleep(0.1)
+        return EXIT_CHILD_LOST if failed else 0
+    finally:
+        stop.set()
+        if not server.done():
+            await server
+        beats.cancel()
+        if engine is not None:
+            engine.shutdown()
+        link.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import uvloop
+
+    from cpud.ranks.binding import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)  # the frontend schedules and detokenizes; ranks compute
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = sys.argv[1:] if argv is None else argv
+    spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec)
+    return uvloop.run(run_frontend(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""`cpud serve`: the supervisor process.
+
+It resolves the configuration, plans CPUs and memory per rank (refusing, with numbers, a plan
+that cannot fit), then spawns the frontend and one process per rank in a private 0700 runtime
+directory. It tells systemd READY=1 only once every rank has reported READY and the frontend
+serves, pings the watchdog only while every child's heartbeat is fresh, and says STOPPING=1 on
+drain. Signal handlers only set state; the loop acts on it.
+
+Exit codes: 0 after a drain, EXIT_CONFIG (2) for a configuration the daemon refuses, and
+EXIT_CHILD_LOST (3) when a rank or the frontend dies or hangs: in-flight requests have then
+ended with an error, and the service manager restarts the daemon with fresh ranks (ranks are
+not restarted in place: a restarted daemon needs no state and reloads weights in seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from cpud.config import EngineArgs, ServeArgs, resolve_config
+from cpud.engine.executor import plan_placement, rank_slots
+from cpud.engine.multiproc import make_runtime_dir, rank_engine_config
+from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
+from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec
+from cpud.llm import resolve_model_dir
+from cpud.protocol.supervision import (
+    FrontendServing,
+    Heartbeat,
+    RankDown,
+    RanksReady,
+    encoder,
+    frontend_control_socket,
+)
+from cpud.sd_notify import Notifier
+
+log = logging.getLogger("cpud.supervisor")
+LOOP_S = 0.1
+FRONTEND_EXIT_GRACE_S = 10.0
+
+
+class Supervisor:
+    def __init__(self, engine_args: EngineArgs, serve_args: ServeArgs, notifier: Notifier):
+        self.engine_args = engine_args
+        self.serve_args = serve_args
+        self.notifier = notifier
+        self.timeouts = RankTimeouts(
+            ready=serve_args.ready_timeout,
+            silent=serve_args.rank_timeout,
+            step=serve_args.step_timeout,
+            fresh=min(5.0, serve_args.rank_timeout),
+        )
+        self.stop_requested = False
+        self.serving: FrontendServing | None = None
+        self.frontend_beat = time.monotonic()
+        self.next_watchdog = 0.0
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, Heartbeat):
+            self.frontend_beat = time.monotonic()
+        elif isinstance(message, FrontendServing):
+            self.serving = message
+
+    def run(self) -> int:
+        started = time.monotonic()
+        model_dir = resolve_model_dir(self.engine_args.model)
+        config = resolve_config(self.engine_args, model_dir)
+        plan = plan_placement(config, self.engine_args.bind, self.engine_args.reserved_cpus)
+        if plan.frontend_cpus:
+            os.sched_setaffinity(0, plan.frontend_cpus)  # the frontend inherits it
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        self.notifier.status(f"loading {model_dir.name} on {config.tp} rank(s)")
+        runtime_dir = make_runtime_dir()
+        ctx = zmq.Context()
+        frontend: subprocess.Popen | None = None
+        group: RankGroup | None = None
+        try:
+            spec_path = Path(runtime_dir) / "frontend.json"
+            spec_path.write_bytes(
+                msgspec.json.encode(frontend_spec(runtime_dir, self.engine_args, self.serve_args))
+            )
+            frontend = subprocess.Popen(
+                [sys.executable, "-m", "cpud.frontend.server", str(spec_path)]
+            )
+            self.frontend_beat = time.monotonic()
+            group = RankGroup(
+                ctx,
+                runtime_dir,
+                rank_engine_config(config),
+                rank_slots(plan),
+                config.collective,
+                self.timeouts,
+                on_message=self._on_message,
+            )
+            to_frontend = ctx.socket(zmq.PUSH)
+            to_frontend.setsockopt(zmq.LINGER, 1000)
+            to_frontend.connect(frontend_control_socket(runtime_dir))
+            return self._supervise(group, frontend, to_frontend, started)
+        except RankDiedError as exc:
+            log.error("%s", exc)
+            return EXIT_CHILD_LOST
+        finally:
+            if frontend is not None and frontend.poll() is None:
+                frontend.kill()
+                frontend.wait()
+            if group is not None:
+                group.kill()
+            ctx.destroy(linger=0)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+
+    def _supervise(
+        self,
+        group: RankGroup,
+        frontend: subprocess.Popen,
+        to_frontend: zmq.Socket,
+        started: float,
+    ) -> int:
+        announced = False
+        ready_count = -1
+        while True:
+            if self.stop_requested:
+                if self.serving is None:
+                    log.info("stopping before the ranks were ready")
+                    self.notifier.notify("STOPPING=1", "STATUS=stopping")
+                    return 0  # nothing was served; `run` stops every child
+                return self._drain(group, frontend, to_frontend)
+            try:
+                group.poll(LOOP_S)
+            except RankDiedError as exc:
+                return self._child_lost(group, frontend, to_frontend, exc)
+            code = frontend.poll()
+            if code is not None:
+                return self._frontend_exited(code)
+            silent = time.monotonic() - self.frontend_beat
+            if silent > self.timeouts.silent:
+                log.error("frontend (pid %d) sent no heartbeat for %.0f s", frontend.pid, silent)
+                frontend.kill()
+                return EXIT_CHILD_LOST
+            if len(group.ready) != ready_count:
+                ready_count = len(group.ready)
+                self.notifier.status(f"loading: {ready_count}/{group.world_size} ranks ready")
+                if ready_count == group.world_size:
+                    ranks = [group.ready[r] for r in range(group.world_size)]
+                    to_frontend.send(encoder.encode(RanksReady(ranks)))
+            if self.serving is not None and not announced:
+                announced = True
+                log.info(
+                    "ready in %.1f s: %d rank(s), serving on %s",
+                    time.monotonic() - started,
+                    group.world_size,
+                    self.serving.address,
+                )
+                self.notifier.notify(
+                    "READY=1", f"STATUS=serving on {self.serving.address}", f"MAINPID={os.getpid()}"
+                )
+            self._watchdog(group, silent)
+
+    def _watchdog(self, group: RankGroup, frontend_silent: float) -> None:
+        interval = self.notifier.watchdog_seconds
+        if interval is None or time.monotonic() < self.next_watchdog:
+            return
+        if group.heartbeats_fresh() and frontend_silent <= self.timeouts.fresh:
+            self.notifier.notify("WATCHDOG=1")
+            self.next_watchdog = time.monotonic() + interval / 3
+
+    def _child_lost(
+        self,
+        group: RankGroup,
+        frontend: subprocess.Popen,
+        to_frontend: zmq.Socket,
+        exc: RankDiedError,
+    ) -> int:
+        """The frontend fails every in-flight request and exits; then everything stops."""
+        self.notifier.status(f"failed: {exc}")
+        to_frontend.send(encoder.encode(RankDown(group.failed_rank or 0, str(exc))))
+        try:
+            frontend.wait(FRONTEND_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.error("frontend did not exit after the rank was lost; killing it")
+        log.error("exiting %d for a restart: %s", EXIT_CHILD_LOST, exc)
+        return EXIT_CHILD_LOST
+
+    def _frontend_exited(self, code: int) -> int:
+        if code == EXIT_CONFIG:
+            return EXIT_CONFIG  # it said why (e.g. the port is taken)
+        log.error("frontend exited with code %d", code)
+        return EXIT_CHILD_LOST
+
+    def _drain(self, group: RankGroup, frontend: subprocess.Popen, to_frontend: zmq.Socket) -> int:
+        """The frontend finishes in-flight requests (up to the drain timeout), tells the ranks
+        to stop and exits; a rank lost meanwhile still fails its requests promptly."""
+        log.info("draining (up to %g s)", self.serve_args.drain_timeout)
+        self.notifier.notify("STOPPING=1", "STATUS=draining")
+        group.stopping = True
+        frontend.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.serve_args.drain_timeout + FRONTEND_EXIT_GRACE_S
+        lost = False
+        while frontend.poll() is None and time.monotonic() < deadline:
+            try:
+                group.poll(LOOP_S)
+            except RankDiedError as exc:
+                if not lost:
+                    lost = True
+                    to_frontend.send(encoder.encode(RankDown(group.failed_rank or 0, str(exc))))
+        code = frontend.poll()
+        if code is None:
+            log.error("frontend did not finish draining in time; killing it")
+            return EXIT_CHILD_LOST
+        group.stop()
+        return 0 if code == 0 and not lost else self._frontend_exited(code or EXIT_CHILD_LOST)
+
+
+def serve(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
+    return Supervisor(engine_args, serve_args, Notifier()).run()
