@@ -26,21 +26,21 @@ def bind_given(args: EngineArgs) -> str:
 
 def cross_rank_siblings(binding: BindingPlan, topology: Topology) -> list[str]:
     """Warnings for physical cores whose SMT siblings belong to different ranks (the planner
-    already warns about siblings inside one rank's list)."""
+    already warns about siblings inside one rank's list), one per group of ranks."""
     users: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for rank in binding.ranks:
         for cpu in rank.cpus:
             users.setdefault(topology.core_of(cpu), []).append((rank.rank, cpu))
-    warnings = []
+    by_ranks: dict[frozenset[int], set[int]] = {}
     for threads in users.values():
-        ranks = {rank for rank, _ in threads}
+        ranks = frozenset(rank for rank, _ in threads)
         if len(ranks) > 1:
-            warnings.append(
-                f"CPUs {format_cpulist(cpu for _, cpu in threads)} are SMT siblings of one "
-                f"physical core, used by ranks {format_cpulist(ranks)}: their threads compete "
-                f"for that core"
-            )
-    return warnings
+            by_ranks.setdefault(ranks, set()).update(cpu for _, cpu in threads)
+    return [
+        f"ranks {format_cpulist(ranks)} run threads on SMT siblings of the same physical cores "
+        f"(CPUs {format_cpulist(cpus)}): they compete for those cores"
+        for ranks, cpus in sorted(by_ranks.items(), key=lambda item: min(item[1]))
+    ]
 
 
 def _siblings_in_rank(binding: BindingPlan, topology: Topology) -> bool:
@@ -84,7 +84,7 @@ def _summary(binding: BindingPlan, given: str) -> str:
     nodes = sorted({r.numa_node for r in binding.ranks if r.numa_node is not None})
     threads = sorted({len(r.cpus) for r in binding.ranks})
     where = f"on NUMA node(s) {format_cpulist(nodes)}" if nodes else "unbound"
-    per_rank = "-".join(map(str, (threads[0], threads[-1])[: 1 + (len(threads) > 1)]))
+    per_rank = str(threads[0]) if len(threads) == 1 else f"{threads[0]}-{threads[-1]}"
     count = f"{per_rank} thread(s) each" if threads != [0] else "threads not pinned"
     frontend = format_cpulist(binding.frontend_cpus) or "not pinned"
     return (
@@ -125,11 +125,17 @@ def binding_check(inputs: DoctorInputs, planning: Planning) -> Check:
             if (n := r.numa_node) is not None and binding.ranks_on_node(n) > 1
         }
     )
-    if shared_nodes:
+    usable = _usable_nodes(topology)
+    if shared_nodes and binding.mode == "explicit" and binding.tp <= usable:
+        advice.append(
+            f"ranks share NUMA node(s) {format_cpulist(shared_nodes)}: give each rank CPUs of a "
+            f"different node in --bind / {BIND_ENV} (or use --bind auto)"
+        )
+    elif shared_nodes:
         advice.append(
             f"ranks share NUMA node(s) {format_cpulist(shared_nodes)}, splitting their cores and "
-            f"memory bandwidth: --tp {_usable_nodes(topology)} (one rank per usable NUMA node) "
-            f"gives each rank a node of its own"
+            f"memory bandwidth: --tp {usable} (one rank per usable NUMA node) gives each rank a "
+            f"node of its own"
         )
     if extra or _siblings_in_rank(binding, topology):
         advice.append(f"list one CPU per physical core in --bind / {BIND_ENV}, or use --bind auto")
@@ -146,6 +152,13 @@ def binding_check(inputs: DoctorInputs, planning: Planning) -> Check:
             "--bind auto pins one thread per physical core and binds each rank's memory to its "
             "NUMA node"
         )
+        cores = sum(len(node.cores) for node in topology.nodes)
+        if binding.tp > 1 and not os.environ.get("OMP_NUM_THREADS", "").strip():
+            extra.append(
+                f"nobind without OMP_NUM_THREADS: each of the {binding.tp} ranks starts torch's "
+                f"default threads (one per core), oversubscribing the cores {binding.tp} times"
+            )
+            advice.append(f"OMP_NUM_THREADS={max(1, cores // binding.tp)} splits the cores")
     elif binding.frontend_shares:
         if binding.frontend_placement == "smt-siblings":
             extra.append("the frontend has no core of its own: it runs on SMT siblings of ranks")
@@ -164,11 +177,6 @@ def binding_check(inputs: DoctorInputs, planning: Planning) -> Check:
         "notes": list(binding.notes),
     }
     details = binding.describe() + [f"warning: {w}" for w in extra]
-    if binding.tp == 1 and binding.mode != "nobind":
-        details.append(
-            "note: --tp 1 runs the model inside the serving process, which is not pinned: the "
-            "plan above is checked, not applied"
-        )
     if spec.visible_nodes is not None:
         details.append(f"note: {VISIBLE_NODES_ENV}={','.join(map(str, spec.visible_nodes))}")
     status = "warn" if advice or value["warnings"] else "ok"

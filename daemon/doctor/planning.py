@@ -1,8 +1,9 @@
 """The plans `cpud serve` would make with the given settings, made the same way and kept
 together with the reason wherever a step refuses (several checks read the same plans).
 
-The steps mirror cpud.engine.executor.make_executor: topology, binding spec and plan, the
-resolved engine config, then the memory plan with the config's KV cache size per rank.
+The steps mirror what the supervisor does before it spawns anything (resolve_config, then
+cpud.engine.executor.plan_placement): topology, binding spec and plan, the resolved engine
+config, then the memory plan with the config's KV cache size per rank.
 """
 
 from __future__ import annotations

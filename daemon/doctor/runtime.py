@@ -89,7 +89,10 @@ def threads_check(planning: Planning) -> Check:
         "OMP_NUM_THREADS": env,
     }
     summary = f"torch uses {threads} threads on {allowed} allowed CPUs ({cores} physical cores)"
-    details = ("bound ranks set their own thread count: one per CPU of their plan",)
+    details = (
+        "bound ranks run one thread per CPU of their plan; this count applies to --bind nobind "
+        "ranks and to the offline API at --tp 1",
+    )
     if threads > allowed:
         advice = (
             f"more threads than allowed CPUs oversubscribe them: unset OMP_NUM_THREADS "

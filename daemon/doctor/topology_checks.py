@@ -92,9 +92,11 @@ def cgroup_check(inputs: DoctorInputs, planning: Planning) -> Check:
         "memory_room_bytes": room,
         "plan_needs_bytes": need,
     }
-    where = f"v2 {v2}" if v2 is not None and (cpuset is None or cpuset.version == 2) else None
-    if where is None:
+    # hybrid hosts mount some controllers as v1: those govern memory and cpuset then
+    if v1.keys() & {"memory", "cpuset"} or v2 is None:
         where = f"v1 (memory {v1.get('memory', '-')}, cpuset {v1.get('cpuset', '-')})"
+    else:
+        where = f"v2 {v2}"
     parts = [f"cpuset {format_cpulist(cpuset.cpus)}" if cpuset else "no cpuset"]
     if limit is None:
         parts.append("no memory limit")
