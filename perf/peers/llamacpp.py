@@ -294,6 +294,44 @@ def bench_prefill(
     return summarize(record)
 
 
+def bench_batched(
+    gguf: Path,
+    streams: int,
+    n_prompt: int = 32,
+    n_gen: int = 64,
+    threads: int = 2,
+    bin_dir: Path | None = None,
+    omp_wait: str | None = None,
+) -> dict:
+    """Decode tok/s of `streams` sequences in one batch (llama-batched-bench, unified KV).
+
+    `speed_tg` counts streams * n_gen tokens over the generation phase only (after the
+    prompts' prefill), as cpud's decode figure does. -kvu (one KV buffer shared by the
+    sequences, llama-server's default) is several times faster here than per-sequence KV.
+    """
+    exe = (bin_dir or ensure_built()) / "llama-batched-bench"
+    ctx = streams * (n_prompt + n_gen) + 64
+    cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-kvu"]
+    cmd += ["-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", str(streams)]
+    cmd += ["--output-format", "jsonl"]
+    env = {**os.environ, "OMP_WAIT_POLICY": omp_wait} if omp_wait else None
+    log(("" if omp_wait is None else f"OMP_WAIT_POLICY={omp_wait} ") + "$ " + " ".join(cmd))
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if not records:
+        raise RuntimeError(f"llama-batched-bench printed no result: {out[-500:]!r}")
+    record = records[-1]
+    return {
+        "test": f"tg{n_gen}x{streams}",
+        "tok_s": record["speed_tg"],
+        "prefill_tok_s": record["speed_pp"],
+        "streams": streams,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "n_threads": record.get("n_threads"),
+    }
+
+
 def loadavg() -> float:
     """1-minute load average: the machine is shared, so every result records it."""
     return os.getloadavg()[0]
