@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from cpud.errors import CpudError
+
+SUPPRESS = argparse.SUPPRESS
 
 EXIT_CONFIG = 2
 
@@ -259,11 +262,73 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = ("serve", "generate", "doctor", "model", "-h", "--help")
 
 
+def _flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction) and a.help is not SUPPRESS
+    ]
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[name]
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    """Defaults of `cpud serve` (and `cpud doctor`) flags from the environment (see
+    cpud.envs), so a systemd EnvironmentFile or a vLLM deployment's environment configures the
+    daemon, and the doctor checks the configuration the daemon would run."""
+    for name in ("serve", "doctor"):
+        _apply_env_defaults(_subparser(parser, name), environ)
+
+
+def _apply_env_defaults(sub: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    from cpud import envs
+
+    for action in _flag_actions(sub):
+        if action.dest == "json":
+            continue
+        flag = _long_flag(action)
+        for name in envs.flag_env_names(flag):
+            raw = environ.get(name, "")
+            if not raw.strip():
+                continue
+            if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+                kind = "bool"
+            else:
+                kind = "list" if action.nargs == "+" else "value"
+            value = envs.parse_env_value(name, raw, flag, kind, action.type, action.choices)
+            sub.set_defaults(**{action.dest: value})
+            break
+
+
+def serve_env_vars() -> dict[str, str]:
+    """Every environment variable that sets a `cpud serve` flag, mapped to the flag."""
+    from cpud import envs
+
+    return {
+        name: _long_flag(action)
+        for action in _flag_actions(_subparser(build_parser(), "serve"))
+        for name in envs.flag_env_names(_long_flag(action))
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         argv.insert(0, "serve")  # `cpud --tp 2 --bind auto` serves
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        apply_env_defaults(parser, dict(os.environ))
+    except CpudError as exc:
+        print(f"cpud: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except CpudError as exc:

@@ -21,13 +21,17 @@ def die_with_parent(sig: int = 9) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def set_affinity(cpus: list[int]) -> None:
-    """Every thread of the process (sched_setaffinity(0) alone moves only the caller)."""
+def set_affinity(cpus: list[int]) -> str | None:
+    """Every thread of the process (sched_setaffinity(0) alone moves only the caller); returns
+    a warning instead of failing where the syscall is not permitted (seccomp, containers)."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:
             pass
+        except PermissionError as exc:
+            return f"sched_setaffinity to CPUs {cpus} is not permitted here ({exc}): unpinned"
+    return None
 
 
 def bind_memory(node: int) -> str | None:

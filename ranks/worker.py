@@ -115,8 +115,8 @@ def run(spec: RankSpec) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     started = time.perf_counter()
     warnings: list[str] = []
-    if spec.cpus is not None:
-        set_affinity(spec.cpus)
+    if spec.cpus is not None and (warning := set_affinity(spec.cpus)):
+        warnings.append(warning)
     if spec.numa_node is not None:
         warning = bind_memory(spec.numa_node)
         if warning:
