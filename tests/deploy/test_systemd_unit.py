@@ -82,7 +82,7 @@ def test_lifecycle_settings_match_the_daemon(service, monkeypatch):
     assert one(service, "Type") == "notify"
     assert one(service, "NotifyAccess") == "main"
     # The daemon's own handling of a silent child (errors to clients, exit 3) must come first.
-    assert timespan_seconds(one(service, "WatchdogSec")) > defaults["rank_timeout"] + 10
+    assert timespan_seconds(one(service, "WatchdogSec")) > defaults.rank_timeout + 10
     assert one(service, "KillMode") == "mixed"
     assert one(service, "Restart") == "on-failure"
     assert str(EXIT_CONFIG) in one(service, "RestartPreventExitStatus").split()
