@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from cpud.config import EngineArgs, ServeArgs, resolve_config
 from cpud.engine.executor import plan_placement, rank_slots
 from cpud.engine.multiproc import make_runtime_dir, rank_engine_config
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
+from cpud.errors import ConfigError
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec
 from cpud.llm import resolve_model_dir
 from cpud.protocol.supervision import (
@@ -45,6 +47,25 @@ from cpud.sd_notify import Notifier
 log = logging.getLogger("cpud.supervisor")
 LOOP_S = 0.1
 FRONTEND_EXIT_GRACE_S = 10.0
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Fail before anything loads when the HTTP address cannot be bound (the frontend binds it
+    for real a moment later)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}: fix --host") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror}: choose another --port "
+                "(CPUD_PORT) or stop the process that holds it"
+            ) from None
 
 
 class Supervisor:
@@ -74,6 +95,7 @@ class Supervisor:
 
     def run(self) -> int:
         started = time.monotonic()
+        check_listen_address(self.serve_args.host, self.serve_args.port)
         model_dir = resolve_model_dir(self.engine_args.model)
         config = resolve_config(self.engine_args, model_dir)
         plan = plan_placement(config, self.engine_args.bind, self.engine_args.reserved_cpus)

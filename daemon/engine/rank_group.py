@@ -107,7 +107,7 @@ class RankGroup:
         return [p.pid for p in self.procs]
 
     def _spawn(self, engine: RankEngineConfig, slots: list[RankSlot], collective: str) -> None:
-        now = time.monotonic()
+        now = self.spawned_at = time.monotonic()
         for rank, slot in enumerate(slots):
             spec = RankSpec(
                 rank=rank,
@@ -165,6 +165,15 @@ class RankGroup:
 
     def _check_processes(self) -> None:
         now = time.monotonic()
+        missing = sorted(set(range(self.world_size)) - set(self.ready))
+        if missing and now - self.spawned_at > self.timeouts.ready:
+            for rank in missing:
+                self.procs[rank].kill()
+            self._lose(
+                missing[0],
+                f"rank(s) {missing} did not report ready within {self.timeouts.ready:g} s",
+                True,
+            )
         for rank, proc in enumerate(self.procs):
             code = proc.poll()
             if code == 0 and self.stopping:
@@ -206,7 +215,6 @@ class RankGroup:
             time.sleep(0.05)
 
     def wait_ready(self, on_progress: Callable[[int], None] | None = None) -> list[Ready]:
-        deadline = time.monotonic() + self.timeouts.ready
         reported = -1
         while len(self.ready) < self.world_size:
             try:
@@ -216,11 +224,6 @@ class RankGroup:
             if on_progress is not None and len(self.ready) != reported:
                 reported = len(self.ready)
                 on_progress(reported)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(self.ready))
-                raise RankDiedError(
-                    f"rank(s) {missing} did not report ready within {self.timeouts.ready:g} s"
-                )
         return [self.ready[r] for r in range(self.world_size)]
 
     def heartbeats_fresh(self) -> bool:

@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec)
-    return uvloop.run(run_frontend(spec))
+    code = uvloop.run(run_frontend(spec))
+    # The loop has restored SIGTERM's default action; the supervisor may still forward the
+    # drain signal it got, and that must not turn this exit into a death by signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

@@ -35,16 +35,32 @@ class Server:
         return self.proc.wait(timeout)
 
 
-def start_server(model_dir: Path, log_path: Path, *extra: str, env: dict | None = None) -> Server:
-    port = free_port()
+def launch(
+    model_dir: Path,
+    log_path: Path,
+    *extra: str,
+    env: dict | None = None,
+    port: int | None = None,
+    new_session: bool = False,
+) -> Server:
+    """`cpud serve` started, not yet healthy."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "cpud.cli", "serve", "--model", str(model_dir)]
     cmd += ["--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", *extra]
     log = log_path.open("w")
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=new_session,
     )
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + 60
+    return Server(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def wait_healthy(server: Server, timeout: float = 60) -> Server:
+    proc = server.proc
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"cpud serve exited {proc.returncode}:\n{server.log()}")
@@ -58,6 +74,10 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, env: dict | None 
     raise RuntimeError(f"cpud serve did not become healthy:\n{server.log()}")
 
 
+def start_server(model_dir: Path, log_path: Path, *extra: str, env: dict | None = None) -> Server:
+    return wait_healthy(launch(model_dir, log_path, *extra, env=env))
+
+
 def metric(server: Server, name: str) -> float:
     text = httpx.get(server.base_url + "/metrics").text
     for line in text.splitlines():
@@ -67,6 +87,11 @@ def metric(server: Server, name: str) -> float:
 
 
 def rank_pids(server_pid: int) -> list[int]:
+    return child_pids(server_pid, b"cpud.ranks.worker")
+
+
+def child_pids(server_pid: int, marker: bytes = b"") -> list[int]:
+    """Children of the supervisor whose command line contains `marker`."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -76,6 +101,6 @@ def rank_pids(server_pid: int) -> list[int]:
             except OSError:
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == server_pid and b"cpud.ranks.worker" in cmdline:
+            if parent == server_pid and marker in cmdline:
                 pids.append(int(entry.name))
     return pids
