@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_notify import FakeNotifySocket
 
 from cpud_server_helpers import child_pids, launch, metric, rank_pids, wait_healthy
+from fake_notify import FakeNotifySocket
 
 TP2 = ("--tp", "2", "--bind", "0|1", "--max-model-len", "256")
 
