@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -51,18 +52,35 @@ def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[st
     return expected
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the checkpoint, reading only this rank's slices."""
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def load_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Fill every parameter of `model` from the checkpoint, reading only this rank's slices;
+    `progress(done, total)` hears after each tensor."""
     params = dict(model.named_parameters())
     tied = model.cfg.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
-    for path in weight_files(model_dir):
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError) as exc:
-            raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
-        with handle as f:
+    files = weight_files(model_dir)
+    total = 0
+    for path in files:
+        with _open(path) as f:
+            total += len(f.keys())
+    done = 0
+    for path in files:
+        with _open(path) as f:
             for name in f.keys():
+                done += 1
+                if progress is not None:
+                    progress(done, total)
                 ckpt_name = model.checkpoint_name(name)
                 if ckpt_name.endswith(model.ignored_suffixes):
                     continue

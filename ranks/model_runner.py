@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +41,18 @@ def kv_block_bytes(cfg: ModelConfig, tp: int, block_size: int, dtype: torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model_cfg: ModelConfig, group: TPGroup):
+    def __init__(
+        self,
+        config: RunnerConfig,
+        model_cfg: ModelConfig,
+        group: TPGroup,
+        progress: Callable[[int, int], None] | None = None,
+    ):
         self.config = config
         self.group = group
         self.ops = make_ops(config.kernels)
         self.model = build_model(model_cfg, config.max_model_len, config.dtype, group, self.ops)
-        load_weights(self.model, config.model_dir)
+        load_weights(self.model, config.model_dir, progress)
         self.model.eval()
         if self.ops.name == "native" and config.dtype == torch.bfloat16:
             pack_for_native(self.model, self.ops)

@@ -146,10 +146,13 @@ def run(spec: RankSpec) -> int:
         from cpud.engine.multiproc import RankEngineConfig, build_runner
 
         config = msgspec.json.decode(spec.engine_config_json, type=RankEngineConfig)
+        from cpud.ranks.load_progress import LoadProgress
         from cpud.ranks.stats import RankStatsCollector, TimedGroup
 
         group = TimedGroup(make_group(spec))
-        runner = build_runner(config, group)
+        # Rank 0 shows the progress for all (ranks load their slices side by side).
+        progress = LoadProgress("loading weights") if spec.rank == 0 else None
+        runner = build_runner(config, group, progress)
         bound = sum(1 for got, want in zip(thread_cpus, cpus) if got == want)
         stats = RankStatsCollector(spec.rank, spec.numa_node, cpus, bound)
         plans = ctx.socket(zmq.PULL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,7 +45,9 @@ def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
     )
 
 
-def build_runner(config: RankEngineConfig, group: object) -> ModelRunner:
+def build_runner(
+    config: RankEngineConfig, group: object, progress: Callable[[int, int], None] | None = None
+) -> ModelRunner:
     runner_config = RunnerConfig(
         model_dir=Path(config.model_dir),
         dtype=getattr(torch, config.dtype),
@@ -54,7 +57,7 @@ def build_runner(config: RankEngineConfig, group: object) -> ModelRunner:
         seed=config.seed,
         kernels=config.kernels,
     )
-    return ModelRunner(runner_config, load_model_config(config.model_dir), group)
+    return ModelRunner(runner_config, load_model_config(config.model_dir), group, progress)
 
 
 def runtime_parent() -> str:
