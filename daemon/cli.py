@@ -23,17 +23,39 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="bfloat16, float16, float32 or auto (bf16 where the CPU has AVX512-BF16/AMX)",
     )
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        help="rank processes, each with one weight shard; --bind auto puts one per NUMA node",
+    )
     parser.add_argument("--max-model-len", type=int, help="context length in tokens")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="sequences computed together in one step"
+    )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="token budget of one step (default 2048)"
     )
     parser.add_argument(
         "--kv-cache-space",
         type=float,
-        help="KV cache size per rank in GiB of host RAM (env VLLM_CPU_KVCACHE_SPACE, default 4)",
+        help="KV cache size per rank in GiB of host RAM (default 4, capped at what --max-num-seqs "
+        "full-length sequences can use)",
+    )
+    parser.add_argument(
+        "--kv-cache-fraction",
+        type=float,
+        help="KV cache as a share (0-1] of each rank's available NUMA-node memory after weights "
+        "and runtime; used when --kv-cache-space is not given",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="vLLM's name, accepted for compatibility: on CPU it means --kv-cache-fraction "
+        "(a share of host RAM, not GPU memory)",
     )
     parser.add_argument(
         "--enable-prefix-caching",
@@ -41,7 +63,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse KV blocks of identical prompt prefixes",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of requests without their own")
     parser.add_argument(
         "--bind",
         help="CPUs per rank: auto (one rank per NUMA node, one thread per physical core), "
@@ -66,6 +88,23 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _kv_fraction(args: argparse.Namespace) -> float | None:
+    from cpud.errors import ConfigError
+
+    if args.gpu_memory_utilization is None:
+        return args.kv_cache_fraction
+    if args.kv_cache_fraction is not None:
+        raise ConfigError(
+            "--kv-cache-fraction and --gpu-memory-utilization are the same setting: give one"
+        )
+    print(
+        "cpud: warning: --gpu-memory-utilization is read as --kv-cache-fraction: on CPU it is "
+        "the share of host RAM (each rank's NUMA node, after weights) given to the KV cache",
+        file=sys.stderr,
+    )
+    return args.gpu_memory_utilization
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
@@ -75,6 +114,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_space_gib=args.kv_cache_space,
+        kv_cache_fraction=_kv_fraction(args),
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         kernels=args.kernels,
@@ -180,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
     _add_engine_flags(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI API")
     srv.add_argument(
         "--api-key", help="require `Authorization: Bearer KEY` (env CPUD_API_KEY or VLLM_API_KEY)"
     )
@@ -222,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one model step may run before its rank counts as hung",
     )
     srv.set_defaults(func=cmd_serve)
+    _document_env(srv)
 
     gen = sub.add_parser("generate", help="generate text offline (no HTTP)")
     _add_engine_flags(gen)
@@ -272,6 +313,16 @@ def _flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def _long_flag(action: argparse.Action) -> str:
     return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def _document_env(sub: argparse.ArgumentParser) -> None:
+    """Each flag's help names its environment variables and default (--help is the reference)."""
+    from cpud import envs
+
+    for action in _flag_actions(sub):
+        names = " or ".join(envs.flag_env_names(_long_flag(action)))
+        default = "" if action.default in (None, False) else "; default %(default)s"
+        action.help = f"{action.help or ''} [env {names}{default}]".lstrip()
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

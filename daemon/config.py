@@ -32,6 +32,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_space_gib: float | None = None
+    # Share of each rank's available node memory (after weights and runtime) for the KV cache;
+    # used when no space is given. vLLM's --gpu-memory-utilization maps here.
+    kv_cache_fraction: float | None = None
     num_kv_blocks: int | None = None
     seed: int = 0
     kernels: str = "auto"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cpud.config import EngineArgs, resolve_config
-from cpud.engine.executor import make_executor
+from cpud.engine.executor import make_executor, size_kv_from_fraction
 from cpud.engine.llm_engine import LLMEngine
 from cpud.engine.outputs import RequestOutput
 from cpud.errors import ConfigError
@@ -46,6 +46,7 @@ class LLM:
         tp = tensor_parallel_size or tp
         args = EngineArgs(model=model, dtype=dtype, tp=tp, **engine_args)
         model_dir = resolve_model_dir(model)
+        args = size_kv_from_fraction(args, model_dir)
         self.config = resolve_config(args, model_dir)
         self.tokenizer = Tokenizer(model_dir)
         executor = make_executor(self.config, args.bind, args.reserved_cpus)

@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from cpud.config import EngineArgs, ServeArgs, resolve_config
-from cpud.engine.executor import plan_placement, rank_slots
+from cpud.engine.executor import plan_placement, rank_slots, size_kv_from_fraction
 from cpud.engine.multiproc import make_runtime_dir, rank_engine_config
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
 from cpud.errors import ConfigError
@@ -97,6 +97,8 @@ class Supervisor:
         started = time.monotonic()
         check_listen_address(self.serve_args.host, self.serve_args.port)
         model_dir = resolve_model_dir(self.engine_args.model)
+        # The frontend and the ranks get the resolved block count, not the fraction.
+        self.engine_args = size_kv_from_fraction(self.engine_args, model_dir)
         config = resolve_config(self.engine_args, model_dir)
         plan = plan_placement(config, self.engine_args.bind, self.engine_args.reserved_cpus)
         if plan.frontend_cpus:

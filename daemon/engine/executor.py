@@ -85,6 +85,46 @@ def check_memory(config: EngineConfig, plan: object, topology: object) -> None:
         log.info("memory: %s", line)
 
 
+def size_kv_from_fraction(args: object, model_dir: object) -> object:
+    """EngineArgs with the KV cache fraction (of each rank's available node memory) turned into
+    an exact block count, so every process sizes the cache alike; unchanged without one, or
+    when an explicit size (--kv-cache-space, VLLM_CPU_KVCACHE_SPACE, blocks) wins."""
+    import dataclasses
+
+    from cpud import envs
+    from cpud.config import resolve_config
+    from cpud.placement.binding import binding_spec, plan_binding
+    from cpud.placement.memory_plan import plan_memory
+    from cpud.placement.topology import discover_topology
+
+    explicit = args.kv_cache_space_gib or envs.kv_cache_space_gib() or args.num_kv_blocks
+    if args.kv_cache_fraction is None:
+        return args
+    if explicit:
+        log.warning("the KV cache fraction is ignored: an explicit KV cache size is set")
+        return dataclasses.replace(args, kv_cache_fraction=None)
+    config = resolve_config(dataclasses.replace(args, num_kv_blocks=1), model_dir)
+    topology = discover_topology()
+    plan = plan_binding(binding_spec(args.bind, args.reserved_cpus), config.tp, topology)
+    memory = plan_memory(
+        config.model,
+        config.dtype,
+        plan,
+        topology,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_fraction=args.kv_cache_fraction,
+    )
+    log.info(
+        "KV cache: %.0f%% of available memory -> %d blocks per rank",
+        100 * args.kv_cache_fraction,
+        memory.num_kv_blocks,
+    )
+    return dataclasses.replace(args, kv_cache_fraction=None, num_kv_blocks=memory.num_kv_blocks)
+
+
 def plan_placement(config: EngineConfig, bind: str | None, reserved_cpus: int | None):
     """The binding plan for config.tp ranks on this machine, after checking that weights and
     KV cache fit each rank's memory node (ConfigError with numbers otherwise)."""
