@@ -26,7 +26,6 @@ from .kernels import (
     pin_threads,
     thread_cpus,
 )
-from .rope import rope_cos_sin_cache
 from .shm_allreduce import (
     CollectiveError,
     CollectiveMismatch,
@@ -55,7 +54,6 @@ __all__ = [
     "max_threads",
     "pack_weight",
     "pin_threads",
-    "rope_cos_sin_cache",
     "supported_isas",
     "thread_cpus",
 ]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _loader
+from .hugepages import huge_empty
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "ISA tier not supported by this CPU", -2: "invalid argument", -3: "out of memory"}
@@ -97,8 +98,11 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
-    """Packs W[N, K] (any float dtype; rounded to bf16) for the skinny GEMM, at load time."""
+def pack_weight(
+    w: torch.Tensor, bias: torch.Tensor | None = None, huge_pages: bool = True
+) -> PackedWeight:
+    """Packs W[N, K] (any float dtype; rounded to bf16) for the skinny GEMM, at load time,
+    onto transparent huge pages unless huge_pages is False."""
     if w.dim() != 2 or not w.is_floating_point() or not w.is_cpu:
         raise ValueError(f"w: expected a 2-D float CPU tensor, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
@@ -110,7 +114,12 @@ def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeig
         padded = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16)
         padded[:n, :k] = w
         w = padded
-    data = w.view(n_pad // GEMM_NB, GEMM_NB, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+    blocks = w.view(n_pad // GEMM_NB, GEMM_NB, k_pad // 2, 2).permute(0, 2, 1, 3)
+    if huge_pages:
+        data = huge_empty(tuple(blocks.shape), torch.bfloat16)
+        data.copy_(blocks)
+    else:
+        data = blocks.contiguous()
     b = None
     if bias is not None:
         if bias.shape != (n,) or not bias.is_floating_point():

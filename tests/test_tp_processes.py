@@ -12,6 +12,7 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.multiproc import RankDiedError
+from cpud_server_helpers import rank_pids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 90)), [300, 12, 44]]
@@ -26,18 +27,7 @@ except ImportError:
 
 def children(pid: int) -> list[int]:
     """Rank processes (cpud.ranks.worker) whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == pid and b"cpud.ranks.worker" in cmdline:
-                found.append(int(entry.name))
-    return found
+    return rank_pids(pid)
 
 
 def thread_info(pid: int) -> dict[int, tuple[str, int]]:

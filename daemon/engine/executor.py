@@ -66,11 +66,11 @@ class InProcessExecutor:
         self.runner = None
 
 
-def check_memory(config: EngineConfig, plan: object, topology: object) -> None:
-    """Refuse, with numbers, a configuration whose weights + KV cache do not fit a node."""
+def memory_plan(config: EngineConfig, plan: object, topology: object, **kv: float) -> object:
+    """plan_memory for this configuration; `kv` sizes the cache (space in GiB or fraction)."""
     from cpud.placement.memory_plan import plan_memory
 
-    memory = plan_memory(
+    return plan_memory(
         config.model,
         config.dtype,
         plan,
@@ -79,7 +79,14 @@ def check_memory(config: EngineConfig, plan: object, topology: object) -> None:
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_space_gib=config.kv_cache_bytes_per_rank / (1 << 30),
+        **kv,
+    )
+
+
+def check_memory(config: EngineConfig, plan: object, topology: object) -> None:
+    """Refuse, with numbers, a configuration whose weights + KV cache do not fit a node."""
+    memory = memory_plan(
+        config, plan, topology, kv_cache_space_gib=config.kv_cache_bytes_per_rank / (1 << 30)
     )
     for line in memory.describe():
         log.info("memory: %s", line)
@@ -94,7 +101,6 @@ def size_kv_from_fraction(args: object, model_dir: object) -> object:
     from cpud import envs
     from cpud.config import resolve_config
     from cpud.placement.binding import binding_spec, plan_binding
-    from cpud.placement.memory_plan import plan_memory
     from cpud.placement.topology import discover_topology
 
     explicit = args.kv_cache_space_gib or envs.kv_cache_space_gib() or args.num_kv_blocks
@@ -106,17 +112,7 @@ def size_kv_from_fraction(args: object, model_dir: object) -> object:
     config = resolve_config(dataclasses.replace(args, num_kv_blocks=1), model_dir)
     topology = discover_topology()
     plan = plan_binding(binding_spec(args.bind, args.reserved_cpus), config.tp, topology)
-    memory = plan_memory(
-        config.model,
-        config.dtype,
-        plan,
-        topology,
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_fraction=args.kv_cache_fraction,
-    )
+    memory = memory_plan(config, plan, topology, kv_cache_fraction=args.kv_cache_fraction)
     log.info(
         "KV cache: %.0f%% of available memory -> %d blocks per rank",
         100 * args.kv_cache_fraction,

@@ -90,6 +90,15 @@ def rope_inv_freq(
     )
 
 
+def cos_sin_table(
+    rotary_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """[max_positions, rotary_dim] fp32: cos | sin halves, attention scaling folded in."""
+    inv_freq, attention_scaling = rope_inv_freq(rotary_dim, base, scaling, max_positions)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling).contiguous()
+
+
 class RotaryEmbedding(nn.Module):
     """A [max_positions, rotary_dim] fp32 table, cos | sin halves (attention scaling folded
     in), applied neox style by the ops."""
@@ -104,10 +113,8 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.ops = ops
-        inv_freq, attention_scaling = rope_inv_freq(rotary_dim, base, scaling, max_positions)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
-        self.register_buffer("cos_sin", table.contiguous(), persistent=False)
+        table = cos_sin_table(rotary_dim, max_positions, base, scaling)
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from tolerances import assert_close
 
-from cpud import native
+from cpud.ranks.layers.rotary import cos_sin_table, rope_inv_freq
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -82,7 +82,7 @@ def ref_rope(pos, x, cache, neox):
 @pytest.mark.parametrize("hd, rot", [(64, 64), (80, 80), (128, 128), (128, 64), (80, 40)])
 def test_rotary(kern, dtype, neox, hd, rot):
     T, nh, nkv, max_pos = 7, 8, 2, 300
-    cache = native.rope_cos_sin_cache(rot, max_pos, base=10000.0)
+    cache = cos_sin_table(rot, max_pos, 10000.0)
     pos = torch.randint(0, max_pos, (T,), dtype=torch.int64)
     qkv = torch.randn(T, (nh + 2 * nkv) * hd, dtype=dtype)  # q, k as strided views
     q = qkv[:, : nh * hd].view(T, nh, hd)
@@ -96,7 +96,7 @@ def test_rotary(kern, dtype, neox, hd, rot):
 
 
 def test_rotary_rejects_position_beyond_cache(kern):
-    cache = native.rope_cos_sin_cache(64, 16)
+    cache = cos_sin_table(64, 16, 10000.0)
     q = torch.randn(2, 1, 64)
     with pytest.raises(ValueError, match="rotary_embedding"):
         kern.rotary_embedding(torch.tensor([3, 16]), q, None, cache)
@@ -123,9 +123,9 @@ def test_rope_cache_llama3_matches_transformers():
     )
     inv_hf, factor = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     assert factor == 1.0
-    inv = native.rope.rope_inv_freq(64, 500000.0, scaling)
+    inv, _ = rope_inv_freq(64, 500000.0, scaling, 131072)
     torch.testing.assert_close(inv, inv_hf.float(), rtol=1e-6, atol=0)
-    cache = native.rope_cos_sin_cache(64, 50, 500000.0, scaling)
+    cache = cos_sin_table(64, 50, 500000.0, scaling)
     freqs = torch.arange(50, dtype=torch.float32)[:, None] * inv_hf.float()[None, :]
     torch.testing.assert_close(cache, torch.cat([freqs.cos(), freqs.sin()], -1))
 
