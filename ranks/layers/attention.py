@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+
+from cpud.ranks.layers.base import Layer
 
 if TYPE_CHECKING:
     from cpud.ranks.ops import Ops
@@ -68,7 +69,7 @@ def causal_mask(
     return mask
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Layer):
     def __init__(
         self,
         num_heads: int,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.linear import PackableLinear, copy_checked, new_param
 from cpud.ranks.parallel import TPGroup
 
@@ -19,7 +20,7 @@ def vocab_shard_size(vocab_size: int, tp: int) -> int:
     return -(-padded // tp)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Layer):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, group: TPGroup):
         super().__init__()
         self.group = group

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpud.errors import ConfigError
+from cpud.ranks.layers.base import Layer
 from cpud.ranks.parallel import TPGroup, divide
 
 
@@ -40,7 +41,7 @@ def load_whole(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
     copy_checked(param.data, source[:], "a replicated tensor")
 
 
-class PackableLinear(nn.Module):
+class PackableLinear(Layer):
     """A linear layer whose weight can be repacked, once after loading, for the native skinny
     GEMM; the plain weight is then dropped, so the bytes are held once."""
 

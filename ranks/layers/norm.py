@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.linear import load_whole, new_param
 
 if TYPE_CHECKING:
     from cpud.ranks.ops import Ops
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: Ops):
         super().__init__()
         self.eps = eps
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Layer):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps

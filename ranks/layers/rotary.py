@@ -6,9 +6,9 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from cpud.errors import ConfigError
+from cpud.ranks.layers.base import Layer
 
 if TYPE_CHECKING:
     from cpud.ranks.ops import Ops
@@ -99,7 +99,7 @@ def cos_sin_table(
     return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling).contiguous()
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Layer):
     """A [max_positions, rotary_dim] fp32 table, cos | sin halves (attention scaling folded
     in), applied neox style by the ops."""
 

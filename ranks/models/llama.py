@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cpud.ranks.layers.attention import AttentionMetadata, PagedAttention
+from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cpud.ranks.layers.norm import RMSNorm
@@ -22,7 +23,7 @@ from cpud.ranks.parallel import TPGroup
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Layer):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Layer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         self.ops = ops
@@ -87,7 +88,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Layer):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -116,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Layer):
     def __init__(
         self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup, ops: Ops
     ):
@@ -131,7 +132,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Layer):
     # (param fragment, checkpoint fragment, shard id) for weights fused at load time
     stacked_params = (
         ("qkv_proj", "q_proj", "q"),

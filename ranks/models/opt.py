@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpud.ranks.layers.attention import AttentionMetadata, PagedAttention
+from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import (
     ColumnParallelLinear,
@@ -25,7 +26,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 POSITION_OFFSET = 2
 
 
-class OPTAttention(nn.Module):
+class OPTAttention(Layer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         bias = cfg.enable_bias
@@ -44,7 +45,7 @@ class OPTAttention(nn.Module):
         return self.out_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class OPTDecoderLayer(nn.Module):
+class OPTDecoderLayer(Layer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         bias = cfg.enable_bias
@@ -76,7 +77,7 @@ class OPTDecoderLayer(nn.Module):
         return hidden
 
 
-class OPTDecoder(nn.Module):
+class OPTDecoder(Layer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         proj_dim = cfg.word_embed_proj_dim or cfg.hidden_size
@@ -100,7 +101,7 @@ class OPTDecoder(nn.Module):
         )
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(Layer):
     stacked_params = (
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
