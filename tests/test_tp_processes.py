@@ -100,6 +100,32 @@ def test_killed_rank_fails_the_generation_promptly(model_factory):
     assert not children(os.getpid())
 
 
+def test_rank_that_raises_during_a_step_is_named(model_factory):
+    """A step a rank cannot execute (here a block table past its KV cache) makes it report
+    FAILED with the exception; the caller gets RankDiedError at once, and nothing is left."""
+    import msgspec
+
+    llm = LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1", num_kv_blocks=64)
+    executor = llm.engine.executor
+    pids = [r.pid for r in executor.ready]
+    execute = executor.execute
+
+    def execute_a_broken_plan(plan):
+        seqs = [
+            msgspec.structs.replace(s, block_table=[10_000] * len(s.block_table)) for s in plan.seqs
+        ]
+        return execute(msgspec.structs.replace(plan, seqs=seqs))
+
+    executor.execute = execute_a_broken_plan
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"rank \d failed: .*Error"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert time.monotonic() - started < 10
+    llm.shutdown()
+    time.sleep(0.2)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
 def test_rank_that_fails_to_load_is_named(model_factory, tmp_path):
     import shutil
 

@@ -183,7 +183,9 @@ class RankGroup:
                 continue
             silent = now - self.last_beat[rank]
             busy = self.busy.get(rank, 0.0)
-            if silent > self.timeouts.silent:
+            # Loading may hold the GIL for long stretches on a busy machine: until READY only
+            # the ready timeout applies.
+            if rank in self.ready and silent > self.timeouts.silent:
                 proc.kill()
                 reason = f"sent no heartbeat for {silent:.0f} s: stopped or wedged; killed"
             elif busy > self.timeouts.step:
