@@ -8,9 +8,12 @@ the same run, interleaved with the GEMMs (probe, native, torch, probe, ...),
 and every figure is a median over repetitions.  Weight GB/s counts the
 unpadded bf16 weight bytes (N * K * 2) per call.
 
-    python perf/bench_kernels.py [--threads 2] [--reps 7] [--batches 1 8]
+    python perf/bench_kernels.py [--threads 2] [--reps 7] [--batches 1 8] [--peak]
 
-Prints a Markdown table and writes JSON to perf/results/.
+With --peak it also measures the machine's bf16 matmul peak in the same run: torch F.linear
+(oneDNN) at M=512, K=2048, N=8192, compute bound (~845 GFLOP/s here in DESIGN.md), median of
+--reps, and reports each native GEMM's GFLOP/s as a fraction of it.
+Prints a Markdown table and writes JSON to perf/results/ (or --out-dir).
 """
 
 from __future__ import annotations
@@ -144,6 +147,24 @@ def bench_shape(
     return rows
 
 
+PEAK_SHAPE = (512, 2048, 8192)  # M, K, N: large enough to be compute bound with oneDNN
+
+
+def bf16_peak_gflops(reps: int) -> dict[str, float | list[float]]:
+    """torch bf16 F.linear at PEAK_SHAPE: the machine's practical bf16 matmul peak."""
+    m, k, n = PEAK_SHAPE
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    for _ in range(3):  # warm-up: oneDNN primitive creation, page faults
+        F.linear(x, w)
+    calls = 4
+    samples = [
+        calls * 2 * m * n * k / timed(lambda: [F.linear(x, w) for _ in range(calls)]) / 1e9
+        for _ in range(reps)
+    ]
+    return {"m": m, "k": k, "n": n, "gflops": statistics.median(samples), "samples": samples}
+
+
 def markdown(rows: list[Row]) -> str:
     head = (
         "| model | layer | N | K | M | probe GB/s | native GB/s | native/probe | best/best "
@@ -181,6 +202,7 @@ def main() -> None:
     ap.add_argument("--pool-mib", type=int, default=256, help="weight copies per shape (>> L3)")
     ap.add_argument("--probe-mib", type=int, default=1024, help="read-probe buffer (>> L3)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--peak", action="store_true", help="also measure the bf16 matmul peak")
     args = ap.parse_args()
 
     if not native.available():
@@ -220,6 +242,17 @@ def main() -> None:
         f"{load_start[0]:.2f} -> {meta['loadavg_end'][0]:.2f}\n"
     )
     print(markdown(rows))
+    if args.peak:
+        peak = bf16_peak_gflops(args.reps)
+        meta["bf16_peak"] = peak
+        print(
+            f"bf16 matmul peak (torch F.linear, M,K,N = {PEAK_SHAPE}): {peak['gflops']:.0f} GFLOP/s"
+        )
+        for r in rows:
+            print(
+                f"  {r.model} {r.layer} M={r.m}: native {r.native_gflops:.0f} GFLOP/s = "
+                f"{r.native_gflops / peak['gflops']:.0%} of peak"
+            )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = args.out_dir / f"bench_kernels-{stamp}.json"

@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gloo", action="store_true", help="also run TP=2 over gloo")
+    parser.add_argument("--json", type=Path, default=RESULTS / "tp.json")
     args = parser.parse_args()
     path = model_dir(args.arch, args.preset, args.model)
     engines = {
@@ -68,8 +69,8 @@ def main() -> None:
             summary[f"{name}_vs_tp1"] = statistics.median(r[name] / r["tp1"] for r in rounds)
     summary["rounds"] = rounds
     summary["loadavg"] = os.getloadavg()[0]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "tp.json").write_text(json.dumps(summary, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=2))
     print(
         " | ".join(f"{k} {v:.2f}" for k, v in summary.items() if isinstance(v, float)),
         flush=True,
