@@ -176,8 +176,7 @@ class Supervisor:
                 ready_count = len(group.ready)
                 self.notifier.status(f"loading: {ready_count}/{group.world_size} ranks ready")
                 if ready_count == group.world_size:
-                    ranks = [group.ready[r] for r in range(group.world_size)]
-                    to_frontend.send(encoder.encode(RanksReady(ranks)))
+                    to_frontend.send(encoder.encode(RanksReady(group.ready_in_rank_order())))
             if self.serving is not None and not announced:
                 announced = True
                 log.info(

@@ -109,6 +109,8 @@ def run_aiperf(
 ) -> dict[str, Any]:
     """One aiperf profile run; raises RuntimeError with aiperf's own error on failure."""
     exe = ensure_aiperf()
+    # aiperf runs with cwd=out_dir, so a relative artifact dir would nest inside itself.
+    out_dir = out_dir.resolve()
     shutil.rmtree(out_dir, ignore_errors=True)
     cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "completions"]
     cmd += ["--streaming", "--tokenizer", str(tokenizer), "--use-server-token-count"]

@@ -216,17 +216,16 @@ class RankGroup:
             self._check_processes()
             time.sleep(0.05)
 
-    def wait_ready(self, on_progress: Callable[[int], None] | None = None) -> list[Ready]:
-        reported = -1
+    def ready_in_rank_order(self) -> list[Ready]:
+        return [self.ready[r] for r in range(self.world_size)]
+
+    def wait_ready(self) -> list[Ready]:
         while len(self.ready) < self.world_size:
             try:
                 self.poll(0.1)
             except RankDiedError as exc:
                 raise RankDiedError(str(exc).replace("failed:", "failed to start:", 1)) from None
-            if on_progress is not None and len(self.ready) != reported:
-                reported = len(self.ready)
-                on_progress(reported)
-        return [self.ready[r] for r in range(self.world_size)]
+        return self.ready_in_rank_order()
 
     def heartbeats_fresh(self) -> bool:
         now = time.monotonic()

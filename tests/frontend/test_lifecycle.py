@@ -96,7 +96,7 @@ def test_full_queue_gets_429_with_retry_after(fresh):
     srv = fresh("--max-pending-requests", "1")
     body = {**LONG_STREAM, "stream": False}
     holder = threading.Thread(
-        target=lambda: httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+        target=lambda: httpx.post(srv.base_url + "/v1/completions", json=body, timeout=90)
     )
     holder.start()
     try:
@@ -114,12 +114,13 @@ def test_full_queue_gets_429_with_retry_after(fresh):
 
 
 def test_sigterm_drains_in_flight_requests(fresh):
-    srv = fresh("--drain-timeout", "30")
-    body = {**LONG_STREAM, "stream": False, "n": 4}
+    # Long enough (seconds, not tenths) that the drain cannot finish before the checks below.
+    srv = fresh("--drain-timeout", "60", "--max-model-len", "1024")
+    body = {**LONG_STREAM, "stream": False, "n": 16, "max_tokens": 1000}
     result: dict = {}
 
     def call() -> None:
-        response = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+        response = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=90)
         result["status"] = response.status_code
         result["body"] = response.json()
 
@@ -135,10 +136,10 @@ def test_sigterm_drains_in_flight_requests(fresh):
     assert health.status_code == 503 and health.json()["status"] == "draining"
     refused = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert refused.status_code == 503
-    worker.join(60)
+    worker.join(90)
     assert result["status"] == 200
     assert all(
         len(c["text"]) >= 0 and c["finish_reason"] == "length" for c in result["body"]["choices"]
     )
-    assert result["body"]["usage"]["completion_tokens"] == 4 * 240
+    assert result["body"]["usage"]["completion_tokens"] == 16 * 1000
     assert srv.proc.wait(30) == 0
