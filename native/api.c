@@ -144,6 +144,50 @@ int cpud_gemm_packed(int isa, intptr_t x, int x_dtype, int64_t x_stride, intptr_
                             bias_dtype, ADDR(out), out_dtype, out_stride, M, N, K);
 }
 
+/* Lanes [l0, l1) of one panel from rows w (row stride ws, lane l0 first) ->
+ * dst [nkp][32] pairs (as uint32). */
+static void pack_lanes(const void *w, int dt, int64_t ws, int l0, int l1, int64_t K,
+                       uint32_t *dst) {
+    const int64_t nkp = (K + 1) / 2;
+    for (int lane = l0; lane < l1; lane++) {
+        if (dt == CPUD_BF16) {
+            const uint16_t *row = (const uint16_t *)w + (lane - l0) * ws;
+            for (int64_t kp = 0; kp < K / 2; kp++) {
+                uint32_t pair;
+                memcpy(&pair, row + 2 * kp, sizeof pair);
+                dst[kp * CPUD_GEMM_NB + lane] = pair;
+            }
+            if (K % 2) dst[(nkp - 1) * CPUD_GEMM_NB + lane] = row[K - 1];
+        } else {
+            const float *row = (const float *)w + (lane - l0) * ws;
+            for (int64_t kp = 0; kp < nkp; kp++) {
+                const uint32_t lo = f32_to_bf16(row[2 * kp]);
+                const uint32_t hi = 2 * kp + 1 < K ? f32_to_bf16(row[2 * kp + 1]) : 0;
+                dst[kp * CPUD_GEMM_NB + lane] = lo | hi << 16;
+            }
+        }
+    }
+}
+
+int cpud_pack_rows(intptr_t w, int w_dtype, int64_t w_stride, intptr_t packed, int64_t K,
+                   int64_t row0, int64_t nrows) {
+    if (!dtype_ok(w_dtype) || !w || !packed || K < 1 || w_stride < K || row0 < 0 || nrows < 0)
+        return CPUD_EARG;
+    const int64_t p0 = row0 / CPUD_GEMM_NB, p1 = (row0 + nrows + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB;
+    const int64_t panel = (K + 1) / 2 * CPUD_GEMM_NB;
+    const int es = dtype_size(w_dtype);
+#pragma omp parallel for schedule(static) if (p1 - p0 > 1)
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t first = p * CPUD_GEMM_NB > row0 ? p * CPUD_GEMM_NB : row0;
+        const int64_t end = (p + 1) * CPUD_GEMM_NB < row0 + nrows ? (p + 1) * CPUD_GEMM_NB
+                                                                   : row0 + nrows;
+        pack_lanes((const char *)CADDR(w) + (first - row0) * w_stride * es, w_dtype, w_stride,
+                   (int)(first - p * CPUD_GEMM_NB), (int)(end - p * CPUD_GEMM_NB), K,
+                   (uint32_t *)ADDR(packed) + p * panel);
+    }
+    return CPUD_OK;
+}
+
 uint64_t cpud_read_probe(int isa, intptr_t buf, int64_t bytes) {
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops || !buf || bytes % 4096 || buf % 64) return 0;

@@ -107,6 +107,15 @@ int cpud_gemm_packed(int isa,
                      intptr_t out,    /* [M][N], row stride out_stride, out_dtype      */
                      int out_dtype, int64_t out_stride, int64_t M, int64_t N, int64_t K);
 
+/* Packs rows [row0, row0 + nrows) of a W[N][K] into the layout above (rows
+ * given at w, row stride w_stride elements, w_dtype), rounding fp32 to bf16 and
+ * zero-filling the k padding; other rows are untouched.  Any ISA; OpenMP over
+ * the panels the rows cover.  The caller keeps row0 + nrows within the panels. */
+int cpud_pack_rows(intptr_t w, /* [nrows][K], row stride w_stride, w_dtype          */
+                   int w_dtype, int64_t w_stride,
+                   intptr_t packed, /* [ceil(N/32)][ceil(K/2)][32][2] bf16             */
+                   int64_t K, int64_t row0, int64_t nrows);
+
 /* Streaming read of bytes at buf (64-byte aligned, bytes % 4096 == 0) by all
  * threads, each its own contiguous share; returns a checksum.  Fill buf with
  * random data: on some machines constant pages read measurably slower. */

@@ -98,6 +98,57 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
+def empty_packed(n: int, k: int, huge_pages: bool = True) -> torch.Tensor:
+    """Storage for a packed W[n, k] (fill it with ``pack_rows``); the rows that pad n up to a
+    whole panel are zeroed here, on transparent huge pages unless huge_pages is False."""
+    if n < 1 or k < 1:
+        raise ValueError(f"w: empty shape {(n, k)}")
+    shape = (-(-n // GEMM_NB), -(-k // 2), GEMM_NB, 2)
+    data = (
+        huge_empty(shape, torch.bfloat16)
+        if huge_pages
+        else torch.empty(shape, dtype=torch.bfloat16)
+    )
+    if n % GEMM_NB:
+        data[-1, :, n % GEMM_NB :].zero_()
+    return data
+
+
+def pack_rows(data: torch.Tensor, row0: int, rows: torch.Tensor) -> None:
+    """Packs rows [n, k] (any float dtype; rounded to bf16; any row stride) as rows
+    [row0, row0 + n) of the packed weight in ``data`` (from ``empty_packed``)."""
+    if rows.dim() != 2 or not rows.is_floating_point() or not rows.is_cpu:
+        raise ValueError(f"rows: expected a 2-D float CPU tensor, got {rows.dtype} {rows.shape}")
+    panels, pairs = data.shape[0], data.shape[1]
+    n, k = rows.shape
+    if -(-k // 2) != pairs or row0 < 0 or row0 + n > panels * GEMM_NB:
+        raise ValueError(
+            f"rows: {n} x {k} at row {row0} do not fit a packed weight of "
+            f"{panels * GEMM_NB} x {2 * pairs}"
+        )
+    if rows.dtype not in _DTYPE_CODE:
+        rows = rows.to(torch.float32)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    _require()
+    rc = _loader.lib.cpud_pack_rows(
+        rows.data_ptr(), _DTYPE_CODE[rows.dtype], rows.stride(0), data.data_ptr(), k, row0, n
+    )
+    _check_rc(rc, "pack_rows")
+
+
+def packed_with_bias(
+    data: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None
+) -> PackedWeight:
+    """A PackedWeight over filled ``data``, with an optional [n] bias kept in fp32."""
+    b = None
+    if bias is not None:
+        if bias.shape != (n,) or not bias.is_floating_point():
+            raise ValueError(f"bias: expected a float [{n}] tensor, got {tuple(bias.shape)}")
+        b = bias.detach().to(torch.float32).contiguous()
+    return PackedWeight(data=data, n=n, k=k, bias=b)
+
+
 def pack_weight(
     w: torch.Tensor, bias: torch.Tensor | None = None, huge_pages: bool = True
 ) -> PackedWeight:
@@ -106,26 +157,9 @@ def pack_weight(
     if w.dim() != 2 or not w.is_floating_point() or not w.is_cpu:
         raise ValueError(f"w: expected a 2-D float CPU tensor, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
-    if n < 1 or k < 1:
-        raise ValueError(f"w: empty shape {tuple(w.shape)}")
-    w = w.detach().to(torch.bfloat16)
-    n_pad, k_pad = -(-n // GEMM_NB) * GEMM_NB, -(-k // 2) * 2
-    if (n_pad, k_pad) != (n, k):
-        padded = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16)
-        padded[:n, :k] = w
-        w = padded
-    blocks = w.view(n_pad // GEMM_NB, GEMM_NB, k_pad // 2, 2).permute(0, 2, 1, 3)
-    if huge_pages:
-        data = huge_empty(tuple(blocks.shape), torch.bfloat16)
-        data.copy_(blocks)
-    else:
-        data = blocks.contiguous()
-    b = None
-    if bias is not None:
-        if bias.shape != (n,) or not bias.is_floating_point():
-            raise ValueError(f"bias: expected a float [{n}] tensor, got {tuple(bias.shape)}")
-        b = bias.detach().to(torch.float32).contiguous()
-    return PackedWeight(data=data, n=n, k=k, bias=b)
+    data = empty_packed(n, k, huge_pages)
+    pack_rows(data, 0, w.detach())
+    return packed_with_bias(data, n, k, bias)
 
 
 def max_threads() -> int:

@@ -12,7 +12,7 @@ import torch
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.loader import load_weights
 from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.models import build_model, pack_for_native
+from cpud.ranks.models import begin_native_pack, build_model, finish_native_pack
 from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.sampler import sample
@@ -52,10 +52,13 @@ class ModelRunner:
         self.group = group
         self.ops = make_ops(config.kernels)
         self.model = build_model(model_cfg, config.max_model_len, config.dtype, group, self.ops)
+        pack = self.ops.name == "native" and config.dtype == torch.bfloat16
+        if pack:
+            begin_native_pack(self.model, self.ops)
         load_weights(self.model, config.model_dir, progress)
+        if pack:
+            finish_native_pack(self.model)
         self.model.eval()
-        if self.ops.name == "native" and config.dtype == torch.bfloat16:
-            pack_for_native(self.model, self.ops)
         shape = (
             config.num_kv_blocks,
             self.model.kv_heads_local,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpud.ranks.layers.base import Layer
-from cpud.ranks.layers.linear import PackableLinear, copy_checked, new_param
+from cpud.ranks.layers.linear import PackableLinear, check_shape, copy_checked, new_param
 from cpud.ranks.parallel import TPGroup
 
 VOCAB_PADDING = 64
@@ -31,6 +31,7 @@ class VocabParallelEmbedding(Layer):
         self.dim = dim
         self.weight = new_param((self.shard, dim), dtype, self.load_rows)
         self.packed: Any = None
+        self.packing: torch.Tensor | None = None  # the LM head's packed storage, while loading
 
     def share_packed(self, packed: Any) -> None:
         """Look rows up in the LM head's packed copy of this (tied) table; drop our own."""
@@ -45,11 +46,19 @@ class VocabParallelEmbedding(Layer):
         return rows.reshape(local_ids.shape[0], -1)[:, : self.dim]
 
     def load_rows(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        loaded = source[self.start : self.start + self.rows] if self.rows else None
+        if self.packing is not None:
+            from cpud.native import pack_rows
+
+            if loaded is not None:
+                check_shape((self.rows, self.dim), loaded, "vocab rows")
+                pack_rows(self.packing, 0, loaded)
+            if self.rows < self.shard:
+                pack_rows(self.packing, self.rows, torch.zeros(self.shard - self.rows, self.dim))
+            return
         param.data[self.rows :].zero_()
-        if self.rows:
-            copy_checked(
-                param.data[: self.rows], source[self.start : self.start + self.rows], "vocab rows"
-            )
+        if loaded is not None:
+            copy_checked(param.data[: self.rows], loaded, "vocab rows")
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -77,15 +86,25 @@ class ParallelLMHead(PackableLinear):
         self.vocab_size = vocab_size
         # A tuple, so the embedding is not registered twice as a submodule.
         self.tied_to: tuple[VocabParallelEmbedding, ...] = (tied_to,) if tied_to else ()
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = VocabParallelEmbedding(vocab_size, dim, dtype, group).weight
+        # The table whose loader fills the weight: the tied embedding, or one of our own.
+        self.table = tied_to or VocabParallelEmbedding(vocab_size, dim, dtype, group)
+        self.weight = self.table.weight
 
     bias = None
 
-    def pack(self, kernels: Any, with_bias: bool = False) -> None:
-        super().pack(kernels, with_bias=False)
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "table":  # not a submodule: a tied table is registered by its model already
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def begin_pack(self, kernels: Any) -> None:
+        super().begin_pack(kernels)
+        self.table.packing = self._packing
+
+    def finish_pack(self, with_bias: bool = False) -> None:
+        super().finish_pack(with_bias=False)
+        self.table.packing = None
         for embedding in self.tied_to:
             embedding.share_packed(self.packed)
 

@@ -22,12 +22,16 @@ def source_shape(source: Any) -> tuple[int, ...]:
     return tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
 
 
-def copy_checked(dest: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    if tuple(dest.shape) != tuple(loaded.shape):
+def check_shape(dest_shape: tuple[int, ...], loaded: torch.Tensor, name: str) -> None:
+    if tuple(dest_shape) != tuple(loaded.shape):
         raise ConfigError(
             f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, "
-            f"expected {tuple(dest.shape)}: config.json does not match the weights"
+            f"expected {tuple(dest_shape)}: config.json does not match the weights"
         )
+
+
+def copy_checked(dest: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    check_shape(tuple(dest.shape), loaded, name)
     dest.copy_(loaded)
 
 
@@ -42,18 +46,39 @@ def load_whole(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
 
 
 class PackableLinear(Layer):
-    """A linear layer whose weight can be repacked, once after loading, for the native skinny
-    GEMM; the plain weight is then dropped, so the bytes are held once."""
+    """A linear layer whose weight can be packed for the native skinny GEMM while it loads:
+    between ``begin_pack`` and ``finish_pack`` the weight's rows go from the checkpoint straight
+    into the packed layout, so the plain [N, K] weight is never written (its pages never
+    touched) and is dropped at the end; the bytes are held once."""
 
     packed: Any = None
     _kernels: Any = None
+    _packing: torch.Tensor | None = None  # packed storage being filled while loading
 
-    def pack(self, kernels: Any, with_bias: bool) -> None:
-        from cpud.native import pack_weight
+    def begin_pack(self, kernels: Any) -> None:
+        from cpud.native import empty_packed
 
-        bias = self.bias.data if with_bias and self.bias is not None else None
-        self.packed = pack_weight(self.weight.data, bias)
+        self._packing = empty_packed(*self.weight.shape)
         self._kernels = kernels
+
+    def store_rows(self, param: nn.Parameter, row0: int, loaded: torch.Tensor, name: str) -> None:
+        """Rows [row0, row0 + len(loaded)) of param from a checkpoint tensor."""
+        dest_shape = param.data[row0 : row0 + loaded.shape[0]].shape
+        if param is self.weight and self._packing is not None:
+            from cpud.native import pack_rows
+
+            check_shape(tuple(dest_shape), loaded, name)
+            pack_rows(self._packing, row0, loaded)
+        else:
+            copy_checked(param.data[row0 : row0 + dest_shape[0]], loaded, name)
+
+    def finish_pack(self, with_bias: bool) -> None:
+        from cpud.native import packed_with_bias
+
+        n, k = self.weight.shape
+        bias = self.bias.data if with_bias and self.bias is not None else None
+        self.packed = packed_with_bias(self._packing, n, k, bias)
+        self._packing = None
         self.weight = None
         if with_bias:
             self.bias = None
@@ -67,8 +92,11 @@ class PackableLinear(Layer):
 class ReplicatedLinear(PackableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.weight = new_param((out_features, in_features), dtype, load_whole)
+        self.weight = new_param((out_features, in_features), dtype, self.load_replicated)
         self.bias = new_param((out_features,), dtype, load_whole) if bias else None
+
+    def load_replicated(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        self.store_rows(param, 0, source[:], "a replicated tensor")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -101,9 +129,7 @@ class ColumnParallelLinear(PackableLinear):
 
     def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         offset, start, size = self.shard_rows(shard_id)
-        copy_checked(
-            param.data[offset : offset + size], source[start : start + size], "column shard"
-        )
+        self.store_rows(param, offset, source[start : start + size], "column shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -164,10 +190,10 @@ class RowParallelLinear(PackableLinear):
 
     def load_columns(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         start = self.group.rank * self.in_local
-        copy_checked(param.data, source[:, start : start + self.in_local], "row shard")
+        self.store_rows(param, 0, source[:, start : start + self.in_local], "row shard")
 
-    def pack(self, kernels: Any, with_bias: bool = False) -> None:
-        super().pack(kernels, with_bias=False)  # the bias is added once, after the all-reduce
+    def finish_pack(self, with_bias: bool = False) -> None:
+        super().finish_pack(with_bias=False)  # the bias is added once, after the all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.group.all_reduce(self.matmul(x, None))

@@ -26,10 +26,18 @@ def build_model(
     return MODEL_CLASSES[cfg.family](cfg, max_positions, dtype, group, ops or TorchOps())
 
 
-def pack_for_native(model: nn.Module, ops: Ops) -> None:
-    """Repack every matmul weight for the native skinny GEMM (bf16 models only); a tied
-    embedding then reads its rows from the LM head's packed copy."""
-    kernels = ops.k
-    for module in model.modules():
-        if isinstance(module, PackableLinear) and module.weight is not None:
-            module.pack(kernels, with_bias=True)
+def packable_layers(model: nn.Module) -> list[PackableLinear]:
+    return [m for m in model.modules() if isinstance(m, PackableLinear) and m.weight is not None]
+
+
+def begin_native_pack(model: nn.Module, ops: Ops) -> None:
+    """Before loading (bf16 models on the native kernels): every matmul weight is packed for
+    the native skinny GEMM as it loads; a tied embedding then reads its rows from the LM
+    head's packed copy."""
+    for layer in packable_layers(model):
+        layer.begin_pack(ops.k)
+
+
+def finish_native_pack(model: nn.Module) -> None:
+    for layer in packable_layers(model):
+        layer.finish_pack(with_bias=True)

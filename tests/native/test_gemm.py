@@ -63,6 +63,53 @@ def test_pack_layout():
     assert torch.all(p.data[1, :, 8:] == 0)  # n padding
 
 
+def torch_packed(w: torch.Tensor) -> torch.Tensor:
+    """The packed layout built with torch ops: pad to (32, 2) multiples, then permute."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // 32) * 32, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = w.to(torch.bfloat16)
+    return padded.view(padded.shape[0] // 32, 32, padded.shape[1] // 2, 2).permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("N, K", [(1, 1), (31, 7), (64, 128), (97, 301)])
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_native_pack_matches_torch_layout(dtype, N, K, huge_pages):
+    wide = torch.randn(N, K + 5).to(dtype)
+    w = wide[:, 2 : 2 + K]  # a row stride wider than K, as a column shard of a checkpoint
+    p = native.pack_weight(w, huge_pages=huge_pages)
+    assert torch.equal(p.data.view(torch.int16), torch_packed(w).view(torch.int16))
+
+
+def test_pack_rows_in_shards_at_unaligned_offsets_equals_one_pack():
+    # q, k, v shards of a fused projection land at rows 0, 40 and 64 (not panel multiples)
+    parts = [torch.randn(40, 19).to(torch.bfloat16), torch.randn(24, 19), torch.randn(9, 19)]
+    data = native.empty_packed(73, 19)
+    row = 0
+    for part in parts:
+        native.pack_rows(data, row, part)
+        row += part.shape[0]
+    assert torch.equal(data.view(torch.int16), torch_packed(torch.cat(parts)).view(torch.int16))
+
+
+def test_pack_rows_rejects_rows_outside_the_weight():
+    data = native.empty_packed(40, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.pack_rows(data, 60, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="do not fit"):
+        native.pack_rows(data, 0, torch.randn(5, 10))
+
+
+def test_native_pack_rounds_fp32_like_torch():
+    # ties to even both ways, a NaN, a negative zero, a value that rounds up to infinity
+    w = torch.tensor([[1.0 + 2**-8, 1.0 + 3 * 2**-8, float("nan"), -0.0, 3.4e38, 1e-40]])
+    got = native.pack_weight(w).data[0, :, 0].reshape(-1)[: w.shape[1]]
+    want = w.to(torch.bfloat16)[0]
+    assert torch.isnan(got[2]) and torch.isnan(want[2])  # NaN payloads may differ
+    keep = [0, 1, 3, 4, 5]
+    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
+
+
 def test_gemm_rejects_mismatch(kern):
     packed = native.pack_weight(torch.randn(8, 16))
     with pytest.raises(ValueError, match="K=15"):
