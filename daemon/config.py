@@ -6,16 +6,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from cpud import envs
 from cpud.errors import ConfigError
 from cpud.ranks.cpu_features import resolve_dtype
 from cpud.ranks.model_config import ModelConfig, load_model_config
-from cpud.ranks.model_runner import kv_block_bytes
-from cpud.ranks.ops import KINDS as KERNEL_KINDS
+from cpud.ranks.sizes import kv_block_bytes
 
 GiB = 1 << 30
+KERNEL_KINDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
 
@@ -63,7 +61,7 @@ class ServeArgs:
 class EngineConfig:
     model_dir: Path
     model: ModelConfig
-    dtype: torch.dtype
+    dtype: str  # torch attribute name: "bfloat16", "float16" or "float32"
     tp: int
     max_model_len: int
     block_size: int

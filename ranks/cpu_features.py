@@ -5,26 +5,25 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-import torch
-
 from cpud.errors import ConfigError
 
+# Accepted spellings -> the dtype's name (torch's attribute name).
 DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 # A dtype is usable when the CPU has native arithmetic for it or AVX-512 to emulate it at speed.
 _DTYPE_NEEDS = {
-    torch.bfloat16: ({"avx512_bf16", "amx_bf16", "avx512f"}, "AVX512-BF16, AMX-BF16 or AVX-512"),
-    torch.float16: ({"avx512_fp16", "amx_fp16", "avx512f"}, "AVX512-FP16, AMX-FP16 or AVX-512"),
-    torch.float32: (set(), ""),
+    "bfloat16": ({"avx512_bf16", "amx_bf16", "avx512f"}, "AVX512-BF16, AMX-BF16 or AVX-512"),
+    "float16": ({"avx512_fp16", "amx_fp16", "avx512f"}, "AVX512-FP16, AMX-FP16 or AVX-512"),
+    "float32": (set(), ""),
 }
 
 
@@ -40,7 +39,7 @@ def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> str:
     key = str(name).lower().removeprefix("torch.")
     if key not in DTYPES:
         raise ConfigError(
@@ -49,18 +48,17 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[key]
 
 
-def resolve_dtype(requested: str, flags: frozenset[str] | None = None) -> torch.dtype:
+def resolve_dtype(requested: str, flags: frozenset[str] | None = None) -> str:
     """'auto' picks bf16 where the CPU computes it natively, else fp32."""
     flags = cpu_flags() if flags is None else flags
     if str(requested).lower() == "auto":
-        return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+        return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
     dtype = parse_dtype(requested)
     check_dtype_supported(dtype, flags)
     return dtype
 
 
-def check_dtype_supported(dtype: torch.dtype, flags: frozenset[str]) -> None:
+def check_dtype_supported(dtype: str, flags: frozenset[str]) -> None:
     needs, names = _DTYPE_NEEDS[dtype]
     if needs and not needs & flags:
-        short = str(dtype).removeprefix("torch.")
-        raise ConfigError(f"dtype {short} needs {names}, which this CPU lacks: use --dtype float32")
+        raise ConfigError(f"dtype {dtype} needs {names}, which this CPU lacks: use --dtype float32")

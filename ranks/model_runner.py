@@ -30,16 +30,6 @@ class RunnerConfig:
     kernels: str = "auto"  # "auto" | "native" | "torch"
 
 
-def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
-    return max(1, cfg.num_kv_heads // tp)
-
-
-def kv_block_bytes(cfg: ModelConfig, tp: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes on one rank, over all layers, keys and values."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * kv_heads_local(cfg, tp) * block_size * cfg.head_dim * itemsize
-
-
 class ModelRunner:
     def __init__(
         self,

@@ -8,10 +8,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from cpud.config import KERNEL_KINDS as KINDS
 from cpud.errors import ConfigError
 from cpud.ranks.layers.attention import AttentionMetadata, causal_mask, gather_context, write_kv
-
-KINDS = ("auto", "native", "torch")
 
 
 class Ops(Protocol):

@@ -6,8 +6,6 @@ from typing import Protocol
 
 import torch
 
-from cpud.errors import ConfigError
-
 
 class TPGroup(Protocol):
     rank: int
@@ -33,12 +31,3 @@ class SingleRank:
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         return tensor
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ConfigError(
-            f"{what} ({numerator}) is not divisible by the tensor-parallel size {denominator}: "
-            f"choose a --tp that divides it"
-        )
-    return numerator // denominator

@@ -26,7 +26,7 @@ from cpud.placement.memory_plan import (
     weight_bytes,
 )
 from cpud.placement.topology import Topology, discover_topology
-from cpud.ranks.model_runner import kv_block_bytes
+from cpud.ranks.sizes import kv_block_bytes
 
 GiB = 1 << 30
 T = TypeVar("T")

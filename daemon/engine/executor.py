@@ -4,14 +4,15 @@ provides an executor with the same two methods over ZeroMQ."""
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cpud.config import EngineConfig
 from cpud.protocol.control import RankStats
 from cpud.protocol.step import StepPlan, StepResult
-from cpud.ranks.model_runner import ModelRunner, RunnerConfig
-from cpud.ranks.parallel import SingleRank
-from cpud.ranks.stats import RankStatsCollector
+
+# The supervisor and the frontend import this module for planning: torch stays out of them.
+if TYPE_CHECKING:
+    from cpud.ranks.model_runner import RunnerConfig
 
 log = logging.getLogger("cpud.executor")
 
@@ -31,9 +32,13 @@ class Executor(Protocol):
 
 
 def runner_config(config: EngineConfig) -> RunnerConfig:
+    import torch
+
+    from cpud.ranks.model_runner import RunnerConfig
+
     return RunnerConfig(
         model_dir=config.model_dir,
-        dtype=config.dtype,
+        dtype=getattr(torch, config.dtype),
         max_model_len=config.max_model_len,
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,
@@ -45,6 +50,10 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
 class InProcessExecutor:
     def __init__(self, config: EngineConfig):
         import os
+
+        from cpud.ranks.model_runner import ModelRunner
+        from cpud.ranks.parallel import SingleRank
+        from cpud.ranks.stats import RankStatsCollector
 
         self.runner = ModelRunner(runner_config(config), config.model, SingleRank())
         cpus = sorted(os.sched_getaffinity(0))

@@ -11,8 +11,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import zmq
 
 from cpud.config import EngineConfig
@@ -28,7 +28,9 @@ from cpud.errors import ConfigError
 from cpud.protocol.control import RankStats
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.model_config import load_model_config
-from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+
+if TYPE_CHECKING:
+    from cpud.ranks.model_runner import ModelRunner
 
 __all__ = ["MultiprocExecutor", "RankDiedError", "RankSlot", "build_runner", "rank_engine_config"]
 
@@ -36,7 +38,7 @@ __all__ = ["MultiprocExecutor", "RankDiedError", "RankSlot", "build_runner", "ra
 def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
     return RankEngineConfig(
         model_dir=str(config.model_dir),
-        dtype=str(config.dtype).removeprefix("torch."),
+        dtype=config.dtype,
         max_model_len=config.max_model_len,
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,
@@ -48,6 +50,10 @@ def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
 def build_runner(
     config: RankEngineConfig, group: object, progress: Callable[[int, int], None] | None = None
 ) -> ModelRunner:
+    import torch
+
+    from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+
     runner_config = RunnerConfig(
         model_dir=Path(config.model_dir),
         dtype=getattr(torch, config.dtype),

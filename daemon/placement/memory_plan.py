@@ -14,15 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from cpud.errors import ConfigError
 from cpud.placement.binding import BindingPlan
 from cpud.placement.topology import Topology
-from cpud.ranks.layers.embedding import vocab_shard_size
 from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.model_runner import kv_block_bytes
-from cpud.ranks.parallel import divide
+from cpud.ranks.sizes import divide, dtype_bytes, kv_block_bytes, vocab_shard_size
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -103,14 +99,14 @@ def shard_param_count(model: ModelConfig, tp: int) -> int:
     return total
 
 
-def weight_bytes(model: ModelConfig, dtype: torch.dtype, tp: int) -> int:
+def weight_bytes(model: ModelConfig, dtype: str, tp: int) -> int:
     """Bytes of one rank's weight shard."""
-    return shard_param_count(model, tp) * dtype.itemsize
+    return shard_param_count(model, tp) * dtype_bytes(dtype)
 
 
 def overhead_bytes(
     model: ModelConfig,
-    dtype: torch.dtype,
+    dtype: str,
     tp: int,
     max_model_len: int,
     max_num_batched_tokens: int,
@@ -120,7 +116,7 @@ def overhead_bytes(
     RoPE tables, one layer's activations for a full token budget (fp32) and gathered logits."""
     heads, kv_heads = _heads_local(model, tp)
     inter = model.intermediate_size // tp
-    rope = 0 if model.family == "opt" else 2 * max_model_len * model.rotary_dim * dtype.itemsize
+    rope = 0 if model.family == "opt" else 2 * max_model_len * model.rotary_dim * dtype_bytes(dtype)
     per_token = 4 * model.hidden_size + (heads + 2 * kv_heads) * model.head_dim + 3 * inter
     activations = max_num_batched_tokens * per_token * 4
     logits = max_num_seqs * vocab_shard_size(model.vocab_size, 1) * 4
@@ -230,7 +226,7 @@ def _kv_fraction(
 
 def plan_memory(
     model: ModelConfig,
-    dtype: torch.dtype,
+    dtype: str,
     binding: BindingPlan,
     topology: Topology,
     *,

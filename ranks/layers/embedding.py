@@ -11,13 +11,7 @@ from torch import nn
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.linear import PackableLinear, check_shape, copy_checked, new_param
 from cpud.ranks.parallel import TPGroup
-
-VOCAB_PADDING = 64
-
-
-def vocab_shard_size(vocab_size: int, tp: int) -> int:
-    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-    return -(-padded // tp)
+from cpud.ranks.sizes import vocab_shard_size
 
 
 class VocabParallelEmbedding(Layer):

@@ -15,7 +15,8 @@ from torch import nn
 
 from cpud.errors import ConfigError
 from cpud.ranks.layers.base import Layer
-from cpud.ranks.parallel import TPGroup, divide
+from cpud.ranks.parallel import TPGroup
+from cpud.ranks.sizes import divide
 
 
 def source_shape(source: Any) -> tuple[int, ...]:

@@ -24,8 +24,8 @@ from cpud.placement.memory_plan import (
 )
 from cpud.placement.topology import discover_topology
 from cpud.ranks.model_config import parse_model_config
-from cpud.ranks.model_runner import kv_block_bytes
 from cpud.ranks.models import build_model
+from cpud.ranks.sizes import kv_block_bytes
 
 BF16 = torch.bfloat16
 # two nodes with 12 GiB available each (10 free + 1 page cache + 1 reclaimable slab)

@@ -1,0 +1,42 @@
+"""Shard and byte sizes that follow from the model config alone, without torch: the supervisor
+and the frontend plan with them before any process imports torch; the ranks build with them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpud.errors import ConfigError
+from cpud.ranks.model_config import ModelConfig
+
+VOCAB_PADDING = 64
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a dtype name ('bfloat16') or a torch.dtype."""
+    itemsize = getattr(dtype, "itemsize", None)
+    return itemsize if isinstance(itemsize, int) else DTYPE_BYTES[str(dtype)]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ConfigError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size {denominator}: "
+            f"choose a --tp that divides it"
+        )
+    return numerator // denominator
+
+
+def vocab_shard_size(vocab_size: int, tp: int) -> int:
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    return -(-padded // tp)
+
+
+def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
+    return max(1, cfg.num_kv_heads // tp)
+
+
+def kv_block_bytes(cfg: ModelConfig, tp: int, block_size: int, dtype: Any) -> int:
+    """Bytes one KV block takes on one rank, over all layers, keys and values."""
+    per_token = cfg.num_layers * kv_heads_local(cfg, tp) * cfg.head_dim * dtype_bytes(dtype)
+    return 2 * block_size * per_token
