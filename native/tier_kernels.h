@@ -436,10 +436,16 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
             const int64_t i = n_items - 1 - ii;
             if (!w.q) continue;
 #if TIER_ID == 3
-            if (fa && items[i].nq * G >= FA_MIN_ROWS) {
-                if (fw.mem)
+            if (fa) {
+                const int64_t rows = items[i].nq * G;
+                if (!fw.mem) continue;
+                if (rows >= FA_MIN_ROWS)
                     fa_item_run(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
                                 out, os, nh, nkv, hd, bs, scale, window);
+                else
+                    fa_item_run_few(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt,
+                                    max_blocks, out, os, nh, nkv, hd, bs, scale, window,
+                                    (int)rows);
                 continue;
             }
 #endif

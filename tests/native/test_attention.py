@@ -137,11 +137,13 @@ def test_paged_attention_bf16_prefill_sliding_window(kern, window, bs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bs", [16, 128])
-def test_paged_attention_nan_in_unused_cache_slots(kern, dtype, bs):
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_paged_attention_nan_in_unused_cache_slots(kern, dtype, bs, gqa):
     # Slots past each sequence's context and blocks no sequence owns hold NaN: they must
-    # never reach the output (0 x NaN = NaN).
+    # never reach the output (0 x NaN = NaN).  Decode items and long prefill items.
     seqs = (*PREFILL_SEQS["chunked-mixed"], (20, 20))
-    nh, nkv, hd = 8, 2, 64
+    nkv, hd = 2, 64
+    nh = nkv * gqa
     q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), nh, nkv, hd, bs, dtype, seed=7)
     ref = ref_attention(q, kc, vc, qsl, seq_lens, bt, 0.125, 0)
     valid = torch.zeros(kc.shape[0], bs, dtype=torch.bool)
