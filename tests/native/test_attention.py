@@ -120,7 +120,9 @@ PREFILL_SEQS = {
 
 @pytest.mark.parametrize("seqs", list(PREFILL_SEQS))
 @pytest.mark.parametrize("bs", [16, 128])
-@pytest.mark.parametrize(("nh", "nkv", "hd"), [(16, 8, 128), (8, 1, 64), (6, 2, 80), (4, 4, 64)])
+@pytest.mark.parametrize(
+    ("nh", "nkv", "hd"), [(16, 8, 128), (8, 1, 64), (6, 2, 80), (4, 4, 64), (4, 2, 256), (3, 1, 16)]
+)
 def test_paged_attention_bf16_prefill(kern, seqs, bs, nh, nkv, hd):
     scale = hd**-0.5
     case, ref = case_and_ref(PREFILL_SEQS[seqs], nh, nkv, hd, bs, torch.bfloat16, 5, scale, 0)
