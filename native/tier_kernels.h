@@ -419,9 +419,8 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
     int failed = 0;
 #pragma omp parallel if (n_items > 1) reduction(| : failed)
     {
-        att_ws w = att_ws_alloc(G > ATT_ROWS ? G : ATT_ROWS, hd, bs);
-        if (!w.q) failed = 1;
 #if TIER_ID == 3
+        /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
         const int fa = fa_usable(dt, hd, bs);
         fa_ws fw = {0};
         if (fa) {
@@ -429,12 +428,18 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
             fw = fa_ws_alloc((R + FA_LANES - 1) / FA_LANES, hd);
             if (!fw.mem) failed = 1;
         }
+#else
+        const int fa = 0;
 #endif
+        att_ws w = {0};
+        if (!fa) {
+            w = att_ws_alloc(G > ATT_ROWS ? G : ATT_ROWS, hd, bs);
+            if (!w.q) failed = 1;
+        }
         /* last items first: later query tiles of a sequence see more keys */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t ii = 0; ii < n_items; ii++) {
             const int64_t i = n_items - 1 - ii;
-            if (!w.q) continue;
 #if TIER_ID == 3
             if (fa) {
                 const int64_t rows = items[i].nq * G;
@@ -449,6 +454,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
                 continue;
             }
 #endif
+            if (!w.q) continue;
             if (dt == CPUD_BF16)
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
                              nh, nkv, hd, bs, scale, window, CPUD_BF16);
@@ -456,7 +462,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
                              nh, nkv, hd, bs, scale, window, CPUD_F32);
         }
-        att_ws_free(&w);
+        if (!fa) att_ws_free(&w);
 #if TIER_ID == 3
         if (fa) fa_ws_free(&fw);
 #endif
