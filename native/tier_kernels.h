@@ -390,6 +390,10 @@ static ALWAYS_INLINE TGT void att_item_run(
     }
 }
 
+#if TIER_ID == 3
+#include "tier_flash_bf16.h"
+#endif
+
 /* Arguments as cpud_paged_attention; returns 0 or CPUD_ENOMEM. The caller has
  * validated query_start_loc, seq_lens and every block id that is read. */
 static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *kc, const void *vc,
@@ -415,10 +419,41 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
     int failed = 0;
 #pragma omp parallel if (n_items > 1) reduction(| : failed)
     {
-        att_ws w = att_ws_alloc(G > ATT_ROWS ? G : ATT_ROWS, hd, bs);
-        if (!w.q) failed = 1;
+#if TIER_ID == 3
+        /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
+        const int fa = fa_usable(dt, hd, bs);
+        fa_ws fw = {0};
+        if (fa) {
+            const int64_t R = G > ATT_ROWS ? G : ATT_ROWS;
+            fw = fa_ws_alloc((R + FA_LANES - 1) / FA_LANES, hd);
+            if (!fw.mem) failed = 1;
+        }
+#else
+        const int fa = 0;
+#endif
+        att_ws w = {0};
+        if (!fa) {
+            w = att_ws_alloc(G > ATT_ROWS ? G : ATT_ROWS, hd, bs);
+            if (!w.q) failed = 1;
+        }
+        /* last items first: later query tiles of a sequence see more keys */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
+        for (int64_t ii = 0; ii < n_items; ii++) {
+            const int64_t i = n_items - 1 - ii;
+#if TIER_ID == 3
+            if (fa) {
+                const int64_t rows = items[i].nq * G;
+                if (!fw.mem) continue;
+                if (rows >= FA_MIN_ROWS)
+                    fa_item_run(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
+                                out, os, nh, nkv, hd, bs, scale, window);
+                else
+                    fa_item_run_few(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt,
+                                    max_blocks, out, os, nh, nkv, hd, bs, scale, window,
+                                    (int)rows);
+                continue;
+            }
+#endif
             if (!w.q) continue;
             if (dt == CPUD_BF16)
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
@@ -427,7 +462,10 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
                              nh, nkv, hd, bs, scale, window, CPUD_F32);
         }
-        att_ws_free(&w);
+        if (!fa) att_ws_free(&w);
+#if TIER_ID == 3
+        if (fa) fa_ws_free(&fw);
+#endif
     }
     free(items);
     return failed ? CPUD_ENOMEM : CPUD_OK;

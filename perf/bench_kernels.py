@@ -9,10 +9,15 @@ and every figure is a median over repetitions.  Weight GB/s counts the
 unpadded bf16 weight bytes (N * K * 2) per call.
 
     python perf/bench_kernels.py [--threads 2] [--reps 7] [--batches 1 8] [--peak]
+    python perf/bench_kernels.py --attention [--reps 7] [--attn-scenarios prefill-512 ...]
 
 With --peak it also measures the machine's bf16 matmul peak in the same run: torch F.linear
 (oneDNN) at M=512, K=2048, N=8192, compute bound (~845 GFLOP/s here in DESIGN.md), median of
 --reps, and reports each native GEMM's GFLOP/s as a fraction of it.
+With --attention it benchmarks native paged attention instead (bf16 KV cache, Qwen3-0.6B layer
+shapes: 16 q heads, 8 kv heads, head dim 128, block size 16): one prefill of 512 or 2048 tokens,
+and decode of 32 sequences at context 512 or 2048; ms per call (one layer) and GFLOP/s counting
+the causal score and value matmuls (4 * nh * hd per visible (query, key) pair), medians of --reps.
 Prints a Markdown table and writes JSON to perf/results/ (or --out-dir).
 """
 
@@ -165,6 +170,88 @@ def bf16_peak_gflops(reps: int) -> dict[str, float | list[float]]:
     return {"m": m, "k": k, "n": n, "gflops": statistics.median(samples), "samples": samples}
 
 
+# name -> [(context incl. this step, query tokens)] per sequence
+ATTN_SCENARIOS: dict[str, list[tuple[int, int]]] = {
+    "prefill-512": [(512, 512)],
+    "prefill-2048": [(2048, 2048)],
+    "decode-32x512": [(512, 1)] * 32,
+    "decode-32x2048": [(2048, 1)] * 32,
+}
+ATTN_HEADS = (16, 8, 128, 16)  # nh, nkv, hd, block size: Qwen3-0.6B, cpud's default block
+
+
+def repeat(fn: Callable[[], object], n: int) -> None:
+    for _ in range(n):
+        fn()
+
+
+def attention_case(seqs: list[tuple[int, int]], nh: int, nkv: int, hd: int, bs: int) -> tuple:
+    """Random bf16 query and paged KV cache for seqs, blocks in shuffled order."""
+    nblk = [-(-ctx // bs) for ctx, _ in seqs]
+    perm = torch.randperm(sum(nblk), dtype=torch.int32)
+    bt = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(nblk):
+        bt[s, :n] = perm[used : used + n]
+        used += n
+    kc = torch.randn(sum(nblk), nkv, bs, hd).to(torch.bfloat16)
+    vc = torch.randn(sum(nblk), nkv, bs, hd).to(torch.bfloat16)
+    q_lens = [q for _, q in seqs]
+    q = torch.randn(sum(q_lens), nh, hd).to(torch.bfloat16)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32)
+    return q, kc, vc, qsl, seq_lens, bt
+
+
+def attention_flops(seqs: list[tuple[int, int]], nh: int, hd: int) -> int:
+    """Score and value matmul FLOPs over the visible (query, key) pairs (causal)."""
+    pairs = sum(q * (ctx - q) + q * (q + 1) // 2 for ctx, q in seqs)
+    return 4 * nh * hd * pairs
+
+
+def bench_attention(kern: native.Kernels, names: list[str], reps: int) -> list[dict]:
+    nh, nkv, hd, bs = ATTN_HEADS
+    rows = []
+    for name in names:
+        seqs = ATTN_SCENARIOS[name]
+        case = attention_case(seqs, nh, nkv, hd, bs)
+        out = torch.empty_like(case[0])
+        scale = hd**-0.5
+        call = functools.partial(kern.paged_attention, *case, scale, out=out)
+        call()  # warm-up
+        calls = max(1, round(0.05 / max(timed(call), 1e-6)))  # ~50 ms per sample
+        batch = functools.partial(repeat, call, calls)
+        samples = [timed(batch) / calls for _ in range(reps)]
+        ms = statistics.median(samples) * 1e3
+        flops = attention_flops(seqs, nh, hd)
+        rows.append(
+            {
+                "scenario": name,
+                "seqs": len(seqs),
+                "context": seqs[0][0],
+                "query_tokens": sum(q for _, q in seqs),
+                "ms": ms,
+                "gflops": flops / ms / 1e6,
+                "samples_ms": [t * 1e3 for t in samples],
+            }
+        )
+        print(f"# attention {name}: {ms:.3f} ms, {flops / ms / 1e6:.1f} GFLOP/s")
+    return rows
+
+
+def markdown_attention(rows: list[dict]) -> str:
+    head = (
+        "| scenario | seqs | context | query tokens | ms | GFLOP/s |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+    )
+    body = "".join(
+        f"| {r['scenario']} | {r['seqs']} | {r['context']} | {r['query_tokens']} "
+        f"| {r['ms']:.3f} | {r['gflops']:.1f} |\n"
+        for r in rows
+    )
+    return head + body
+
+
 def markdown(rows: list[Row]) -> str:
     head = (
         "| model | layer | N | K | M | probe GB/s | native GB/s | native/probe | best/best "
@@ -203,12 +290,19 @@ def main() -> None:
     ap.add_argument("--probe-mib", type=int, default=1024, help="read-probe buffer (>> L3)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--peak", action="store_true", help="also measure the bf16 matmul peak")
+    ap.add_argument("--attention", action="store_true", help="benchmark paged attention instead")
+    ap.add_argument(
+        "--attn-scenarios", nargs="+", default=list(ATTN_SCENARIOS), choices=list(ATTN_SCENARIOS)
+    )
     args = ap.parse_args()
 
     if not native.available():
         raise SystemExit(f"native kernels not available: {native.load_error()}")
     torch.set_num_threads(args.threads)
     kern = native.Kernels(args.isa)
+    if args.attention:
+        main_attention(kern, args)
+        return
     # Random contents: reading constant pages measured ~10% slower here.
     probe = torch.randint(0, 256, (args.probe_mib << 20,), dtype=torch.uint8)
     kern.read_probe(probe)
@@ -257,6 +351,33 @@ def main() -> None:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = args.out_dir / f"bench_kernels-{stamp}.json"
     path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    print(f"wrote {path}")
+
+
+def main_attention(kern: native.Kernels, args: argparse.Namespace) -> None:
+    load_start = os.getloadavg()
+    rows = bench_attention(kern, args.attn_scenarios, args.reps)
+    meta = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "isa": kern.isa,
+        "native": native.__file__,
+        "heads": dict(zip(("nh", "nkv", "hd", "block_size"), ATTN_HEADS)),
+        "reps": args.reps,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    print(
+        f"\n{meta['cpu']}, {args.threads} threads, tier {kern.isa}, paged attention bf16, "
+        f"nh/nkv/hd/bs = {ATTN_HEADS}, medians of {args.reps}; load average "
+        f"{load_start[0]:.2f} -> {meta['loadavg_end'][0]:.2f}\n"
+    )
+    print(markdown_attention(rows))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = args.out_dir / f"bench_attention-{stamp}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {path}")
 
 

@@ -109,6 +109,56 @@ def test_paged_attention_strided_query_and_padding_rows(kern):
     assert torch.all(out[T:] == 7.0)
 
 
+# bf16 prefill shapes that take the AVX512-BF16 tier's flash path (rows = queries x G >= 8,
+# head dim and block size multiples of 16) as well as the per-row path (short items).
+PREFILL_SEQS = {
+    "one-prompt": ((300, 300),),
+    # chunked prefill: 37 queries starting mid-sequence, a decode, a whole prompt
+    "chunked-mixed": ((200, 37), (50, 1), (77, 77), (1, 1), (261, 45), (33, 33)),
+}
+
+
+@pytest.mark.parametrize("seqs", list(PREFILL_SEQS))
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize(
+    ("nh", "nkv", "hd"), [(16, 8, 128), (8, 1, 64), (6, 2, 80), (4, 4, 64), (4, 2, 256), (3, 1, 16)]
+)
+def test_paged_attention_bf16_prefill(kern, seqs, bs, nh, nkv, hd):
+    scale = hd**-0.5
+    case, ref = case_and_ref(PREFILL_SEQS[seqs], nh, nkv, hd, bs, torch.bfloat16, 5, scale, 0)
+    assert_close(kern.paged_attention(*case, scale), ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [1, 17, 100])
+@pytest.mark.parametrize("bs", [16, 128])
+def test_paged_attention_bf16_prefill_sliding_window(kern, window, bs):
+    seqs = PREFILL_SEQS["chunked-mixed"]
+    case, ref = case_and_ref(seqs, 8, 2, 64, bs, torch.bfloat16, 6, 0.125, window)
+    assert_close(kern.paged_attention(*case, 0.125, sliding_window=window), ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_paged_attention_nan_in_unused_cache_slots(kern, dtype, bs, gqa):
+    # Slots past each sequence's context and blocks no sequence owns hold NaN: they must
+    # never reach the output (0 x NaN = NaN).  Decode items and long prefill items.
+    seqs = (*PREFILL_SEQS["chunked-mixed"], (20, 20))
+    nkv, hd = 2, 64
+    nh = nkv * gqa
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), nh, nkv, hd, bs, dtype, seed=7)
+    ref = ref_attention(q, kc, vc, qsl, seq_lens, bt, 0.125, 0)
+    valid = torch.zeros(kc.shape[0], bs, dtype=torch.bool)
+    for s, (ctx, _) in enumerate(seqs):
+        for j in range(ctx):
+            valid[bt[s, j // bs], j % bs] = True
+    invalid = ~valid[:, None, :, None].expand_as(kc)
+    kc, vc = kc.masked_fill(invalid, float("nan")), vc.masked_fill(invalid, float("nan"))
+    out = kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, 0.125)
+    assert not out.isnan().any()
+    assert_close(out, ref, dtype)
+
+
 def test_paged_attention_rejects_bad_plan(kern):
     nkv, nh, hd, bs = 1, 1, 64, 16
     q, kc, vc, qsl, seq_lens, bt = make_case(SEQS, nh, nkv, hd, bs, torch.float32)

@@ -1,0 +1,561 @@
+/* Flash-style paged attention for the AVX512-BF16 tier, bf16 KV cache (prefill
+ * and decode).  Included by tier_kernels.h only when TIER_ID == 3, after att_item.
+ *
+ * Items of >= FA_MIN_ROWS rows (prefill): the rows of a work item (queries x the
+ * G heads of one kv head) sit in the 16 lanes of a vector ("row group"), so
+ * every softmax step is vertical:
+ *   S^T[key][row]   = sum_dp  Qt[dp][row] . bcast(K[key][dp])        (vdpbf16ps)
+ *   O[row][d]      += sum_kp  Vp[kp][d]  . bcast(P[kp][row])         (vdpbf16ps)
+ * where dp indexes bf16 pairs (d, d+1) of the head dimension and kp pairs of
+ * consecutive keys (2kp, 2kp+1).  K is read straight from the cache (its pairs
+ * are contiguous dwords) and each key broadcast feeds up to three row groups.
+ * Items with fewer rows (decode) compute scores per row with d in lanes and a
+ * 16-key reduction (fa_item_run_few), then the same value product.
+ *
+ * Both: V is re-laid per chunk of 32 keys as key pairs, with rows outside the
+ * item's key range zeroed (cache slots past the sequence may hold NaN
+ * patterns), and scores outside a row's range are masked before the max.
+ * Scores, softmax state (m, l) and O accumulate in fp32; P is rounded to bf16
+ * for the value product. */
+
+#define FA_LANES 16
+#define FA_CHUNK 32 /* keys per step: two sub-chunks of 16, each inside one block */
+/* Fewest rows (queries x G) for which an item takes the row-group path; items
+ * with fewer (decode: 1 query x G heads, short chunks) take fa_item_run_few,
+ * which computes scores per row with keys in lanes.  Measured on decode items:
+ * few-row path 1.3x faster at 8 rows, on par at 16. */
+#define FA_MIN_ROWS 17
+
+_Static_assert(FA_MIN_ROWS <= FA_LANES + 1, "fa_item_run_few holds at most 16 rows");
+
+static ALWAYS_INLINE int fa_usable(int dt, int64_t hd, int64_t bs) {
+    return dt == CPUD_BF16 && hd % 16 == 0 && bs % 16 == 0;
+}
+
+/* Per-thread workspace for items of up to ng row groups; every array 64-byte aligned. */
+typedef struct fa_ws {
+    uint32_t *qt; /* [ng][hd/2][16] query pairs, rows in lanes */
+    float *o;     /* [ng * 16][hd] unnormalised outputs */
+    float *m;     /* [ng][16] running max */
+    float *l;     /* [ng][16] running sum */
+    int32_t *lo;  /* [ng][16] first key each row attends (INT32_MAX: padding lane) */
+    int32_t *hi;  /* [ng][16] last key each row attends (-1: padding lane) */
+    float *s;     /* [ng][FA_CHUNK][16] scores of one chunk, transposed */
+    uint32_t *p;  /* [FA_CHUNK/2][16] bf16 probability pairs of one chunk */
+    uint32_t *vp; /* [FA_CHUNK/2][hd] bf16 value pairs of one chunk */
+    float *alpha; /* [16] output rescale factors of one group and chunk */
+    void *mem;
+} fa_ws;
+
+static fa_ws fa_ws_alloc(int64_t ng, int64_t hd) {
+    fa_ws w;
+    const size_t v = 64; /* bytes per vector */
+    const size_t sz[] = {
+        (size_t)(ng * hd / 2) * v, (size_t)(ng * 16 * hd) * 4, (size_t)ng * v,
+        (size_t)ng * v,            (size_t)ng * v,        (size_t)ng * v,
+        (size_t)(ng * FA_CHUNK) * v, FA_CHUNK / 2 * v,      (size_t)(FA_CHUNK / 2 * hd) * 4,
+        v,
+    };
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++) total += (sz[i] + 63) & ~(size_t)63;
+    char *m = aligned_alloc(64, total);
+    w.mem = m;
+    void *ptr[sizeof sz / sizeof sz[0]];
+    for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++) {
+        ptr[i] = m;
+        if (m) m += (sz[i] + 63) & ~(size_t)63;
+    }
+    w.qt = ptr[0];
+    w.o = ptr[1];
+    w.m = ptr[2];
+    w.l = ptr[3];
+    w.lo = ptr[4];
+    w.hi = ptr[5];
+    w.s = ptr[6];
+    w.p = ptr[7];
+    w.vp = ptr[8];
+    w.alpha = ptr[9];
+    return w;
+}
+
+static void fa_ws_free(fa_ws *w) {
+    free(w->mem);
+    w->mem = NULL;
+}
+
+/* r[16] -> transposed in place: r[i] lane j <- r[j] lane i. */
+static ALWAYS_INLINE TGT void fa_tr16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4a + e], e < 4: rows 4a..4a+3, element e + 4L in 128-bit lane L */
+    for (int a = 0; a < 4; a++) {
+        __m512d t0 = _mm512_castps_pd(t[4 * a]), t1 = _mm512_castps_pd(t[4 * a + 1]);
+        __m512d t2 = _mm512_castps_pd(t[4 * a + 2]), t3 = _mm512_castps_pd(t[4 * a + 3]);
+        u[4 * a] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+        u[4 * a + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+        u[4 * a + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+        u[4 * a + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    for (int e = 0; e < 4; e++) {
+        __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
+        __m512 v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd);
+        __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        __m512 v3 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
+        r[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        r[e + 8] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+        r[e + 4] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        r[e + 12] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+    }
+}
+
+/* s[g]: [8][16] = S^T of 8 keys (k: [8][hp] key pairs) against NG row groups
+ * (qt[g]: [hp][16]); each key broadcast feeds NG products. */
+static ALWAYS_INLINE TGT void fa_scores8(const uint32_t *const *qt, const uint32_t *k, int64_t hp,
+                                         float *const *s, int NG) {
+    __m512 acc[3][8];
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < 8; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < hp; dp++) {
+        __m512bh qv[3];
+        for (int g = 0; g < NG; g++) qv[g] = (__m512bh)_mm512_load_si512(qt[g] + dp * FA_LANES);
+        for (int j = 0; j < 8; j++) {
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)k[j * hp + dp]);
+            for (int g = 0; g < NG; g++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qv[g], kb);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < 8; j++) _mm512_store_ps(s[g] + j * FA_LANES, acc[g][j]);
+}
+
+/* Scores of keys [0, nk) (k[u]: [16][hp] key pairs of sub-chunk u) against the
+ * row groups listed in gs (qt: [ng][hp][16]) into s: [ng][FA_CHUNK][16]. */
+static ALWAYS_INLINE TGT void fa_scores(const uint32_t *qt, const uint32_t *const *k, int nk,
+                                        const int *gs, int n, int64_t hp, float *s) {
+    for (int i = 0; i < n; i += 3) {
+        const int NG = n - i < 3 ? n - i : 3;
+        const uint32_t *q[3];
+        for (int g = 0; g < NG; g++) q[g] = qt + gs[i + g] * hp * FA_LANES;
+        for (int j = 0; j < nk; j += 8) {
+            const uint32_t *kj = k[j / 16] + (j % 16) * hp;
+            float *sg[3];
+            for (int g = 0; g < NG; g++) sg[g] = s + (gs[i + g] * FA_CHUNK + j) * FA_LANES;
+            /* constant head sizes make the key row offsets immediates */
+#define FA_S(NGC)                                      \
+    if (hp == 64)                                      \
+        fa_scores8(q, kj, 64, sg, NGC);                \
+    else if (hp == 32)                                 \
+        fa_scores8(q, kj, 32, sg, NGC);                \
+    else                                               \
+        fa_scores8(q, kj, hp, sg, NGC);
+            if (NG == 3) {
+                FA_S(3)
+            } else if (NG == 2) {
+                FA_S(2)
+            } else {
+                FA_S(1)
+            }
+#undef FA_S
+        }
+    }
+}
+
+/* o: [RT][hd] rows (row stride hd) = o * alpha[i] (when rescale) + sum_kp vp[kp] . p(kp, i),
+ * kp < nkp; p(kp, i) = p[kp * pk + i * pr] bf16 pairs; vp: [nkp][hd] value pairs.
+ * NV (<= 8 / RT vectors of 16 d) per pass keeps the RT x NV accumulators in registers. */
+static ALWAYS_INLINE TGT void fa_pv_rows(float *o, const float *alpha, int rescale,
+                                         const uint32_t *p, int64_t pk, int64_t pr,
+                                         const uint32_t *vp, int64_t nkp, int64_t hd, int RT,
+                                         int NV) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 16 * NV) {
+        __m512 acc[3][8];
+        for (int i = 0; i < RT; i++)
+            for (int v = 0; v < NV; v++) {
+                acc[i][v] = _mm512_loadu_ps(o + i * hd + d0 + 16 * v);
+                if (rescale) acc[i][v] = _mm512_mul_ps(acc[i][v], _mm512_set1_ps(alpha[i]));
+            }
+        for (int64_t kp = 0; kp < nkp; kp++) {
+            __m512bh b[3];
+            for (int i = 0; i < RT; i++)
+                b[i] = (__m512bh)_mm512_set1_epi32((int)p[kp * pk + i * pr]);
+            for (int v = 0; v < NV; v++) {
+                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + kp * hd + d0 + 16 * v);
+                for (int i = 0; i < RT; i++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], vv, b[i]);
+            }
+        }
+        for (int i = 0; i < RT; i++)
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + i * hd + d0 + 16 * v, acc[i][v]);
+    }
+}
+
+/* Value product of up to 16 rows with the keys of this chunk (active: rows
+ * with any such key; the others have p = 0 and alpha = 1, so skipping them is
+ * exact). o: [live][hd] the rows, alpha: [live], p as in fa_pv_rows. */
+static ALWAYS_INLINE TGT void fa_pv(float *o, const float *alpha, int rescale, const uint32_t *p,
+                                   int64_t pk, int64_t pr, const uint32_t *vp, int64_t nkp,
+                                   int64_t hd, int live, __mmask16 active) {
+    const int64_t nv = hd / 16;
+    const int NV = nv % 8 == 0 ? 8 : nv == 5 ? 5 : nv == 4 ? 4 : 1;
+    for (int r = 0; r < live;) {
+        const int rt = live - r < 3 ? live - r : 3;
+        if (!((active >> r) & ((1u << rt) - 1))) {
+            r += rt;
+            continue;
+        }
+        float *orow = o + r * hd;
+        const uint32_t *pr0 = p + r * pr;
+        const float *ar = alpha + r;
+#define FA_PV_NV(RT)                                                  \
+    if (NV == 8)                                                      \
+        fa_pv_rows(orow, ar, rescale, pr0, pk, pr, vp, nkp, hd, RT, 8);        \
+    else if (NV == 5)                                                 \
+        fa_pv_rows(orow, ar, rescale, pr0, pk, pr, vp, nkp, hd, RT, 5);        \
+    else if (NV == 4)                                                 \
+        fa_pv_rows(orow, ar, rescale, pr0, pk, pr, vp, nkp, hd, RT, 4);        \
+    else                                                              \
+        fa_pv_rows(orow, ar, rescale, pr0, pk, pr, vp, nkp, hd, RT, 1);
+        if (rt == 3) {
+            FA_PV_NV(3)
+        } else if (rt == 2) {
+            FA_PV_NV(2)
+        } else {
+            FA_PV_NV(1)
+        }
+#undef FA_PV_NV
+        r += rt;
+    }
+}
+
+/* Online-softmax step of one row group over keys [j0, j0 + nk) whose scores
+ * (unscaled) are in s: [nk][16].  Writes p: [nk/2][16] bf16 pairs and alpha:
+ * [16] (the factor for the old outputs), updates m, l; *rescale = 0 when every
+ * alpha is 1.  Returns the lanes that attend any key of the chunk. */
+static ALWAYS_INLINE TGT __mmask16 fa_softmax(const float *s, uint32_t *p, float *alpha_out,
+                                              float *m, float *l, const int32_t *lo,
+                                              const int32_t *hi, int64_t j0, int nk, float scale,
+                                              int *rescale) {
+    const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi);
+    const vf vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __mmask16 msk[FA_CHUNK];
+    vf mx = ninf;
+    __mmask16 active = 0;
+    for (int j = 0; j < nk; j++) {
+        const __m512i jv = _mm512_set1_epi32((int)(j0 + j));
+        msk[j] = _mm512_mask_cmple_epi32_mask(_mm512_cmple_epi32_mask(vlo, jv), jv, vhi);
+        active |= msk[j];
+        const vf sj = _mm512_mul_ps(_mm512_load_ps(s + j * FA_LANES), vscale);
+        mx = _mm512_mask_max_ps(mx, msk[j], mx, sj);
+    }
+    const vf m_old = _mm512_load_ps(m), m_new = _mm512_max_ps(m_old, mx);
+    const __mmask16 grew = _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ);
+    /* lanes with no key so far keep alpha 0 (their outputs are still 0) */
+    const __mmask16 seen = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_UQ);
+    vf alpha = _mm512_set1_ps(1.0f);
+    *rescale = (grew & seen) != 0;
+    if (*rescale) alpha = _mm512_mask_blend_ps(grew, alpha, vf_exp(_mm512_sub_ps(m_old, m_new)));
+    alpha = _mm512_maskz_mov_ps(seen, alpha);
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    vf sum = _mm512_setzero_ps();
+    for (int j = 0; j < nk; j += 2) {
+        const vf se = _mm512_load_ps(s + j * FA_LANES);
+        const vf so = _mm512_load_ps(s + (j + 1) * FA_LANES);
+        const vf pe = _mm512_maskz_mov_ps(msk[j], vf_exp(_mm512_fmsub_ps(se, vscale, m_new)));
+        const vf po = _mm512_maskz_mov_ps(msk[j + 1], vf_exp(_mm512_fmsub_ps(so, vscale, m_new)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(pe, po));
+        /* [pe lanes 0..15 | po lanes 0..15] bf16 -> (pe[r], po[r]) pairs */
+        const __m512i pp = (__m512i)_mm512_cvtne2ps_pbh(po, pe);
+        _mm512_store_si512(p + j / 2 * FA_LANES, _mm512_permutexvar_epi16(ilv, pp));
+    }
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, sum));
+    _mm512_store_ps(m, m_new);
+    _mm512_store_ps(alpha_out, alpha);
+    return active;
+}
+
+/* vp: [nk/2][hd] = value pairs (V[2kp][d], V[2kp+1][d]) of keys [j0, j0 + nk)
+ * (vb[u]: [16][hd] rows of sub-chunk u); rows outside [jlo, jhi] are zero. */
+static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const *vb, int64_t j0,
+                                             int nk, int64_t jlo, int64_t jhi, int64_t hd) {
+    /* 16-bit interleave of rows a, b: dword i = (a[i], b[i]) for i < 16 (lo), 16..31 (hi) */
+    const __m512i ilv_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                            1, 32, 0);
+    const __m512i ilv_hi = _mm512_add_epi16(ilv_lo, _mm512_set1_epi16(16));
+    for (int kp = 0; kp < nk / 2; kp++) {
+        const int64_t ja = j0 + 2 * kp, jb = ja + 1;
+        const uint16_t *row = vb[kp / 8] + (2 * kp % 16) * hd;
+        const uint16_t *va = (ja >= jlo && ja <= jhi) ? row : NULL;
+        const uint16_t *vb1 = (jb >= jlo && jb <= jhi) ? row + hd : NULL;
+        uint32_t *dst = vp + kp * hd;
+        int64_t d = 0;
+        for (; d + 32 <= hd; d += 32) {
+            const __m512i a = va ? _mm512_loadu_si512(va + d) : _mm512_setzero_si512();
+            const __m512i b = vb1 ? _mm512_loadu_si512(vb1 + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, ilv_lo, b));
+            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, ilv_hi, b));
+        }
+        for (; d < hd; d += 16) { /* hd % 32 == 16: last 16 columns */
+            const __m256i z = _mm256_setzero_si256();
+            const __m512i a =
+                _mm512_cvtepu16_epi32(va ? _mm256_loadu_si256((const __m256i *)(va + d)) : z);
+            const __m512i b =
+                _mm512_cvtepu16_epi32(vb1 ? _mm256_loadu_si256((const __m256i *)(vb1 + d)) : z);
+            _mm512_storeu_si512(dst + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+    }
+}
+
+/* Prefetches the keys and values of the chunk at j0 (up to jhi) into L2: decode
+ * streams each block once, from random places in the cache. */
+static ALWAYS_INLINE void fa_prefetch_chunk(const att_item *it, const int32_t *bt,
+                                           int64_t max_blocks, const uint16_t *kcb,
+                                           const uint16_t *vcb, int64_t nkv, int64_t hd,
+                                           int64_t bs, int64_t j0, int64_t jhi) {
+    for (int64_t j = j0; j < j0 + FA_CHUNK && j <= jhi; j += 16) {
+        const int64_t phys = bt[it->s * max_blocks + j / bs];
+        const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
+        const int64_t n = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * hd * 2; /* bytes */
+        for (int64_t b = 0; b < n; b += 64) {
+            __builtin_prefetch((const char *)(kcb + base) + b, 0, 2);
+            __builtin_prefetch((const char *)(vcb + base) + b, 0, 2);
+        }
+    }
+}
+
+/* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh
+ * (arguments as att_item_run; dt is bf16, hd % 16 == 0, bs % 16 == 0). */
+static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t qs,
+                            const void *kc, const void *vc, const int32_t *qsl,
+                            const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks,
+                            void *out, int64_t os, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
+                            float scale, int64_t window) {
+    const int64_t G = nh / nkv, rows = (int64_t)it->nq * G, hp = hd / 2;
+    const int64_t ng = (rows + FA_LANES - 1) / FA_LANES;
+    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
+    const int64_t t0 = qsl[it->s] + it->q0;
+    const uint16_t *qb = q, *kcb = kc, *vcb = vc;
+    int32_t glo[ng], ghi[ng]; /* key range of each row group */
+    for (int64_t g = 0; g < ng; g++) {
+        glo[g] = INT32_MAX;
+        ghi[g] = -1;
+        const uint32_t *src[FA_LANES];
+        for (int64_t ln = 0; ln < FA_LANES; ln++) {
+            const int64_t r = g * FA_LANES + ln;
+            int32_t lo = INT32_MAX, hi = -1;
+            src[ln] = NULL;
+            if (r < rows) {
+                const int64_t qi = r / G, h = it->kvh * G + r % G;
+                const int64_t p = ctx - q_len + it->q0 + qi;
+                hi = (int32_t)p;
+                lo = (int32_t)((window > 0 && p - window + 1 > 0) ? p - window + 1 : 0);
+                src[ln] = (const uint32_t *)(qb + (t0 + qi) * qs + h * hd);
+            }
+            w->lo[g * FA_LANES + ln] = lo;
+            w->hi[g * FA_LANES + ln] = hi;
+            glo[g] = lo < glo[g] ? lo : glo[g];
+            ghi[g] = hi > ghi[g] ? hi : ghi[g];
+        }
+        _mm512_store_ps(w->m + g * FA_LANES, _mm512_set1_ps(-INFINITY));
+        _mm512_store_ps(w->l + g * FA_LANES, _mm512_setzero_ps());
+        memset(w->o + g * FA_LANES * hd, 0, sizeof(float) * (size_t)(FA_LANES * hd));
+        /* Qt: 16 x 16 dword transposes of the rows' query pairs */
+        uint32_t *qt = w->qt + g * hp * FA_LANES;
+        for (int64_t dp0 = 0; dp0 < hp; dp0 += 16) {
+            const int64_t n = hp - dp0 < 16 ? hp - dp0 : 16;
+            const __mmask16 lm = (__mmask16)((1u << n) - 1);
+            __m512 r[16];
+            for (int ln = 0; ln < 16; ln++)
+                r[ln] = src[ln] ? _mm512_maskz_loadu_ps(lm, src[ln] + dp0) : _mm512_setzero_ps();
+            fa_tr16(r);
+            for (int64_t i = 0; i < n; i++)
+                _mm512_store_ps((float *)qt + (dp0 + i) * FA_LANES, r[i]);
+        }
+    }
+    const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
+    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
+        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
+        const uint16_t *kb[2], *vb[2];
+        for (int u = 0; u < nsub; u++) {
+            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
+            const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
+            kb[u] = kcb + base;
+            vb[u] = vcb + base;
+        }
+        fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_CHUNK, jhi);
+        fa_value_pairs(w->vp, vb, j0, nk, jlo, jhi, hd);
+        int gs[ng], n = 0;
+        for (int64_t g = 0; g < ng; g++)
+            if (j0 <= ghi[g] && j0 + nk - 1 >= glo[g]) gs[n++] = (int)g;
+        const uint32_t *kp32[2] = {(const uint32_t *)kb[0], (const uint32_t *)kb[nsub - 1]};
+        fa_scores(w->qt, kp32, nk, gs, n, hp, w->s);
+        for (int i = 0; i < n; i++) {
+            const int64_t g = gs[i];
+            int rescale;
+            const __mmask16 active = fa_softmax(
+                w->s + g * FA_CHUNK * FA_LANES, w->p, w->alpha, w->m + g * FA_LANES,
+                w->l + g * FA_LANES, w->lo + g * FA_LANES, w->hi + g * FA_LANES, j0, nk, scale,
+                &rescale);
+            const int live = (int)(rows - g * FA_LANES < FA_LANES ? rows - g * FA_LANES : FA_LANES);
+            fa_pv(w->o + g * FA_LANES * hd, w->alpha, rescale, w->p, FA_LANES, 1, w->vp, nk / 2,
+                  hd, live, active);
+        }
+    }
+    uint16_t *ob = out;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const float l = w->l[r];
+        const vf inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+        const float *o = w->o + r * hd;
+        for (int64_t d = 0; d < hd; d += 16)
+            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d,
+                       _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    }
+}
+
+/* a0..a3: 16 partial sums of keys 0..3 -> lane 4L + k: key k's partial sum over
+ * 128-bit lane L. */
+static ALWAYS_INLINE TGT __m512 fa_red4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512d t0 = _mm512_castps_pd(
+        _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+    const __m512d t1 = _mm512_castps_pd(
+        _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1)));
+}
+
+/* u[g] = fa_red4 of keys 4g..4g+3 -> [16] full sums, key order. */
+static ALWAYS_INLINE TGT __m512 fa_red16(const __m512 *u) {
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                     _mm512_shuffle_f32x4(u[0], u[1], 0xee));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                     _mm512_shuffle_f32x4(u[2], u[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
+                         _mm512_shuffle_f32x4(x01, x23, 0xdd));
+}
+
+/* s[r] = scores (unscaled) of 16 keys (k: [16][hd] bf16) for R query rows
+ * (qr[r]: [hd] bf16): dot products with d in lanes, then a 16 -> 1 reduction. */
+static ALWAYS_INLINE TGT void fa_scores_rows(const uint16_t *const *qr, const uint16_t *k,
+                                             int64_t hd, int R, __m512 *s) {
+    __m512 u[4][4];
+    for (int kg = 0; kg < 4; kg++) {
+        __m512 acc[4][4];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 32) {
+            const __mmask32 m = hd - d >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << (hd - d)) - 1;
+            __m512bh qv[4];
+            for (int r = 0; r < R; r++) qv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, qr[r] + d);
+            for (int j = 0; j < 4; j++) {
+                const __m512bh kv =
+                    (__m512bh)_mm512_maskz_loadu_epi16(m, k + (kg * 4 + j) * hd + d);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], kv, qv[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) u[r][kg] = fa_red4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    }
+    for (int r = 0; r < R; r++) s[r] = fa_red16(u[r]);
+}
+
+/* Work items of R < FA_MIN_ROWS rows (decode: one query x G heads): scores per
+ * row with keys in lanes (no idle lanes), softmax per row, the same value
+ * product as the row-group path.  Arguments as fa_item_run. */
+static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int64_t qs,
+                                const void *kc, const void *vc, const int32_t *qsl,
+                                const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks,
+                                void *out, int64_t os, int64_t nh, int64_t nkv, int64_t hd,
+                                int64_t bs, float scale, int64_t window, int R) {
+    const int64_t G = nh / nkv;
+    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
+    const int64_t t0 = qsl[it->s] + it->q0;
+    const uint16_t *qb = q, *kcb = kc, *vcb = vc;
+    const uint16_t *qr[FA_LANES];
+    int64_t lo[FA_LANES], hi[FA_LANES];
+    float m[FA_LANES], l[FA_LANES];
+    for (int r = 0; r < R; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const int64_t p = ctx - q_len + it->q0 + qi;
+        hi[r] = p;
+        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        qr[r] = qb + (t0 + qi) * qs + h * hd;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        memset(w->o + r * hd, 0, sizeof(float) * (size_t)hd);
+    }
+    const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
+    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    const vf vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
+        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
+        const uint16_t *kb[2], *vb[2];
+        for (int u = 0; u < nsub; u++) {
+            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
+            const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
+            kb[u] = kcb + base;
+            vb[u] = vcb + base;
+        }
+        fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_CHUNK, jhi);
+        fa_value_pairs(w->vp, vb, j0, nk, jlo, jhi, hd);
+        __m512 s0[FA_LANES], s1[FA_LANES];
+        for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
+        for (int rb = 0; rb < R; rb += 4) { /* 4 rows x 4 keys of accumulators at a time */
+            const int rc = R - rb < 4 ? R - rb : 4;
+#define FA_SR(RC)                                                  \
+    fa_scores_rows(qr + rb, kb[0], hd, RC, s0 + rb);               \
+    if (nsub == 2) fa_scores_rows(qr + rb, kb[1], hd, RC, s1 + rb);
+            if (rc == 4) {
+                FA_SR(4)
+            } else if (rc == 3) {
+                FA_SR(3)
+            } else if (rc == 2) {
+                FA_SR(2)
+            } else {
+                FA_SR(1)
+            }
+#undef FA_SR
+        }
+        int rescale = 0;
+        __mmask16 active = 0;
+        for (int r = 0; r < R; r++) {
+            const int64_t a = (lo[r] > j0 ? lo[r] : j0) - j0;
+            const int64_t b = (hi[r] < j0 + nk - 1 ? hi[r] : j0 + nk - 1) - j0;
+            uint32_t *pr = w->p + r * FA_LANES;
+            w->alpha[r] = 1.0f;
+            if (a > b) {
+                _mm512_store_si512(pr, _mm512_setzero_si512());
+                continue;
+            }
+            active |= (__mmask16)(1u << r);
+            const uint32_t bits = (b == 31 ? ~0u : (1u << (b + 1)) - 1) & ~((1u << a) - 1);
+            const __mmask16 m0 = (__mmask16)bits, m1 = (__mmask16)(bits >> 16);
+            const vf x0 = _mm512_mul_ps(s0[r], vscale), x1 = _mm512_mul_ps(s1[r], vscale);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_mask_blend_ps(m0, ninf, x0), _mm512_mask_blend_ps(m1, ninf, x1)));
+            const float m_new = mx > m[r] ? mx : m[r];
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            const vf vm = _mm512_set1_ps(m_new);
+            const vf p0 = _mm512_maskz_mov_ps(m0, vf_exp(_mm512_sub_ps(x0, vm)));
+            const vf p1 = _mm512_maskz_mov_ps(m1, vf_exp(_mm512_sub_ps(x1, vm)));
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = m_new;
+            w->alpha[r] = alpha;
+            rescale |= alpha != 1.0f;
+            _mm512_store_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        fa_pv(w->o, w->alpha, rescale, w->p, 1, FA_LANES, w->vp, nk / 2, hd, R, active);
+    }
+    uint16_t *ob = out;
+    for (int r = 0; r < R; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const vf inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        const float *o = w->o + r * hd;
+        for (int64_t d = 0; d < hd; d += 16)
+            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d,
+                       _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    }
+}
