@@ -146,9 +146,11 @@ CASES = [
 def test_bad_input_gets_openai_error(server, name, path, body, status, param, code):
     url = server.base_url + path
     if isinstance(body, bytes):
-        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        response = httpx.post(
+            url, content=body, headers={"content-type": "application/json"}, timeout=30
+        )
     else:
-        response = httpx.post(url, json=body)
+        response = httpx.post(url, json=body, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -157,7 +159,7 @@ def test_bad_input_gets_openai_error(server, name, path, body, status, param, co
     if code is not None:
         assert error["code"] == code
     # Still serving.
-    ok = httpx.post(server.base_url + "/v1/completions", json=OK_PROMPT)
+    ok = httpx.post(server.base_url + "/v1/completions", json=OK_PROMPT, timeout=30)
     assert ok.status_code == 200
 
 
