@@ -326,6 +326,26 @@ static ALWAYS_INLINE void fa_prefetch_chunk(const att_item *it, const int32_t *b
     }
 }
 
+/* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows in the
+ * cache, the next chunk is prefetched and the values are re-laid as key pairs in w->vp.
+ * Returns nsub (1 or 2). */
+static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_t *bt,
+                                      int64_t max_blocks, const uint16_t *kcb,
+                                      const uint16_t *vcb, int64_t nkv, int64_t hd, int64_t bs,
+                                      int64_t j0, int64_t jlo, int64_t jhi, const uint16_t **kb) {
+    const int nsub = j0 + 16 <= jhi ? 2 : 1;
+    const uint16_t *vb[2];
+    for (int u = 0; u < nsub; u++) {
+        const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
+        const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
+        kb[u] = kcb + base;
+        vb[u] = vcb + base;
+    }
+    fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_CHUNK, jhi);
+    fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd);
+    return nsub;
+}
+
 /* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh
  * (arguments as att_item_run; dt is bf16, hd % 16 == 0, bs % 16 == 0). */
 static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t qs,
@@ -378,16 +398,9 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
     const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
     const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
-        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
-        const uint16_t *kb[2], *vb[2];
-        for (int u = 0; u < nsub; u++) {
-            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
-            const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
-            kb[u] = kcb + base;
-            vb[u] = vcb + base;
-        }
-        fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_CHUNK, jhi);
-        fa_value_pairs(w->vp, vb, j0, nk, jlo, jhi, hd);
+        const uint16_t *kb[2];
+        const int nsub = fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb);
+        const int nk = 16 * nsub;
         int gs[ng], n = 0;
         for (int64_t g = 0; g < ng; g++)
             if (j0 <= ghi[g] && j0 + nk - 1 >= glo[g]) gs[n++] = (int)g;
@@ -491,16 +504,9 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
     const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
     const vf vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
-        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
-        const uint16_t *kb[2], *vb[2];
-        for (int u = 0; u < nsub; u++) {
-            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
-            const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
-            kb[u] = kcb + base;
-            vb[u] = vcb + base;
-        }
-        fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_CHUNK, jhi);
-        fa_value_pairs(w->vp, vb, j0, nk, jlo, jhi, hd);
+        const uint16_t *kb[2];
+        const int nsub = fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb);
+        const int nk = 16 * nsub;
         __m512 s0[FA_LANES], s1[FA_LANES];
         for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
         for (int rb = 0; rb < R; rb += 4) { /* 4 rows x 4 keys of accumulators at a time */
