@@ -80,25 +80,20 @@ class ParallelLMHead(PackableLinear):
         self.vocab_size = vocab_size
         # A tuple, so the embedding is not registered twice as a submodule.
         self.tied_to: tuple[VocabParallelEmbedding, ...] = (tied_to,) if tied_to else ()
-        # The table whose loader fills the weight: the tied embedding, or one of our own.
-        self.table = tied_to or VocabParallelEmbedding(vocab_size, dim, dtype, group)
-        self.weight = self.table.weight
+        # The table whose loader fills the weight: the tied embedding, or one of our own (a
+        # tuple again: registered nowhere, its weight is ours).
+        self.table = (tied_to or VocabParallelEmbedding(vocab_size, dim, dtype, group),)
+        self.weight = self.table[0].weight
 
     bias = None
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "table":  # not a submodule: a tied table is registered by its model already
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
     def begin_pack(self, kernels: Any) -> None:
         super().begin_pack(kernels)
-        self.table.packing = self._packing
+        self.table[0].packing = self._packing
 
     def finish_pack(self, with_bias: bool = False) -> None:
         super().finish_pack(with_bias=False)
-        self.table.packing = None
+        self.table[0].packing = None
         for embedding in self.tied_to:
             embedding.share_packed(self.packed)
 

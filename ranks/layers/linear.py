@@ -64,14 +64,14 @@ class PackableLinear(Layer):
 
     def store_rows(self, param: nn.Parameter, row0: int, loaded: torch.Tensor, name: str) -> None:
         """Rows [row0, row0 + len(loaded)) of param from a checkpoint tensor."""
-        dest_shape = param.data[row0 : row0 + loaded.shape[0]].shape
+        dest = param.data[row0 : row0 + loaded.shape[0]]  # a view: no page is touched
         if param is self.weight and self._packing is not None:
             from cpud.native import pack_rows
 
-            check_shape(tuple(dest_shape), loaded, name)
+            check_shape(tuple(dest.shape), loaded, name)
             pack_rows(self._packing, row0, loaded)
         else:
-            copy_checked(param.data[row0 : row0 + dest_shape[0]], loaded, name)
+            copy_checked(dest, loaded, name)
 
     def finish_pack(self, with_bias: bool) -> None:
         from cpud.native import packed_with_bias
