@@ -20,9 +20,11 @@
 #define GEMM_X_BF16 1 /* micro-kernel reads x as bf16 pairs */
 typedef uint16_t xelem;
 
-/* w: [nkp][32][2] bf16, x: [mr][xs] bf16 (pairs from k = 0), c: [mr][32] f32 */
+/* w: [nkp][32][2] bf16, x: [mr][xs] bf16 (pairs from k = 0), c: [mr][32] f32;
+ * pf: NULL or npf 64-byte lines to prefetch, one per k pair */
 static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t nkp,
-                                      const uint16_t *x, int64_t xs, float *c, int first) {
+                                      const uint16_t *x, int64_t xs, float *c, int first,
+                                      const uint16_t *pf, int64_t npf) {
     __m512 acc[GEMM_MR][2], acc2[GEMM_MR][2];
     for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++) {
@@ -52,6 +54,7 @@ static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t n
     }
     for (; kp < nkp; kp++) {
         const uint16_t *wk = w + kp * 2 * GEMM_NB;
+        if (kp < npf) __builtin_prefetch(pf + kp * 32, 0, 3);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
         for (int r = 0; r < mr; r++) {
@@ -77,7 +80,10 @@ typedef float xelem;
 
 /* w: [nkp][32][2] bf16, x: [mr][xs] f32, c: [mr][32] f32 */
 static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t nkp,
-                                      const float *x, int64_t xs, float *c, int first) {
+                                      const float *x, int64_t xs, float *c, int first,
+                                      const uint16_t *pf, int64_t npf) {
+    (void)pf;
+    (void)npf;
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000);
     __m512 ae[GEMM_MR][2], ao[GEMM_MR][2];
     for (int r = 0; r < mr; r++)
@@ -115,7 +121,10 @@ typedef float xelem;
 
 /* w: [nkp][32][2] bf16, x: [mr][xs] f32, c: [mr][32] f32 */
 static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t nkp,
-                                      const float *x, int64_t xs, float *c, int first) {
+                                      const float *x, int64_t xs, float *c, int first,
+                                      const uint16_t *pf, int64_t npf) {
+    (void)pf;
+    (void)npf;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000);
     __m256 acc[GEMM_MR][4];
     for (int r = 0; r < mr; r++)
@@ -148,7 +157,10 @@ typedef float xelem;
 
 /* w: [nkp][32][2] bf16, x: [mr][xs] f32, c: [mr][32] f32 */
 static ALWAYS_INLINE void gemm_uk(const int mr, const uint16_t *w, int64_t nkp, const float *x,
-                                  int64_t xs, float *c, int first) {
+                                  int64_t xs, float *c, int first,
+                                  const uint16_t *pf, int64_t npf) {
+    (void)pf;
+    (void)npf;
     if (first)
         for (int i = 0; i < mr * GEMM_NB; i++) c[i] = 0.0f;
     for (int64_t kp = 0; kp < nkp; kp++) {
@@ -164,10 +176,10 @@ static ALWAYS_INLINE void gemm_uk(const int mr, const uint16_t *w, int64_t nkp, 
 
 /* Dispatch to a micro-kernel specialised for mr rows (mr <= GEMM_MR). */
 static TGT void gemm_ukernel(int mr, const uint16_t *w, int64_t nkp, const xelem *x, int64_t xs,
-                             float *c, int first) {
+                             float *c, int first, const uint16_t *pf, int64_t npf) {
     switch (mr) {
 #define UK_CASE(n)                                                                                 \
-    case n: gemm_uk(n, w, nkp, x, xs, c, first); break;
+    case n: gemm_uk(n, w, nkp, x, xs, c, first, pf, npf); break;
     UK_CASE(1)
     UK_CASE(2)
 #if GEMM_MR > 2
@@ -244,10 +256,18 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
                 const int64_t kc = mt <= GEMM_MR ? nkp : GEMM_KC;
                 for (int64_t k0 = 0; k0 < nkp; k0 += kc) {
                     const int64_t nk = nkp - k0 < kc ? nkp - k0 : kc;
+                    /* Blocked: while the row groups re-read this block from L1, they
+                     * prefetch the next one (of this panel, or of the next panel, which
+                     * follows it), each group an equal share, so the weights stream
+                     * evenly instead of in one burst per block. */
+                    const int64_t groups = (mt + GEMM_MR - 1) / GEMM_MR;
+                    const int64_t share = (2 * kc + groups - 1) / groups;
+                    const uint16_t *next = panel + (k0 + kc) * 2 * GEMM_NB;
                     for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
                         gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR),
                                      panel + k0 * 2 * GEMM_NB, nk, xv + (m0 + r0) * xvs + 2 * k0,
-                                     xvs, c + r0 * GEMM_NB, k0 == 0);
+                                     xvs, c + r0 * GEMM_NB, k0 == 0, next + r0 / GEMM_MR * share * 32,
+                                     kc < nkp && (k0 + kc < nkp || p + 1 < p1) ? share : 0);
                 }
                 if (odt == CPUD_BF16)
                     gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_BF16);
