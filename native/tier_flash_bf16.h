@@ -20,6 +20,9 @@
 
 #define FA_LANES 16
 #define FA_CHUNK 32 /* keys per step: two sub-chunks of 16, each inside one block */
+#ifndef FA_PF_DIST
+#define FA_PF_DIST 2 /* chunks of keys and values prefetched ahead */
+#endif
 /* Fewest rows (queries x G) for which an item takes the row-group path; items
  * with fewer (decode: 1 query x G heads, short chunks) take fa_item_run_few,
  * which computes scores per row with keys in lanes.  Measured on decode items:
@@ -341,7 +344,10 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
         kb[u] = kcb + base;
         vb[u] = vcb + base;
     }
-    fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_CHUNK, jhi);
+    /* FA_PF_DIST chunks ahead: the item's first chunk starts the whole window */
+    const int64_t pf_from = j0 == (jlo & ~(int64_t)15) ? 1 : FA_PF_DIST;
+    for (int64_t c = pf_from; c <= FA_PF_DIST; c++)
+        fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + c * FA_CHUNK, jhi);
     fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd);
     return nsub;
 }
