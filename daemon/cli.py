@@ -86,6 +86,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="native SIMD kernels (auto: when built) or the torch reference path",
     )
+    parser.add_argument(
+        "--weight-cache",
+        default="auto",
+        metavar="DIR|auto|off",
+        help="keep each rank's packed weights in DIR so later starts map them instead of "
+        "reading and packing the checkpoint (auto: $CPUD_CACHE_DIR/packed, else "
+        "~/.cache/cpud/packed; off: never)",
+    )
 
 
 def _kv_fraction(args: argparse.Namespace) -> float | None:
@@ -121,6 +129,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         bind=args.bind,
         reserved_cpus=args.reserved_cpus,
         collective=args.collective,
+        weight_cache=args.weight_cache,
     )
 
 

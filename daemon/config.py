@@ -39,6 +39,7 @@ class EngineArgs:
     bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND syntax; None: env, else auto
     reserved_cpus: int | None = None
     collective: str = "shm"  # "shm" | "gloo"
+    weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class EngineConfig:
     seed: int
     kernels: str = "auto"
     collective: str = "shm"
+    weight_cache: str | None = None  # directory of packed weight shards; None: off
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -136,4 +138,18 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         seed=args.seed,
         kernels=args.kernels,
         collective=args.collective,
+        weight_cache=resolve_weight_cache(args.weight_cache),
     )
+
+
+def resolve_weight_cache(value: str) -> str | None:
+    """--weight-cache: auto -> $CPUD_CACHE_DIR/packed (~/.cache/cpud/packed), off -> None."""
+    from cpud.fixtures.cache import cache_root
+
+    if value == "off":
+        return None
+    if value == "auto":
+        return str(cache_root() / "packed")
+    if not value:
+        raise ConfigError("weight_cache must be auto, off or a directory, got ''")
+    return str(Path(value).expanduser())

@@ -94,7 +94,8 @@ int cpud_paged_attention(int isa, int dtype,
 /* Packed weight layout for the skinny GEMM: W[N][K] bf16 is stored as
  * [ceil(N/32)][ceil(K/2)][32][2] bf16, zero padded: for each panel of 32
  * output columns and each pair of k, the 32 columns' (k, k+1) pairs - one
- * 64-byte vdpbf16ps operand per 16 columns. */
+ * 64-byte vdpbf16ps operand per 16 columns.  Packed shards are kept on disk
+ * between starts (cpud.ranks.weight_cache): bump its FORMAT when this changes. */
 #define CPUD_GEMM_NB 32
 
 /* y[M][N] = x[M][K] @ W[N][K]^T (+ bias), fp32 accumulation. */

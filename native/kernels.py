@@ -98,12 +98,17 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
+def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """[panels, k pairs, columns per panel, 2]: the packed layout of a W[n, k]."""
+    return (-(-n // GEMM_NB), -(-k // 2), GEMM_NB, 2)
+
+
 def empty_packed(n: int, k: int, huge_pages: bool = True) -> torch.Tensor:
     """Storage for a packed W[n, k] (fill it with ``pack_rows``); the rows that pad n up to a
     whole panel are zeroed here, on transparent huge pages unless huge_pages is False."""
     if n < 1 or k < 1:
         raise ValueError(f"w: empty shape {(n, k)}")
-    shape = (-(-n // GEMM_NB), -(-k // 2), GEMM_NB, 2)
+    shape = packed_shape(n, k)
     data = (
         huge_empty(shape, torch.bfloat16)
         if huge_pages

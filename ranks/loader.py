@@ -63,9 +63,11 @@ def load_weights(
     model: nn.Module,
     model_dir: str | Path,
     progress: Callable[[int, int], None] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Fill every parameter of `model` from the checkpoint, reading only this rank's slices;
-    `progress(done, total)` hears after each tensor."""
+    `progress(done, total)` hears after each tensor. Parameters named in `skip` are filled
+    already (packed weights from the weight cache): their tensors are not read."""
     params = dict(model.named_parameters())
     tied = model.cfg.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
@@ -93,7 +95,8 @@ def load_weights(
                         f"{path.name} holds tensor {name!r}, which {model.cfg.architecture} "
                         f"does not have: config.json does not match the weights"
                     )
-                param.weight_loader(param, f.get_slice(name), shard_id)
+                if target not in skip:
+                    param.weight_loader(param, f.get_slice(name), shard_id)
                 loaded.add((target, shard_id))
     missing = sorted(_expected(model, params) - loaded, key=str)
     if missing:

@@ -12,7 +12,14 @@ import torch
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.loader import load_weights
 from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.models import begin_native_pack, build_model, finish_native_pack
+from cpud.ranks.models import (
+    begin_native_pack,
+    build_model,
+    finish_native_pack,
+    packable_layers,
+    packed_shapes,
+    packed_weight_names,
+)
 from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.sampler import sample
@@ -28,6 +35,7 @@ class RunnerConfig:
     num_kv_blocks: int
     seed: int = 0
     kernels: str = "auto"  # "auto" | "native" | "torch"
+    weight_cache: Path | None = None  # directory of packed shards kept between starts
 
 
 class ModelRunner:
@@ -42,12 +50,10 @@ class ModelRunner:
         self.group = group
         self.ops = make_ops(config.kernels)
         self.model = build_model(model_cfg, config.max_model_len, config.dtype, group, self.ops)
-        pack = self.ops.name == "native" and config.dtype == torch.bfloat16
-        if pack:
-            begin_native_pack(self.model, self.ops)
-        load_weights(self.model, config.model_dir, progress)
-        if pack:
-            finish_native_pack(self.model)
+        if self.ops.name == "native" and config.dtype == torch.bfloat16:
+            self._load_packed(progress)
+        else:
+            load_weights(self.model, config.model_dir, progress)
         self.model.eval()
         shape = (
             config.num_kv_blocks,
@@ -61,6 +67,32 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
+
+    def _load_packed(self, progress: Callable[[int, int], None] | None) -> None:
+        """Load with every matmul weight packed for the native GEMM: mapped from the weight cache
+        when this shard is there, else packed while it loads and then written to the cache."""
+        config = self.config
+        cache = None
+        if config.weight_cache is not None:
+            from cpud.native.kernels import GEMM_NB
+            from cpud.ranks.weight_cache import ShardIdentity, WeightCache
+
+            identity = ShardIdentity(
+                str(config.model_dir.resolve()),
+                str(config.dtype),
+                self.group.size,
+                self.group.rank,
+                GEMM_NB,
+            )
+            cache = WeightCache(config.weight_cache, identity)
+        cached = cache.load(packed_shapes(self.model)) if cache else None
+        skip = packed_weight_names(self.model) if cached else frozenset()
+        begin_native_pack(self.model, self.ops, cached)
+        load_weights(self.model, config.model_dir, progress, skip)
+        layers = packable_layers(self.model)
+        finish_native_pack(self.model)
+        if cache is not None and cached is None:
+            cache.store({name: layer.packed.data for name, layer in layers.items()})
 
     @property
     def kv_cache_bytes(self) -> int:

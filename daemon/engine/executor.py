@@ -4,6 +4,7 @@ provides an executor with the same two methods over ZeroMQ."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from cpud.config import EngineConfig
@@ -44,6 +45,7 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
         num_kv_blocks=config.num_kv_blocks,
         seed=config.seed,
         kernels=config.kernels,
+        weight_cache=Path(config.weight_cache) if config.weight_cache else None,
     )
 
 

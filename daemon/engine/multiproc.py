@@ -44,6 +44,7 @@ def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
         num_kv_blocks=config.num_kv_blocks,
         seed=config.seed,
         kernels=config.kernels,
+        weight_cache=config.weight_cache,
     )
 
 
@@ -62,6 +63,7 @@ def build_runner(
         num_kv_blocks=config.num_kv_blocks,
         seed=config.seed,
         kernels=config.kernels,
+        weight_cache=Path(config.weight_cache) if config.weight_cache else None,
     )
     return ModelRunner(runner_config, load_model_config(config.model_dir), group, progress)
 

@@ -50,6 +50,7 @@ class RankEngineConfig(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     seed: int
     kernels: str
+    weight_cache: str | None = None
 
 
 @dataclass(frozen=True)

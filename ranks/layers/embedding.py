@@ -87,8 +87,8 @@ class ParallelLMHead(PackableLinear):
 
     bias = None
 
-    def begin_pack(self, kernels: Any) -> None:
-        super().begin_pack(kernels)
+    def begin_pack(self, kernels: Any, packed: torch.Tensor | None = None) -> None:
+        super().begin_pack(kernels, packed)
         self.table[0].packing = self._packing
 
     def finish_pack(self, with_bias: bool = False) -> None:

@@ -56,10 +56,12 @@ class PackableLinear(Layer):
     _kernels: Any = None
     _packing: torch.Tensor | None = None  # packed storage being filled while loading
 
-    def begin_pack(self, kernels: Any) -> None:
+    def begin_pack(self, kernels: Any, packed: torch.Tensor | None = None) -> None:
+        """From here on the weight is packed; `packed`: its packed data, already filled (from the
+        weight cache), else fresh storage that loading fills."""
         from cpud.native import empty_packed
 
-        self._packing = empty_packed(*self.weight.shape)
+        self._packing = empty_packed(*self.weight.shape) if packed is None else packed
         self._kernels = kernels
 
     def store_rows(self, param: nn.Parameter, row0: int, loaded: torch.Tensor, name: str) -> None:

@@ -26,18 +26,40 @@ def build_model(
     return MODEL_CLASSES[cfg.family](cfg, max_positions, dtype, group, ops or TorchOps())
 
 
-def packable_layers(model: nn.Module) -> list[PackableLinear]:
-    return [m for m in model.modules() if isinstance(m, PackableLinear) and m.weight is not None]
+def packable_layers(model: nn.Module) -> dict[str, PackableLinear]:
+    """Layers whose weight is not packed yet, by module name."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, PackableLinear) and m.weight is not None
+    }
 
 
-def begin_native_pack(model: nn.Module, ops: Ops) -> None:
+def packed_weight_names(model: nn.Module) -> frozenset[str]:
+    """Parameter names (as the loader targets them) of the weights that get packed."""
+    ids = {id(layer.weight) for layer in packable_layers(model).values()}
+    return frozenset(name for name, p in model.named_parameters() if id(p) in ids)
+
+
+def packed_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Shape of each packable layer's packed data, by module name."""
+    from cpud.native import packed_shape
+
+    return {
+        name: packed_shape(*layer.weight.shape) for name, layer in packable_layers(model).items()
+    }
+
+
+def begin_native_pack(
+    model: nn.Module, ops: Ops, packed: dict[str, torch.Tensor] | None = None
+) -> None:
     """Before loading (bf16 models on the native kernels): every matmul weight is packed for
-    the native skinny GEMM as it loads; a tied embedding then reads its rows from the LM
-    head's packed copy."""
-    for layer in packable_layers(model):
-        layer.begin_pack(ops.k)
+    the native skinny GEMM as it loads, or taken whole from `packed` (by module name, from
+    the weight cache); a tied embedding then reads its rows from the LM head's packed copy."""
+    for name, layer in packable_layers(model).items():
+        layer.begin_pack(ops.k, None if packed is None else packed[name])
 
 
 def finish_native_pack(model: nn.Module) -> None:
-    for layer in packable_layers(model):
+    for layer in packable_layers(model).values():
         layer.finish_pack(with_bias=True)

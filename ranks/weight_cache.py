@@ -1,0 +1,165 @@
+"""Packed weights kept on disk between starts.
+
+The first start of a rank reads its shard from the checkpoint and packs it for the native GEMM;
+it then writes the packed tensors to one file in the cache directory. Later starts of the same
+shard (same checkpoint files, dtype, TP degree and rank, same packed layout) map that file
+instead: its pages come from the page cache without a copy, so start-up skips both the read
+and the first touch of ~weights-sized fresh memory, which is most of the load time. The
+weights stream from file-backed pages exactly as fast as from anonymous ones (measured:
+perf/README.md).
+
+A cache that is missing, stale or damaged is rebuilt; one that cannot be written (read-only or
+full disk) only costs the speed-up and says so in the log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("cpud.ranks")
+
+# Bump when the packed layout or this file format changes: older files are then never read.
+FORMAT = 1
+ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
+
+
+def checkpoint_fingerprint(model_dir: Path) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of every file the weights and their shapes come from."""
+    files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    """What makes two ranks' packed shards byte-identical."""
+
+    model_dir: str  # resolved path
+    dtype: str
+    tp_size: int
+    tp_rank: int
+    panel: int  # columns per packed panel (the native layout)
+
+    def key(self) -> str:
+        from cpud import __version__
+
+        fingerprint = checkpoint_fingerprint(Path(self.model_dir))
+        text = json.dumps([FORMAT, __version__, self.__dict__, fingerprint], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class WeightCache:
+    def __init__(self, root: Path, identity: ShardIdentity):
+        self.root = root
+        self.identity = identity
+        self.key = identity.key()
+        self.data_path = root / f"{self.key}.bin"
+        self.index_path = root / f"{self.key}.json"
+
+    def load(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+        """Read-only views of the cached tensors, one per name in `shapes` (bf16, those shapes),
+        or None when there is no usable cache file."""
+        try:
+            index = json.loads(self.index_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("weight cache %s unreadable (%s): rebuilding it", self.index_path, exc)
+            return None
+        entries = {e["name"]: e for e in index.get("tensors", [])}
+        if {n: tuple(e["shape"]) for n, e in entries.items()} != shapes:
+            log.warning("weight cache %s does not match this model: rebuilding it", self.key)
+            return None
+        try:
+            with open(self.data_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != index["bytes"]:
+                    log.warning("weight cache %s is truncated: rebuilding it", self.data_path)
+                    return None
+                # Read-only and shared: the tensors are the page cache's own pages (a private
+                # writable mapping would be populated by copying every page). MAP_POPULATE
+                # maps them all now rather than on the first steps.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                region = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        except OSError as exc:
+            log.warning("weight cache %s unreadable (%s): rebuilding it", self.data_path, exc)
+            return None
+        with warnings.catch_warnings():
+            # "non-writable buffer": nothing writes packed weights once they are loaded
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(region, dtype=torch.uint8)
+        views = {}
+        for name, entry in entries.items():
+            count = 2 * _numel(entry["shape"])
+            chunk = raw[entry["offset"] : entry["offset"] + count]
+            views[name] = chunk.view(torch.bfloat16).view(tuple(entry["shape"]))
+        log.info("weight cache: packed weights mapped from %s", self.data_path)
+        return views
+
+    def store(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write tensors (bf16, contiguous) as this shard's cache; failures only warn."""
+        tmp = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._prune()
+            entries, offset = [], 0
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.key}-", dir=self.root)
+            with os.fdopen(fd, "wb") as f:
+                for name, tensor in tensors.items():
+                    offset = -(-offset // ALIGN) * ALIGN
+                    f.seek(offset)
+                    f.write(tensor.contiguous().view(torch.uint8).numpy().data)
+                    entries.append({"name": name, "offset": offset, "shape": list(tensor.shape)})
+                    offset += tensor.numel() * tensor.element_size()
+                f.truncate(offset)
+            os.replace(tmp, self.data_path)
+            tmp = None
+            index = {"tensors": entries, "bytes": offset, "shard": self.identity.__dict__}
+            _write_atomic(self.index_path, json.dumps(index))
+            log.info("weight cache: wrote %s (%.2f GiB)", self.data_path, offset / (1 << 30))
+        except OSError as exc:
+            log.warning(
+                "weight cache: cannot write %s (%s); the next start packs the weights again "
+                "(set --weight-cache to a writable directory, or off)",
+                self.root,
+                exc,
+            )
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        """Drop files of this shard built from other checkpoint versions, and of checkpoints
+        that are gone."""
+        for index_path in self.root.glob("*.json"):
+            if index_path == self.index_path:
+                continue
+            try:
+                shard = json.loads(index_path.read_text())["shard"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if shard == self.identity.__dict__ or not Path(shard.get("model_dir", "")).is_dir():
+                index_path.unlink(missing_ok=True)
+                index_path.with_suffix(".bin").unlink(missing_ok=True)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
