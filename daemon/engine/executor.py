@@ -4,7 +4,6 @@ provides an executor with the same two methods over ZeroMQ."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from cpud.config import EngineConfig
@@ -33,20 +32,9 @@ class Executor(Protocol):
 
 
 def runner_config(config: EngineConfig) -> RunnerConfig:
-    import torch
+    from cpud.engine.multiproc import rank_engine_config
 
-    from cpud.ranks.model_runner import RunnerConfig
-
-    return RunnerConfig(
-        model_dir=config.model_dir,
-        dtype=getattr(torch, config.dtype),
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks,
-        seed=config.seed,
-        kernels=config.kernels,
-        weight_cache=Path(config.weight_cache) if config.weight_cache else None,
-    )
+    return rank_engine_config(config).runner_config()
 
 
 class InProcessExecutor:

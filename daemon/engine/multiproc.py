@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -51,21 +50,9 @@ def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
 def build_runner(
     config: RankEngineConfig, group: object, progress: Callable[[int, int], None] | None = None
 ) -> ModelRunner:
-    import torch
+    from cpud.ranks.model_runner import ModelRunner
 
-    from cpud.ranks.model_runner import ModelRunner, RunnerConfig
-
-    runner_config = RunnerConfig(
-        model_dir=Path(config.model_dir),
-        dtype=getattr(torch, config.dtype),
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks,
-        seed=config.seed,
-        kernels=config.kernels,
-        weight_cache=Path(config.weight_cache) if config.weight_cache else None,
-    )
-    return ModelRunner(runner_config, load_model_config(config.model_dir), group, progress)
+    return ModelRunner(config.runner_config(), load_model_config(config.model_dir), group, progress)
 
 
 def runtime_parent() -> str:

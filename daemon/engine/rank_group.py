@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -32,6 +33,9 @@ from cpud.protocol.supervision import (
     to_supervisor_decoder,
 )
 from cpud.ranks.worker import RankSpec, plan_socket
+
+if TYPE_CHECKING:
+    from cpud.ranks.model_runner import RunnerConfig
 
 log = logging.getLogger("cpud.ranks")
 
@@ -51,6 +55,23 @@ class RankEngineConfig(msgspec.Struct, frozen=True):
     seed: int
     kernels: str
     weight_cache: str | None = None
+
+    def runner_config(self) -> RunnerConfig:
+        """The runner's own config (torch dtypes, paths): built in the rank, never sent."""
+        import torch
+
+        from cpud.ranks.model_runner import RunnerConfig
+
+        return RunnerConfig(
+            model_dir=Path(self.model_dir),
+            dtype=getattr(torch, self.dtype),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            seed=self.seed,
+            kernels=self.kernels,
+            weight_cache=Path(self.weight_cache) if self.weight_cache else None,
+        )
 
 
 @dataclass(frozen=True)
