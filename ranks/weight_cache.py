@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -75,14 +76,22 @@ class WeightCache:
         except (OSError, ValueError) as exc:
             log.warning("weight cache %s unreadable (%s): rebuilding it", self.index_path, exc)
             return None
-        entries = {e["name"]: e for e in index.get("tensors", [])}
-        if {n: tuple(e["shape"]) for n, e in entries.items()} != shapes:
+        try:
+            entries = {e["name"]: (int(e["offset"]), tuple(e["shape"])) for e in index["tensors"]}
+            total = int(index["bytes"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("weight cache %s has a damaged index: rebuilding it", self.index_path)
+            return None
+        if {name: shape for name, (_, shape) in entries.items()} != shapes or any(
+            offset < 0 or offset + 2 * math.prod(shape) > total
+            for offset, shape in entries.values()
+        ):
             log.warning("weight cache %s does not match this model: rebuilding it", self.key)
             return None
         try:
             with open(self.data_path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size != index["bytes"]:
+                if size != total:
                     log.warning("weight cache %s is truncated: rebuilding it", self.data_path)
                     return None
                 # Read-only and shared: the tensors are the page cache's own pages (a private
@@ -98,10 +107,9 @@ class WeightCache:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(region, dtype=torch.uint8)
         views = {}
-        for name, entry in entries.items():
-            count = 2 * _numel(entry["shape"])
-            chunk = raw[entry["offset"] : entry["offset"] + count]
-            views[name] = chunk.view(torch.bfloat16).view(tuple(entry["shape"]))
+        for name, (offset, shape) in entries.items():
+            chunk = raw[offset : offset + 2 * math.prod(shape)]
+            views[name] = chunk.view(torch.bfloat16).view(shape)
         log.info("weight cache: packed weights mapped from %s", self.data_path)
         return views
 
@@ -149,13 +157,6 @@ class WeightCache:
             if shard == self.identity.__dict__ or not Path(shard.get("model_dir", "")).is_dir():
                 index_path.unlink(missing_ok=True)
                 index_path.with_suffix(".bin").unlink(missing_ok=True)
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _write_atomic(path: Path, text: str) -> None:

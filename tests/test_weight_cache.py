@@ -119,6 +119,26 @@ def test_a_cache_of_other_shapes_is_not_used(model_copy, tmp_path, caplog):
     assert greedy(llm) == reference
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: text.replace('"offset"', '"offs"'), "damaged index"),
+        (lambda text: text[: len(text) // 2], "unreadable"),
+        (lambda text: text.replace('"offset": 0', '"offset": 1099511627776'), "does not match"),
+    ],
+)
+def test_a_damaged_index_is_rebuilt(model_copy, tmp_path, caplog, damage, message):
+    cache = tmp_path / "cache"
+    reference = greedy(load(model_copy, cache))
+    index = next(cache.glob("*.json"))
+    index.write_text(damage(index.read_text()))
+    with caplog.at_level(logging.WARNING, logger="cpud.ranks"):
+        llm = load(model_copy, cache)
+    assert message in caplog.text
+    assert greedy(llm) == reference
+    assert greedy(load(model_copy, cache)) == reference  # rewritten whole
+
+
 def test_an_unwritable_cache_directory_only_warns(model_copy, tmp_path, caplog):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be")
