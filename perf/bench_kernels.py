@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -317,18 +318,14 @@ def main() -> None:
             r = rows[-len(args.batches)]
             print(f"# {model} {layer}: M={r.m} {r.native_gbs:.1f} GB/s ({r.native_vs_probe:.0%})")
 
-    meta = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "threads": args.threads,
-        "isa": kern.isa,
-        "torch": torch.__version__,
-        "reps": args.reps,
-        "pool_mib": args.pool_mib,
-        "probe_mib": args.probe_mib,
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-    }
+    meta = run_meta(
+        kern,
+        args,
+        load_start,
+        torch=torch.__version__,
+        pool_mib=args.pool_mib,
+        probe_mib=args.probe_mib,
+    )
     print(
         f"\n{meta['cpu']}, {args.threads} threads, tier {kern.isa}, torch {torch.__version__}, "
         f"medians of {args.reps} interleaved reps (native/probe: median of per-rep ratios; "
@@ -347,38 +344,45 @@ def main() -> None:
                 f"  {r.model} {r.layer} M={r.m}: native {r.native_gflops:.0f} GFLOP/s = "
                 f"{r.native_gflops / peak['gflops']:.0%} of peak"
             )
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_results(args.out_dir, "bench_kernels", meta, [asdict(r) for r in rows])
+
+
+def run_meta(
+    kern: native.Kernels, args: argparse.Namespace, load_start: tuple[float, ...], **extra: Any
+) -> dict[str, Any]:
+    """What a results file says about its run: when, where, which tier, how loaded."""
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "isa": kern.isa,
+        **extra,
+        "reps": args.reps,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+
+
+def write_results(out_dir: Path, prefix: str, meta: dict[str, Any], rows: list[Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = args.out_dir / f"bench_kernels-{stamp}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    path = out_dir / f"{prefix}-{stamp}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {path}")
 
 
 def main_attention(kern: native.Kernels, args: argparse.Namespace) -> None:
     load_start = os.getloadavg()
     rows = bench_attention(kern, args.attn_scenarios, args.reps)
-    meta = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "threads": args.threads,
-        "isa": kern.isa,
-        "native": native.__file__,
-        "heads": dict(zip(("nh", "nkv", "hd", "block_size"), ATTN_HEADS)),
-        "reps": args.reps,
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-    }
+    heads = dict(zip(("nh", "nkv", "hd", "block_size"), ATTN_HEADS))
+    meta = run_meta(kern, args, load_start, native=native.__file__, heads=heads)
     print(
         f"\n{meta['cpu']}, {args.threads} threads, tier {kern.isa}, paged attention bf16, "
         f"nh/nkv/hd/bs = {ATTN_HEADS}, medians of {args.reps}; load average "
         f"{load_start[0]:.2f} -> {meta['loadavg_end'][0]:.2f}\n"
     )
     print(markdown_attention(rows))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = args.out_dir / f"bench_attention-{stamp}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out_dir, "bench_attention", meta, rows)
 
 
 if __name__ == "__main__":
