@@ -262,12 +262,13 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
                      * evenly instead of in one burst per block. */
                     const int64_t groups = (mt + GEMM_MR - 1) / GEMM_MR;
                     const int64_t share = (2 * kc + groups - 1) / groups;
+                    const int has_next = kc < nkp && (k0 + kc < nkp || p + 1 < p1);
                     const uint16_t *next = panel + (k0 + kc) * 2 * GEMM_NB;
                     for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
                         gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR),
                                      panel + k0 * 2 * GEMM_NB, nk, xv + (m0 + r0) * xvs + 2 * k0,
                                      xvs, c + r0 * GEMM_NB, k0 == 0, next + r0 / GEMM_MR * share * 32,
-                                     kc < nkp && (k0 + kc < nkp || p + 1 < p1) ? share : 0);
+                                     has_next ? share : 0);
                 }
                 if (odt == CPUD_BF16)
                     gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_BF16);
