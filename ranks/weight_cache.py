@@ -37,7 +37,8 @@ ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
 def checkpoint_fingerprint(model_dir: Path) -> list[tuple[str, int, int]]:
     """(name, size, mtime_ns) of every file the weights and their shapes come from."""
     files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
-    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    stats = [(f.name, f.stat()) for f in files if f.is_file()]
+    return [(name, st.st_size, st.st_mtime_ns) for name, st in stats]
 
 
 @dataclass(frozen=True)
