@@ -89,7 +89,7 @@ class ModelRunner:
         skip = packed_weight_names(self.model) if cached else frozenset()
         begin_native_pack(self.model, self.ops, cached)
         load_weights(self.model, config.model_dir, progress, skip)
-        layers = packable_layers(self.model)
+        layers = packable_layers(self.model)  # now: once packed, a layer no longer counts
         finish_native_pack(self.model)
         if cache is not None and cached is None:
             cache.store({name: layer.packed.data for name, layer in layers.items()})
