@@ -94,6 +94,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "reading and packing the checkpoint (auto: $CPUD_CACHE_DIR/packed, else "
         "~/.cache/cpud/packed; off: never)",
     )
+    parser.add_argument(
+        "--kv-cache-pretouch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the load, fault each rank's KV cache in on idle CPU time (SCHED_IDLE) so "
+        "requests do not pay for fresh pages; --no-kv-cache-pretouch leaves them to fault on use",
+    )
 
 
 def _kv_fraction(args: argparse.Namespace) -> float | None:
@@ -130,6 +137,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         reserved_cpus=args.reserved_cpus,
         collective=args.collective,
         weight_cache=args.weight_cache,
+        kv_pretouch=args.kv_cache_pretouch,
     )
 
 

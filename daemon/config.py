@@ -40,6 +40,7 @@ class EngineArgs:
     reserved_cpus: int | None = None
     collective: str = "shm"  # "shm" | "gloo"
     weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
+    kv_pretouch: bool = True  # fault the KV cache in on idle CPU time after the load
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class EngineConfig:
     kernels: str = "auto"
     collective: str = "shm"
     weight_cache: str | None = None  # directory of packed weight shards; None: off
+    kv_pretouch: bool = True
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -139,6 +141,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         kernels=args.kernels,
         collective=args.collective,
         weight_cache=resolve_weight_cache(args.weight_cache),
+        kv_pretouch=args.kv_pretouch,
     )
 
 

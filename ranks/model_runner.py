@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cpud.protocol.step import StepPlan, StepResult
+from cpud.ranks.kv_pretouch import KVPretouch
 from cpud.ranks.loader import load_weights
 from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.models import (
@@ -36,6 +38,7 @@ class RunnerConfig:
     seed: int = 0
     kernels: str = "auto"  # "auto" | "native" | "torch"
     weight_cache: Path | None = None  # directory of packed shards kept between starts
+    kv_pretouch: bool = True  # fault the KV cache in on idle CPU time after the load
 
 
 class ModelRunner:
@@ -66,6 +69,10 @@ class ModelRunner:
             (torch.empty(shape, dtype=config.dtype), torch.empty(shape, dtype=config.dtype))
             for _ in range(model_cfg.num_layers)
         ]
+        self._idle_since: float | None = time.monotonic()
+        self.kv_pretouch = (
+            KVPretouch(self.kv_caches, self.idle_seconds).start() if config.kv_pretouch else None
+        )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
 
     def _load_packed(self, progress: Callable[[int, int], None] | None) -> None:
@@ -94,6 +101,25 @@ class ModelRunner:
         if cache is not None and cached is None:
             cache.store({name: layer.packed.data for name, layer in layers.items()})
 
+    def idle_seconds(self) -> float:
+        """Seconds since the last step ended; 0 while one runs."""
+        since = self._idle_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        self._idle_since = None
+        try:
+            yield
+        finally:
+            self._idle_since = time.monotonic()
+
+    @property
+    def helper_threads(self) -> frozenset[int]:
+        """Native ids of the runner's idle-priority helper threads, which are not compute."""
+        tid = self.kv_pretouch.thread_id if self.kv_pretouch else None
+        return frozenset([tid]) if tid is not None else frozenset()
+
     @property
     def kv_cache_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
@@ -101,6 +127,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        with self._busy():
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepResult | None:
         started = time.perf_counter()
         inputs, hidden = self._forward(plan)
         tokens = []
@@ -116,7 +146,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits for every token of the plan (tests and prompt logprobs); [T, vocab]."""
-        return self.model.compute_logits(self._forward(plan)[1])
+        with self._busy():
+            return self.model.compute_logits(self._forward(plan)[1])
 
     def _forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
         """Hidden states of every token of the plan; writes their KV."""

@@ -54,11 +54,19 @@ def _resident_bytes() -> int:
 
 
 class RankStatsCollector:
-    def __init__(self, rank: int, numa_node: int | None, cpus: list[int], threads_bound: int):
+    def __init__(
+        self,
+        rank: int,
+        numa_node: int | None,
+        cpus: list[int],
+        threads_bound: int,
+        helper_threads: frozenset[int] = frozenset(),
+    ):
         self.rank = rank
         self.numa_node = numa_node
         self.cpus = cpus
         self.threads_bound = threads_bound
+        self.helper_threads = helper_threads  # idle-priority helpers: not compute threads
         self.steps = 0
         self.step_seconds = 0.0
         self._ticks = _thread_ticks()
@@ -75,7 +83,14 @@ class RankStatsCollector:
         ticks = _thread_ticks()
         # zmq I/O and heartbeat threads count too; they rarely tick, but never report more
         # busy threads than the rank runs.
-        busy = min(len(self.cpus), sum(1 for t, n in ticks.items() if n > self._ticks.get(t, 0)))
+        busy = min(
+            len(self.cpus),
+            sum(
+                1
+                for t, n in ticks.items()
+                if n > self._ticks.get(t, 0) and t not in self.helper_threads
+            ),
+        )
         self._ticks = ticks
         self._last = time.monotonic()
         return RankStats(

@@ -154,7 +154,7 @@ def run(spec: RankSpec) -> int:
         progress = LoadProgress("loading weights") if spec.rank == 0 else None
         runner = build_runner(config, group, progress)
         bound = sum(1 for got, want in zip(thread_cpus, cpus) if got == want)
-        stats = RankStatsCollector(spec.rank, spec.numa_node, cpus, bound)
+        stats = RankStatsCollector(spec.rank, spec.numa_node, cpus, bound, runner.helper_threads)
         plans = ctx.socket(zmq.PULL)
         plans.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         plans.bind(plan_socket(spec.runtime_dir, spec.rank))

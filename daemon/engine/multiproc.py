@@ -44,6 +44,7 @@ def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
         seed=config.seed,
         kernels=config.kernels,
         weight_cache=config.weight_cache,
+        kv_pretouch=config.kv_pretouch,
     )
 
 

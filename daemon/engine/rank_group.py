@@ -55,6 +55,7 @@ class RankEngineConfig(msgspec.Struct, frozen=True):
     seed: int
     kernels: str
     weight_cache: str | None = None
+    kv_pretouch: bool = True
 
     def runner_config(self) -> RunnerConfig:
         """The runner's own config (torch dtypes, paths): built in the rank, never sent."""
@@ -71,6 +72,7 @@ class RankEngineConfig(msgspec.Struct, frozen=True):
             seed=self.seed,
             kernels=self.kernels,
             weight_cache=Path(self.weight_cache) if self.weight_cache else None,
+            kv_pretouch=self.kv_pretouch,
         )
 
 
