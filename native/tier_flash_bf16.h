@@ -279,10 +279,45 @@ static ALWAYS_INLINE TGT __mmask16 fa_softmax(const float *s, uint32_t *p, float
     return active;
 }
 
+/* The key and value rows (up to 4 streams) of the chunk FA_PF_DIST ahead, prefetched in
+ * equal slices while the current chunk computes.  Prefetching a whole chunk at once (256
+ * lines) left decode reading the cache at 15-20 GB/s; spread over the value re-layout and the
+ * scores it reads at 22-31 GB/s (32 sequences x 512-2048 keys, 2 cores). */
+typedef struct fa_pf {
+    const char *base[4];
+    int64_t bytes[4];
+    int n;
+} fa_pf;
+
+static ALWAYS_INLINE void fa_pf_plan(fa_pf *pf, const att_item *it, const int32_t *bt,
+                                     int64_t max_blocks, const uint16_t *kcb, const uint16_t *vcb,
+                                     int64_t nkv, int64_t hd, int64_t bs, int64_t j0, int64_t jhi) {
+    pf->n = 0;
+    for (int64_t j = j0; j < j0 + FA_CHUNK && j <= jhi; j += 16) {
+        const int64_t phys = bt[it->s * max_blocks + j / bs];
+        const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
+        const int64_t n = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * hd * 2; /* bytes */
+        pf->base[pf->n] = (const char *)(kcb + base);
+        pf->bytes[pf->n++] = n;
+        pf->base[pf->n] = (const char *)(vcb + base);
+        pf->bytes[pf->n++] = n;
+    }
+}
+
+/* Slice i of `slices` of every stream of pf. */
+static ALWAYS_INLINE void fa_pf_slice(const fa_pf *pf, int i, int slices) {
+    for (int s = 0; s < pf->n; s++) {
+        const int64_t from = pf->bytes[s] * i / slices & ~(int64_t)63;
+        const int64_t to = pf->bytes[s] * (i + 1) / slices;
+        for (int64_t b = from; b < to; b += 64) __builtin_prefetch(pf->base[s] + b, 0, 2);
+    }
+}
+
 /* vp: [nk/2][hd] = value pairs (V[2kp][d], V[2kp+1][d]) of keys [j0, j0 + nk)
  * (vb[u]: [16][hd] rows of sub-chunk u); rows outside [jlo, jhi] are zero. */
 static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const *vb, int64_t j0,
-                                             int nk, int64_t jlo, int64_t jhi, int64_t hd) {
+                                             int nk, int64_t jlo, int64_t jhi, int64_t hd,
+                                             const fa_pf *pf, int pf_slices) {
     /* 16-bit interleave of rows a, b: dword i = (a[i], b[i]) for i < 16 (lo), 16..31 (hi) */
     const __m512i ilv_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                             40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
@@ -294,6 +329,7 @@ static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const
         const uint16_t *va = (ja >= jlo && ja <= jhi) ? row : NULL;
         const uint16_t *vb1 = (jb >= jlo && jb <= jhi) ? row + hd : NULL;
         uint32_t *dst = vp + kp * hd;
+        fa_pf_slice(pf, kp, pf_slices);
         int64_t d = 0;
         for (; d + 32 <= hd; d += 32) {
             const __m512i a = va ? _mm512_loadu_si512(va + d) : _mm512_setzero_si512();
@@ -335,7 +371,8 @@ static ALWAYS_INLINE void fa_prefetch_chunk(const att_item *it, const int32_t *b
 static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_t *bt,
                                       int64_t max_blocks, const uint16_t *kcb,
                                       const uint16_t *vcb, int64_t nkv, int64_t hd, int64_t bs,
-                                      int64_t j0, int64_t jlo, int64_t jhi, const uint16_t **kb) {
+                                      int64_t j0, int64_t jlo, int64_t jhi, const uint16_t **kb,
+                                      fa_pf *pf, int caller_prefetches_half) {
     const int nsub = j0 + 16 <= jhi ? 2 : 1;
     const uint16_t *vb[2];
     for (int u = 0; u < nsub; u++) {
@@ -344,11 +381,14 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
         kb[u] = kcb + base;
         vb[u] = vcb + base;
     }
-    /* FA_PF_DIST chunks ahead: the item's first chunk starts the whole window */
-    const int64_t pf_from = j0 == (jlo & ~(int64_t)15) ? 1 : FA_PF_DIST;
-    for (int64_t c = pf_from; c <= FA_PF_DIST; c++)
-        fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + c * FA_CHUNK, jhi);
-    fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd);
+    /* FA_PF_DIST chunks ahead, spread over this chunk's value re-layout; the item's first
+     * chunk fetches the window before it at once */
+    if (j0 == (jlo & ~(int64_t)15))
+        for (int64_t c = 1; c < FA_PF_DIST; c++)
+            fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + c * FA_CHUNK, jhi);
+    fa_pf_plan(pf, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_PF_DIST * FA_CHUNK, jhi);
+    const int nk = 16 * nsub;
+    fa_value_pairs(w->vp, vb, j0, nk, jlo, jhi, hd, pf, caller_prefetches_half ? nk : nk / 2);
     return nsub;
 }
 
@@ -405,7 +445,9 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
     const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
         const uint16_t *kb[2];
-        const int nsub = fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb);
+        fa_pf pf;
+        const int nsub =
+            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf, 0);
         const int nk = 16 * nsub;
         int gs[ng], n = 0;
         for (int64_t g = 0; g < ng; g++)
@@ -458,11 +500,17 @@ static ALWAYS_INLINE TGT __m512 fa_red16(const __m512 *u) {
 }
 
 /* s[r] = scores (unscaled) of 16 keys (k: [16][hd] bf16) for R query rows
- * (qr[r]: [hd] bf16): dot products with d in lanes, then a 16 -> 1 reduction. */
+ * (qr[r]: [hd] bf16): dot products with d in lanes, then a 16 -> 1 reduction.  Prefetches
+ * slices [slice0, slice0 + 8) of `slices` of pf (none when pf is NULL). */
 static ALWAYS_INLINE TGT void fa_scores_rows(const uint16_t *const *qr, const uint16_t *k,
-                                             int64_t hd, int R, __m512 *s) {
+                                             int64_t hd, int R, __m512 *s, const fa_pf *pf,
+                                             int slice0, int slices) {
     __m512 u[4][4];
     for (int kg = 0; kg < 4; kg++) {
+        if (pf) {
+            fa_pf_slice(pf, slice0 + 2 * kg, slices);
+            fa_pf_slice(pf, slice0 + 2 * kg + 1, slices);
+        }
         __m512 acc[4][4];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
@@ -511,15 +559,19 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
     const vf vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
         const uint16_t *kb[2];
-        const int nsub = fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb);
+        fa_pf pf;
+        const int nsub =
+            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf, 1);
         const int nk = 16 * nsub;
         __m512 s0[FA_LANES], s1[FA_LANES];
         for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
         for (int rb = 0; rb < R; rb += 4) { /* 4 rows x 4 keys of accumulators at a time */
             const int rc = R - rb < 4 ? R - rb : 4;
-#define FA_SR(RC)                                                  \
-    fa_scores_rows(qr + rb, kb[0], hd, RC, s0 + rb);               \
-    if (nsub == 2) fa_scores_rows(qr + rb, kb[1], hd, RC, s1 + rb);
+/* the value re-layout prefetched slices [0, nk/2) of nk; the first row block takes the rest */
+#define FA_SR(RC)                                                                          \
+    fa_scores_rows(qr + rb, kb[0], hd, RC, s0 + rb, rb ? NULL : &pf, nk / 2, nk);          \
+    if (nsub == 2)                                                                         \
+        fa_scores_rows(qr + rb, kb[1], hd, RC, s1 + rb, rb ? NULL : &pf, nk / 2 + 8, nk);
             if (rc == 4) {
                 FA_SR(4)
             } else if (rc == 3) {
