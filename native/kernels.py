@@ -60,11 +60,23 @@ def _same_dtype(ref: torch.Tensor, t: torch.Tensor, name: str) -> None:
 
 def _tokens(t: torch.Tensor, name: str, ndim: int) -> int:
     """Checks [T, ...] with dense inner dims; returns the token stride in elements."""
-    if t.dim() != ndim:
+    stride = t.stride()
+    if len(stride) != ndim:
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 or (ndim == 3 and t.stride(1) != t.shape[2]):
-        raise ValueError(f"{name}: inner dims must be contiguous, got strides {t.stride()}")
-    return t.stride(0)
+    if stride[-1] != 1 or (ndim == 3 and stride[1] != t.shape[2]):
+        raise ValueError(f"{name}: inner dims must be contiguous, got strides {stride}")
+    return stride[0]
+
+
+def _shape_matches(dims: Sequence[int], shape: Sequence[int | None]) -> bool:
+    """dims equals shape where shape names a size (None: any); a loop, not a generator, as
+    the kernels check a few hundred tensors per decode step."""
+    if len(dims) != len(shape):
+        return False
+    for want, got in zip(shape, dims):
+        if want is not None and want != got:
+            return False
+    return True
 
 
 def _contig(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None]) -> None:
@@ -73,7 +85,7 @@ def _contig(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int 
         raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
     if not t.is_cpu:
         raise ValueError(f"{name}: must be a CPU tensor, got {t.device}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+    if not _shape_matches(t.shape, shape):
         want = tuple("*" if s is None else s for s in shape)
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
     if not t.is_contiguous():
