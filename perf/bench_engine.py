@@ -173,6 +173,18 @@ def runners(
     return result
 
 
+def settle_kv_pretouch(llm: LLM, timeout: float = 300.0) -> float:
+    """Waits until cpud's KV cache pre-fault is done (seconds waited). It only runs while cpud
+    idles, which in this process is also while the peers run, and its page faults stall the
+    vCPU they run on: measuring before it ends would slow the peers (vLLM zeroes its own KV
+    cache before it reports ready)."""
+    helper = llm.engine.executor.runner.kv_pretouch
+    started = time.perf_counter()
+    if helper is not None and not helper.done.wait(timeout):
+        print(f"cpud: KV cache pre-fault still running after {timeout:.0f} s", flush=True)
+    return time.perf_counter() - started
+
+
 def measure(engines: dict[str, Callable[[], float]], rounds: int, peers: dict[str, str]) -> dict:
     """Warm-up, then `rounds` interleaved runs (cpud, peer, peer, cpud, ...). A peer that fails
     mid-way is dropped from the scenario and its reason recorded in `peers`."""
@@ -293,6 +305,7 @@ def main() -> None:
     for peer, status in peers.items():
         if status != "ok":
             print(f"{peer}: {status}", flush=True)
+    pretouch_s = settle_kv_pretouch(llm)
     summary: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "model": str(path),
@@ -302,6 +315,7 @@ def main() -> None:
         "tokens": args.tokens,
         "rounds": args.rounds,
         "cpud_load_s": load_seconds,
+        "cpud_kv_pretouch_wait_s": pretouch_s,
         "start_s": start_s,
         "peers": peers,
         "scenarios": {},
