@@ -98,8 +98,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-pretouch",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="after the load, fault each rank's KV cache in on idle CPU time (SCHED_IDLE) so "
-        "requests do not pay for fresh pages; --no-kv-cache-pretouch leaves them to fault on use",
+        help="after the load, map each rank's KV cache pages whenever the rank has run no step "
+        "for 0.25 s, so requests do not pay for fresh pages; --no-kv-cache-pretouch leaves "
+        "them to fault on use",
     )
 
 

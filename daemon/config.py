@@ -40,7 +40,7 @@ class EngineArgs:
     reserved_cpus: int | None = None
     collective: str = "shm"  # "shm" | "gloo"
     weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
-    kv_pretouch: bool = True  # fault the KV cache in on idle CPU time after the load
+    kv_pretouch: bool = True  # map the KV cache pages while the ranks idle after the load
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ import errno
 import logging
 import os
 
+from cpud.ranks.libc import libc
+
 log = logging.getLogger("cpud.rank")
 
 MPOL_BIND = 2
@@ -17,8 +19,7 @@ PR_SET_PDEATHSIG = 1
 
 def die_with_parent(sig: int = 9) -> None:
     """Ask the kernel to kill this process when its parent exits: no orphans."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    libc().prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def set_affinity(cpus: list[int]) -> str | None:
@@ -37,11 +38,10 @@ def set_affinity(cpus: list[int]) -> str | None:
 def bind_memory(node: int) -> str | None:
     """MPOL_BIND to `node` for every later allocation; returns a warning instead of failing
     where the syscall is not permitted (containers)."""
-    libc = ctypes.CDLL(None, use_errno=True)
     words = node // 64 + 1
     mask = (ctypes.c_ulong * words)()
     mask[node // 64] = 1 << (node % 64)
-    rc = libc.syscall(SYS_SET_MEMPOLICY, MPOL_BIND, mask, ctypes.c_ulong(words * 64 + 1))
+    rc = libc().syscall(SYS_SET_MEMPOLICY, MPOL_BIND, mask, ctypes.c_ulong(words * 64 + 1))
     if rc == 0:
         return None
     err = ctypes.get_errno()

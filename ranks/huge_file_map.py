@@ -17,6 +17,8 @@ import os
 import weakref
 from dataclasses import dataclass
 
+from cpud.ranks.libc import libc
+
 HUGE = 2 << 20
 PROT_NONE, PROT_READ = 0, 1
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -37,22 +39,6 @@ class FileMapping:
     reread: bool  # the cached pages were dropped and read again
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
 def pmd_mapped_bytes(address: int) -> int | None:
     """FilePmdMapped of the mapping that starts at `address` (None: no such mapping)."""
     start = f"{address:x}-"
@@ -68,37 +54,37 @@ def pmd_mapped_bytes(address: int) -> int | None:
     return 0 if found else None
 
 
-def _map_once(libc: ctypes.CDLL, fd: int, size: int) -> tuple[int, int, int]:
+def _map_once(fd: int, size: int) -> tuple[int, int, int]:
     """(reservation, its length, aligned address of the file's mapping); OSError on failure."""
+    lib = libc()
     length = size + HUGE
     flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
-    reserve = libc.mmap(None, length, PROT_NONE, flags, -1, 0)
+    reserve = lib.mmap(None, length, PROT_NONE, flags, -1, 0)
     if reserve in (None, MAP_FAILED):
         raise OSError(ctypes.get_errno(), "mmap (address reservation) failed")
     aligned = -(-reserve // HUGE) * HUGE
-    got = libc.mmap(aligned, size, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0)
+    got = lib.mmap(aligned, size, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0)
     if got != aligned:
         error = ctypes.get_errno()
-        libc.munmap(reserve, length)
+        lib.munmap(reserve, length)
         raise OSError(error, "mmap of the file failed")
-    libc.madvise(aligned, size, MADV_HUGEPAGE)  # refused (THP off): small pages, still correct
-    if libc.madvise(aligned, size, MADV_POPULATE_READ) != 0:
-        pass  # before Linux 5.14: pages fault in on first use
+    lib.madvise(aligned, size, MADV_HUGEPAGE)  # refused (THP off): small pages, still correct
+    lib.madvise(aligned, size, MADV_POPULATE_READ)  # refused before Linux 5.14: lazy faults
     return reserve, length, aligned
 
 
 def map_file_readonly(fd: int, size: int) -> FileMapping:
     """Map the first `size` bytes of fd read-only and shared (see the module docstring)."""
-    libc = _libc()
-    reserve, length, address = _map_once(libc, fd, size)
+    lib = libc()
+    reserve, length, address = _map_once(fd, size)
     fraction = (pmd_mapped_bytes(address) or 0) / size
     reread = False
     if size >= HUGE and fraction < RETRY_BELOW:
-        libc.munmap(reserve, length)
+        lib.munmap(reserve, length)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        reserve, length, address = _map_once(libc, fd, size)
+        reserve, length, address = _map_once(fd, size)
         fraction = (pmd_mapped_bytes(address) or 0) / size
         reread = True
     buffer = (ctypes.c_ubyte * size).from_address(address)
-    weakref.finalize(buffer, libc.munmap, reserve, length)
+    weakref.finalize(buffer, lib.munmap, reserve, length)
     return FileMapping(buffer, address, size, fraction, reread)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpud.ranks.libc import libc
+
 log = logging.getLogger("cpud.ranks")
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14
@@ -79,12 +81,10 @@ def populate_order(regions: Sequence[Region], call_bytes: int = CALL_BYTES) -> l
 
 
 def libc_madvise() -> Madvise:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
+    lib = libc()
 
     def madvise(address: int, length: int, advice: int) -> int:
-        return 0 if libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
+        return 0 if lib.madvise(address, length, advice) == 0 else ctypes.get_errno()
 
     return madvise
 

@@ -38,7 +38,7 @@ class RunnerConfig:
     seed: int = 0
     kernels: str = "auto"  # "auto" | "native" | "torch"
     weight_cache: Path | None = None  # directory of packed shards kept between starts
-    kv_pretouch: bool = True  # fault the KV cache in on idle CPU time after the load
+    kv_pretouch: bool = True  # map the KV cache pages while the runner idles (kv_pretouch)
 
 
 class ModelRunner:
@@ -116,7 +116,7 @@ class ModelRunner:
 
     @property
     def helper_threads(self) -> frozenset[int]:
-        """Native ids of the runner's idle-priority helper threads, which are not compute."""
+        """Native ids of the runner's helper threads (KV pre-fault), which are not compute."""
         tid = self.kv_pretouch.thread_id if self.kv_pretouch else None
         return frozenset([tid]) if tid is not None else frozenset()
 

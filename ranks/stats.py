@@ -66,7 +66,7 @@ class RankStatsCollector:
         self.numa_node = numa_node
         self.cpus = cpus
         self.threads_bound = threads_bound
-        self.helper_threads = helper_threads  # idle-priority helpers: not compute threads
+        self.helper_threads = helper_threads  # e.g. the KV pre-fault: not compute threads
         self.steps = 0
         self.step_seconds = 0.0
         self._ticks = _thread_ticks()
