@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from quiet import wait_until_quiet  # perf/quiet.py
 
 from cpud import LLM, SamplingParams
 from cpud.fixtures import make_model
@@ -186,11 +187,14 @@ def settle_kv_pretouch(llm: LLM, timeout: float = 300.0) -> float:
 
 
 def measure(engines: dict[str, Callable[[], float]], rounds: int, peers: dict[str, str]) -> dict:
-    """Warm-up, then `rounds` interleaved runs (cpud, peer, peer, cpud, ...). A peer that fails
-    mid-way is dropped from the scenario and its reason recorded in `peers`."""
+    """Warm-up, then `rounds` interleaved runs (cpud, peer, peer, cpud, ...), each started once
+    the CPUs are quiet (perf/quiet.py: the engine before may still be winding down). A peer that
+    fails mid-way is dropped from the scenario and its reason recorded in `peers`."""
     engines = dict(engines)
+    waits: dict[str, list[float]] = {}
 
     def attempt(name: str, fn: Callable[[], float]) -> float | None:
+        waits.setdefault(name, []).append(round(wait_until_quiet(), 2))
         try:
             return fn()
         except Exception as exc:
@@ -217,6 +221,7 @@ def measure(engines: dict[str, Callable[[], float]], rounds: int, peers: dict[st
         if pairs:
             row[f"ratio_vs_{peer}"] = statistics.median(pairs)
     row["rounds"] = samples
+    row["quiet_wait_s"] = waits
     return row
 
 
