@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include "dispatch.h"
+#include "step_checks.h"
 
 #define ADDR(p) ((void *)(p))
 #define CADDR(p) ((const void *)(p))
@@ -42,8 +43,7 @@ int cpud_rotary_embedding(int isa, int dtype, intptr_t positions, intptr_t q, in
     if (rot_dim < 2 || rot_dim % 2 || rot_dim > hd || rot_dim > CPUD_ROT_MAX) return CPUD_EARG;
     if (k && nkv < 1) return CPUD_EARG;
     const int64_t *pos = (const int64_t *)positions;
-    for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= max_pos) return CPUD_EARG;
+    if (!cpud_positions_ok(pos, T, max_pos)) return CPUD_EARG;
     ops->rotary(dtype, pos, ADDR(q), q_stride, ADDR(k), k_stride, (const float *)cos_sin, T, nh,
                 nkv, hd, rot_dim, neox);
     return CPUD_OK;
@@ -58,9 +58,20 @@ int cpud_silu_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t
     return CPUD_OK;
 }
 
-/* src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
-static void kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
-                       int64_t nkv, int64_t hd, int64_t bs, int es) {
+int cpud_positions_ok(const int64_t *pos, int64_t T, int64_t max_pos) {
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 0;
+    return 1;
+}
+
+int cpud_slots_ok(const int64_t *slots, int64_t T, int64_t capacity) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= capacity) return 0;
+    return 1;
+}
+
+void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
+                     int64_t nkv, int64_t hd, int64_t bs, int es) {
     const size_t row = (size_t)(hd * es);
 #pragma omp parallel for schedule(static) if (T * nkv * hd >= CPUD_PAR_MIN && T > 1)
     for (int64_t t = 0; t < T; t++) {
@@ -81,19 +92,17 @@ int cpud_write_kv_cache(int isa, int dtype, intptr_t key, intptr_t value, int64_
         T < 0 || nkv < 1 || hd < 1 || bs < 1 || num_blocks < 0)
         return CPUD_EARG;
     const int64_t *slots = (const int64_t *)slot_mapping;
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= num_blocks * bs) return CPUD_EARG;
+    if (!cpud_slots_ok(slots, T, num_blocks * bs)) return CPUD_EARG;
     const int es = dtype_size(dtype);
-    kv_scatter((const char *)key, key_stride, (char *)key_cache, slots, T, nkv, hd, bs, es);
-    kv_scatter((const char *)value, value_stride, (char *)value_cache, slots, T, nkv, hd, bs, es);
+    cpud_kv_scatter((const char *)key, key_stride, (char *)key_cache, slots, T, nkv, hd, bs, es);
+    cpud_kv_scatter((const char *)value, value_stride, (char *)value_cache, slots, T, nkv, hd, bs,
+                    es);
     return CPUD_OK;
 }
 
-/* Every sequence's queries inside [0, T), contexts long enough, every block
- * that will be read inside the cache. */
-static int attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
-                             int64_t max_blocks, int64_t T, int64_t S, int64_t num_blocks,
-                             int64_t bs, int64_t window) {
+int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
+                           int64_t max_blocks, int64_t T, int64_t S, int64_t num_blocks,
+                           int64_t bs, int64_t window) {
     if (S > 0 && (qsl[0] < 0 || qsl[S] > T)) return 0;
     for (int64_t s = 0; s < S; s++) {
         const int64_t q_len = (int64_t)qsl[s + 1] - qsl[s], ctx = seq_lens[s];
@@ -124,7 +133,7 @@ int cpud_paged_attention(int isa, int dtype, intptr_t query, int64_t q_stride, i
         return CPUD_EARG;
     const int32_t *qsl = (const int32_t *)query_start_loc, *sl = (const int32_t *)seq_lens;
     const int32_t *bt = (const int32_t *)block_tables;
-    if (!attention_plan_ok(qsl, sl, bt, max_blocks, T, S, num_blocks, bs, sliding_window))
+    if (!cpud_attention_plan_ok(qsl, sl, bt, max_blocks, T, S, num_blocks, bs, sliding_window))
         return CPUD_EARG;
     return ops->paged_attention(dtype, CADDR(query), q_stride, CADDR(key_cache),
                                 CADDR(value_cache), qsl, sl, bt, max_blocks, ADDR(out), out_stride,

@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "cpud_native.h"
 SOURCES = [
     "api.c",
+    "decoder.c",
     "dispatch.c",
     "pin.c",
     "tier_scalar.c",

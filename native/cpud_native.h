@@ -191,4 +191,53 @@ int cpud_shm_gather_last_dim(cpud_shm *h, int elem_size,
                              int64_t timeout_ns, int *peer);
 int cpud_shm_barrier(cpud_shm *h, int64_t timeout_ns, int *peer);
 
+/* ---------------------------------------------------------------------------
+ * A stack of Llama-family decoder layers in one call (decoder.c): per layer
+ *   residual += x; x = rmsnorm(residual)            (input_norm)
+ *   qkv = x W_qkv^T (+ f32 bias); q, k per-head rmsnorm (optional); rotary (neox)
+ *   k, v -> KV cache at slots; attn = paged attention(q)
+ *   x = attn W_o^T; all-reduce(x) (tp); x += o_bias (optional)
+ *   residual += x; x = rmsnorm(residual)            (post_norm)
+ *   x = silu_and_mul(x W_gate_up^T) W_down^T; all-reduce(x) (tp)
+ * with the same kernels and the same rounding as the per-op entry points.
+ * Index data (positions, slots, block tables) is checked once, before the
+ * first layer.  Weights are packed (cpud_pack_rows).  Before the first layer
+ * x holds the embeddings and residual zeros; after the last, x holds the last
+ * MLP output and residual the sum it is added to.
+ * ------------------------------------------------------------------------- */
+typedef struct cpud_decoder_layer {
+    intptr_t input_norm, post_norm; /* [H] dtype                                   */
+    intptr_t q_norm, k_norm;        /* [hd] dtype, or both 0                        */
+    intptr_t qkv, qkv_bias;         /* packed [(nh + 2 nkv) hd, H]; [.] f32 or 0    */
+    intptr_t o, o_bias;             /* packed [H, nh hd]; [H] dtype or 0            */
+    intptr_t gate_up, down;         /* packed [2 I, H], [H, I]                      */
+    intptr_t key_cache, value_cache; /* [num_blocks][nkv][bs][hd] dtype              */
+} cpud_decoder_layer;
+
+typedef struct cpud_decoder_dims {
+    int dtype;
+    int64_t hidden, heads, kv_heads, head_dim, rot_dim, intermediate;
+    int64_t max_pos, num_blocks, block_size, window; /* window 0: none */
+    float eps, scale;
+    intptr_t cos_sin; /* [max_pos][rot_dim] f32, cos | sin halves */
+} cpud_decoder_dims;
+
+typedef struct cpud_decoder_step {
+    int64_t T, S, max_blocks;
+    intptr_t positions, slots;         /* [T] int64                                  */
+    intptr_t query_start_loc, seq_lens; /* [S + 1], [S] int32                        */
+    intptr_t block_tables;             /* [S][max_blocks] int32                       */
+    intptr_t x, residual;              /* [T][H] dtype, contiguous                    */
+    intptr_t qkv, attn, gate_up, act;  /* scratch [T][(nh + 2 nkv) hd], [T][nh hd],
+                                          [T][2 I], [T][I] dtype, contiguous          */
+    int64_t allreduce_ns, allreduce_calls; /* out: time in and number of all-reduces */
+    int failed_collective; /* out: 1 when the return code is an all-reduce's (CPUD_E*) */
+} cpud_decoder_step;
+
+/* Layers [0, n_layers) in order.  tp: the tensor-parallel group's handle, or
+ * NULL for a single rank; timeout_ns and *peer as in cpud_shm_all_reduce. */
+int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_layer *layers,
+                        int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
+                        int64_t timeout_ns, int *peer);
+
 #endif

@@ -247,6 +247,16 @@ class ShmGroup:
         if rc:
             self._fail(rc, "barrier", limit)
 
+    def native_collective_args(self) -> tuple[Any, int, Any]:
+        """(handle, timeout in ns, peer out-pointer) for native code that runs this group's
+        all-reduces itself (the fused decoder); a failure code it returns goes to
+        ``raise_collective_error``."""
+        return self._handle(), _timeout_ns(self.timeout), self._peer
+
+    def raise_collective_error(self, rc: int, op: str) -> None:
+        """Raises the CollectiveError for a failure code of a native collective."""
+        self._fail(rc, op, self.timeout)
+
     # ----------------------------------------------------------- lifecycle
 
     def abort(self, culprit: int | None = None) -> None:

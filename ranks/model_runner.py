@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cpud.protocol.step import StepPlan, StepResult
+from cpud.ranks.fused_decoder import FusedDecoder, unsupported_reason
 from cpud.ranks.kv_pretouch import KVPretouch
 from cpud.ranks.loader import load_weights
 from cpud.ranks.model_config import ModelConfig
@@ -26,6 +28,8 @@ from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.sampler import sample
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
+
+log = logging.getLogger("cpud.rank")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,13 @@ class ModelRunner:
             (torch.empty(shape, dtype=config.dtype), torch.empty(shape, dtype=config.dtype))
             for _ in range(model_cfg.num_layers)
         ]
+        reason = unsupported_reason(self.model, self.ops, group)
+        # None: the per-op path (the reference, and what runs where fusing is not supported)
+        self.decoder = (
+            FusedDecoder(self.model, self.ops, group, self.kv_caches) if reason is None else None
+        )
+        if reason is not None:
+            log.info("decoder layers run op by op: %s", reason)
         self._idle_since: float | None = time.monotonic()
         self.kv_pretouch = (
             KVPretouch(self.kv_caches, self.idle_seconds).start() if config.kv_pretouch else None
@@ -152,5 +163,8 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
         """Hidden states of every token of the plan; writes their KV."""
         inputs = build_step_inputs(plan, self.config.block_size)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.decoder is not None:
+            hidden = self.decoder.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return inputs, hidden

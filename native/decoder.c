@@ -1,0 +1,121 @@
+/* cpud_decoder_layers (cpud_native.h): a stack of Llama-family decoder layers
+ * as one call into the kernel table, so a step costs one crossing from Python
+ * instead of a dozen per layer.  The kernels and their order are those of the
+ * per-op path (ranks/models/llama.py), so both give the same bits. */
+#include <time.h>
+
+#include "dispatch.h"
+#include "step_checks.h"
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int dims_ok(const cpud_decoder_dims *d) {
+    return (d->dtype == CPUD_F32 || d->dtype == CPUD_BF16) && d->hidden > 0 && d->heads > 0 &&
+           d->kv_heads > 0 && d->heads % d->kv_heads == 0 && d->head_dim > 0 &&
+           d->rot_dim >= 2 && d->rot_dim % 2 == 0 && d->rot_dim <= d->head_dim &&
+           d->rot_dim <= CPUD_ROT_MAX && d->intermediate > 0 && d->max_pos > 0 &&
+           d->num_blocks >= 0 && d->block_size > 0 && d->window >= 0 && d->cos_sin;
+}
+
+static int layer_ok(const cpud_decoder_layer *l) {
+    return l->input_norm && l->post_norm && !l->q_norm == !l->k_norm && l->qkv && l->o &&
+           l->gate_up && l->down && l->key_cache && l->value_cache;
+}
+
+static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {
+    if (s->T < 0 || s->S < 0 || s->max_blocks < 0 || !s->positions || !s->slots ||
+        !s->query_start_loc || !s->seq_lens || (s->S > 0 && !s->block_tables) || !s->x ||
+        !s->residual || !s->qkv || !s->attn || !s->gate_up || !s->act)
+        return 0;
+    return cpud_positions_ok((const int64_t *)s->positions, s->T, d->max_pos) &&
+           cpud_slots_ok((const int64_t *)s->slots, s->T, d->num_blocks * d->block_size) &&
+           cpud_attention_plan_ok((const int32_t *)s->query_start_loc,
+                                  (const int32_t *)s->seq_lens, (const int32_t *)s->block_tables,
+                                  s->max_blocks, s->T, s->S, d->num_blocks, d->block_size,
+                                  d->window);
+}
+
+/* x [T][H] summed over the group in place; time and count go to s. */
+static int all_reduce(cpud_shm *tp, int dt, char *x, int64_t n, int64_t timeout_ns, int *peer,
+                      cpud_decoder_step *s) {
+    if (!tp) return CPUD_OK;
+    const int64_t t0 = now_ns();
+    const int rc = cpud_shm_all_reduce(tp, dt, (intptr_t)x, n, timeout_ns, peer);
+    s->allreduce_ns += now_ns() - t0;
+    s->allreduce_calls++;
+    if (rc) s->failed_collective = 1;
+    return rc;
+}
+
+/* x [T][H] += bias [H], rounded to dt as torch's out + bias is. */
+static void add_bias(int dt, char *x, const void *bias, int64_t T, int64_t H) {
+    for (int64_t t = 0; t < T; t++) {
+        void *row = x + t * H * dtype_size(dt);
+        for (int64_t i = 0; i < H; i++) st1(row, i, ld1(row, i, dt) + ld1(bias, i, dt), dt);
+    }
+}
+
+int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_layer *layers,
+                        int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
+                        int64_t timeout_ns, int *peer) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!d || !layers || !s || n_layers < 0 || !dims_ok(d)) return CPUD_EARG;
+    s->allreduce_ns = 0;
+    s->allreduce_calls = 0;
+    s->failed_collective = 0;
+    if (!step_ok(d, s)) return CPUD_EARG;
+    for (int64_t i = 0; i < n_layers; i++)
+        if (!layer_ok(&layers[i])) return CPUD_EARG;
+    if (s->T == 0) return CPUD_OK;
+
+    const int dt = d->dtype, es = dtype_size(dt);
+    const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
+    const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
+    const int64_t *pos = (const int64_t *)s->positions, *slots = (const int64_t *)s->slots;
+    const int32_t *qsl = (const int32_t *)s->query_start_loc;
+    const int32_t *sl = (const int32_t *)s->seq_lens, *bt = (const int32_t *)s->block_tables;
+    char *x = (char *)s->x, *res = (char *)s->residual, *qkv = (char *)s->qkv;
+    char *attn = (char *)s->attn, *gu = (char *)s->gate_up, *act = (char *)s->act;
+    char *q = qkv, *k = qkv + qd * es, *v = k + nkv * hd * es;
+
+    for (int64_t i = 0; i < n_layers; i++) {
+        const cpud_decoder_layer *l = &layers[i];
+        int rc;
+        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, T, H, d->eps);
+        rc = ops->gemm_packed(x, dt, H, (const uint16_t *)l->qkv, (const void *)l->qkv_bias,
+                              CPUD_F32, qkv, dt, qn, T, qn, H);
+        if (rc) return rc;
+        if (l->q_norm) {
+            ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, T, nh, hd, d->eps);
+            ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, T, nkv, hd, d->eps);
+        }
+        ops->rotary(dt, pos, q, qn, k, qn, (const float *)d->cos_sin, T, nh, nkv, hd, d->rot_dim,
+                    1);
+        cpud_kv_scatter(k, qn, (char *)l->key_cache, slots, T, nkv, hd, d->block_size, es);
+        cpud_kv_scatter(v, qn, (char *)l->value_cache, slots, T, nkv, hd, d->block_size, es);
+        rc = ops->paged_attention(dt, q, qn, (const void *)l->key_cache,
+                                  (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
+                                  qd, s->S, nh, nkv, hd, d->block_size, d->scale, d->window);
+        if (rc) return rc;
+        rc = ops->gemm_packed(attn, dt, qd, (const uint16_t *)l->o, NULL, CPUD_F32, x, dt, H, T,
+                              H, qd);
+        if (rc) return rc;
+        if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
+        if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
+        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, T, H, d->eps);
+        rc = ops->gemm_packed(x, dt, H, (const uint16_t *)l->gate_up, NULL, CPUD_F32, gu, dt,
+                              2 * I, T, 2 * I, H);
+        if (rc) return rc;
+        ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
+        rc = ops->gemm_packed(act, dt, I, (const uint16_t *)l->down, NULL, CPUD_F32, x, dt, H, T,
+                              H, I);
+        if (rc) return rc;
+        if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
+    }
+    return CPUD_OK;
+}

@@ -1,0 +1,21 @@
+/* Step-plan checks and the KV scatter, shared by the per-op entry points
+ * (api.c) and the decoder stack (decoder.c).  Internal: not in the cffi API. */
+#ifndef CPUD_STEP_CHECKS_H
+#define CPUD_STEP_CHECKS_H
+
+#include <stdint.h>
+
+/* Every position in [0, max_pos). */
+int cpud_positions_ok(const int64_t *pos, int64_t T, int64_t max_pos);
+/* Every slot below capacity (negative slots are skipped by the scatter). */
+int cpud_slots_ok(const int64_t *slots, int64_t T, int64_t capacity);
+/* Every sequence's queries inside [0, T), contexts long enough, every block
+ * that will be read inside the cache. */
+int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
+                           int64_t max_blocks, int64_t T, int64_t S, int64_t num_blocks,
+                           int64_t bs, int64_t window);
+/* src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
+void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
+                     int64_t nkv, int64_t hd, int64_t bs, int es);
+
+#endif

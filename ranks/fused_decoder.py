@@ -1,0 +1,202 @@
+"""A Llama-family model's decoder layers as one native call per step (native/decoder.c).
+
+The per-op path crosses from Python into C a dozen times per layer (norms, GEMMs, rotary, KV
+write, attention, all-reduces), with argument checks and tensor views in between: about 10 ms of
+a 49 ms decode-1 step on qwen3-0.6b. Here the layer stack runs as one call over a table of
+weight and cache addresses built once; embedding, final norm, LM head and sampling stay in
+Python. Same kernels in the same order as ranks/models/llama.py, so the same tokens.
+
+Used where the model is a LlamaForCausalLM with packed (native bf16) weights and the TP group is
+a single rank or the shared-memory group; otherwise (torch kernels, fp32, OPT, gloo) the
+per-op path runs and `unsupported_reason` says why.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from cpud.ranks.layers.attention import AttentionMetadata
+from cpud.ranks.models.llama import KVCache, LlamaForCausalLM
+from cpud.ranks.ops import Ops
+from cpud.ranks.parallel import TPGroup
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_INDEX_DTYPES = (
+    ("positions", torch.int64),
+    ("slot_mapping", torch.int64),
+    ("query_start_loc", torch.int32),
+    ("seq_lens", torch.int32),
+    ("block_tables", torch.int32),
+)
+
+
+def _inner_group(group: TPGroup) -> TPGroup:
+    """The group under a TimedGroup wrapper (ranks/stats.py), else the group itself."""
+    return getattr(group, "group", group)
+
+
+def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
+    """Why `model` cannot run fused under these ops and group; None when it can."""
+    from cpud.native import ShmGroup
+
+    if ops.name != "native":
+        return f"kernels are {ops.name!r}, not native"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family decoder"
+    for layer in model.model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+        if any(lin.packed is None for lin in (*linears, layer.mlp.gate_up_proj)):
+            return "weights are not packed for the native GEMM (dtype is not bfloat16)"
+        if layer.mlp.down_proj.packed is None:
+            return "weights are not packed for the native GEMM (dtype is not bfloat16)"
+    inner = _inner_group(group)
+    if group.size > 1 and not isinstance(inner, ShmGroup):
+        return f"tensor-parallel group is {type(inner).__name__}, not the shared-memory group"
+    return None
+
+
+class FusedDecoder:
+    """Runs `model`'s decoder layers with one native call per step (see the module doc)."""
+
+    def __init__(self, model: LlamaForCausalLM, ops: Any, group: TPGroup, kv_caches: list[KVCache]):
+        from cpud.native import _loader
+
+        reason = unsupported_reason(model, ops, group)
+        if reason is not None:
+            raise ValueError(f"fused decoder: {reason}")
+        self._ffi, self._lib = _loader.ffi, _loader.lib
+        self._isa = _loader.ISAS.index(ops.k.isa)
+        self.model = model
+        self.group = group
+        inner = _inner_group(group)
+        self._shm = inner if group.size > 1 else None
+        first = model.model.layers[0].self_attn
+        cos_sin = first.rotary.cos_sin
+        dtype = kv_caches[0][0].dtype
+        if dtype not in _DTYPE_CODE or cos_sin.dtype != torch.float32:
+            raise ValueError(f"fused decoder: dtype {dtype} is not float32 or bfloat16")
+        self.dtype = dtype
+        self.hidden = model.cfg.hidden_size
+        self.q_dim = first.heads * first.head_dim
+        self.qkv_dim = first.qkv_proj.packed.n
+        self.intermediate = model.model.layers[0].mlp.down_proj.packed.k
+        num_blocks, _, block_size, _ = kv_caches[0][0].shape
+        dims = self._ffi.new("cpud_decoder_dims *")
+        dims.dtype = _DTYPE_CODE[dtype]
+        dims.hidden = self.hidden
+        dims.heads = first.heads
+        dims.kv_heads = first.kv_heads
+        dims.head_dim = first.head_dim
+        dims.rot_dim = cos_sin.shape[1]
+        dims.intermediate = self.intermediate
+        dims.max_pos = cos_sin.shape[0]
+        dims.num_blocks = num_blocks
+        dims.block_size = block_size
+        dims.window = first.attn.sliding_window or 0
+        dims.eps = model.model.layers[0].input_layernorm.eps
+        dims.scale = first.attn.scale
+        dims.cos_sin = cos_sin.data_ptr()
+        self._dims = dims
+        self._keep = [cos_sin]  # everything whose address the tables hold
+        self._layers = self._layer_table(kv_caches)
+        self._peer = self._ffi.new("int *")
+
+    def _addr(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int:
+        if t is None:
+            return 0
+        if not t.is_contiguous() or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"fused decoder: expected a contiguous {dtype} tensor, got {t.dtype}")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _layer_table(self, kv_caches: list[KVCache]) -> Any:
+        layers = self.model.model.layers
+        table = self._ffi.new("cpud_decoder_layer[]", len(layers))
+        for entry, layer, (key_cache, value_cache) in zip(table, layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            entry.input_norm = self._addr(layer.input_layernorm.weight, self.dtype)
+            entry.post_norm = self._addr(layer.post_attention_layernorm.weight, self.dtype)
+            if attn.q_norm is not None:
+                entry.q_norm = self._addr(attn.q_norm.weight, self.dtype)
+                entry.k_norm = self._addr(attn.k_norm.weight, self.dtype)
+            entry.qkv = self._addr(attn.qkv_proj.packed.data)
+            entry.qkv_bias = self._addr(attn.qkv_proj.packed.bias, torch.float32)
+            entry.o = self._addr(attn.o_proj.packed.data)
+            entry.o_bias = self._addr(attn.o_proj.bias, self.dtype)
+            entry.gate_up = self._addr(mlp.gate_up_proj.packed.data)
+            entry.down = self._addr(mlp.down_proj.packed.data)
+            entry.key_cache = self._addr(key_cache, self.dtype)
+            entry.value_cache = self._addr(value_cache, self.dtype)
+        return table
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of the step's tokens; writes their KV."""
+        tokens = input_ids.shape[0]
+        index = (
+            positions,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens_tensor,
+            meta.block_tables_i32,
+        )
+        for tensor, (name, dtype) in zip(index, _INDEX_DTYPES):
+            if tensor.dtype != dtype or not tensor.is_contiguous():
+                raise ValueError(f"fused decoder: {name} must be a contiguous {dtype} tensor")
+        if positions.shape[0] != tokens or meta.slot_mapping.shape[0] != tokens:
+            raise ValueError(
+                f"fused decoder: {tokens} tokens but {positions.shape[0]} positions and "
+                f"{meta.slot_mapping.shape[0]} slots"
+            )
+        x = self.model.model.embed_tokens(input_ids).contiguous()
+        residual = torch.zeros_like(x)
+        dtype = self.dtype
+        qkv = torch.empty(tokens, self.qkv_dim, dtype=dtype)
+        attn = torch.empty(tokens, self.q_dim, dtype=dtype)
+        gate_up = torch.empty(tokens, 2 * self.intermediate, dtype=dtype)
+        act = torch.empty(tokens, self.intermediate, dtype=dtype)
+        step = self._ffi.new("cpud_decoder_step *")
+        step.T = tokens
+        step.S = meta.seq_lens_tensor.shape[0]
+        step.max_blocks = meta.block_tables_i32.shape[1] if meta.block_tables_i32.dim() == 2 else 0
+        step.positions = positions.data_ptr()
+        step.slots = meta.slot_mapping.data_ptr()
+        step.query_start_loc = meta.query_start_loc.data_ptr()
+        step.seq_lens = meta.seq_lens_tensor.data_ptr()
+        step.block_tables = meta.block_tables_i32.data_ptr()
+        step.x = x.data_ptr()
+        step.residual = residual.data_ptr()
+        step.qkv = qkv.data_ptr()
+        step.attn = attn.data_ptr()
+        step.gate_up = gate_up.data_ptr()
+        step.act = act.data_ptr()
+        self._run(step)
+        hidden, _ = self.model.model.norm(x, residual)
+        return hidden
+
+    def _run(self, step: Any) -> None:
+        if self._shm is None:
+            handle, timeout_ns, peer = self._ffi.NULL, 0, self._peer
+        else:
+            handle, timeout_ns, peer = self._shm.native_collective_args()
+        layers = len(self.model.model.layers)
+        started = time.perf_counter()
+        rc = self._lib.cpud_decoder_layers(
+            self._isa, self._dims, self._layers, layers, step, handle, timeout_ns, peer
+        )
+        if step.allreduce_calls and hasattr(self.group, "seconds"):
+            self.group.seconds += step.allreduce_ns / 1e9  # TimedGroup's all-reduce time
+            self.group.calls += step.allreduce_calls
+        if rc == 0:
+            return
+        if step.failed_collective and self._shm is not None:
+            self._shm.raise_collective_error(rc, "all_reduce")
+        elapsed = time.perf_counter() - started
+        raise ValueError(
+            f"fused decoder: native layers failed with code {rc} after {elapsed:.3f} s "
+            f"(-2: a position, slot or block table out of range; -3: out of memory)"
+        )
