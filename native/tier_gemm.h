@@ -6,8 +6,11 @@
  *
  * Work split: each thread owns a contiguous range of 32-column panels, so it
  * streams one contiguous region of the packed weights exactly once (for
- * M <= GEMM_MT).  When M exceeds what the micro-kernel holds in registers,
+ * M <= GEMM_MT); a thread done with its range takes panels from the back of a
+ * slower one's (work_ranges.h), so a descheduled thread costs one panel.  When M exceeds what the micro-kernel holds in registers,
  * K is blocked so that the panel slice is re-read from L1, not from memory. */
+
+#include "work_ranges.h"
 
 #define GEMM_NB CPUD_GEMM_NB /* columns per panel */
 #define GEMM_KC 128          /* k pairs per block when M > GEMM_MR: 16 KiB of panel */
@@ -237,17 +240,23 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
     }
     const xelem *xv = direct ? (const xelem *)x : xp;
     const int64_t xvs = direct ? xs : kpad;
+    /* one range per thread the region may get; ranges of threads it does not get are stolen */
+    const int nr = np > 1 ? omp_get_max_threads() : 1;
+    work_range *ranges = work_ranges_new(np, nr);
+    if (!ranges) {
+        free(xp);
+        return CPUD_ENOMEM;
+    }
 #pragma omp parallel if (np > 1)
     {
         if (!direct) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) gemm_prep_row(at(x, m * xs, xdt), xdt, K, xp + m * kpad, kpad);
         }
-        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t p0 = np * tid / nt, p1 = np * (tid + 1) / nt;
+        const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
         float c[GEMM_MT * GEMM_NB] __attribute__((aligned(64)));
         float b32[GEMM_NB] __attribute__((aligned(64)));
-        for (int64_t p = p0; p < p1; p++) {
+        for (int64_t p; (p = work_next(ranges, nr, tid)) >= 0;) {
             const uint16_t *panel = packed + p * nkp * 2 * GEMM_NB;
             for (int64_t i = 0; i < GEMM_NB; i++)
                 b32[i] = bias && p * GEMM_NB + i < N ? ld1(bias, p * GEMM_NB + i, bdt) : 0.0f;
@@ -262,7 +271,8 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
                      * evenly instead of in one burst per block. */
                     const int64_t groups = (mt + GEMM_MR - 1) / GEMM_MR;
                     const int64_t share = (2 * kc + groups - 1) / groups;
-                    const int has_next = kc < nkp && (k0 + kc < nkp || p + 1 < p1);
+                    const int has_next =
+                        kc < nkp && (k0 + kc < nkp || work_has_after(&ranges[tid], p));
                     const uint16_t *next = panel + (k0 + kc) * 2 * GEMM_NB;
                     for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
                         gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR),
@@ -277,6 +287,7 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
             }
         }
     }
+    free(ranges);
     free(xp);
     return CPUD_OK;
 }

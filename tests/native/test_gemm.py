@@ -122,3 +122,38 @@ def test_read_probe_checksum(kern):
     assert kern.read_probe(buf) == expected
     with pytest.raises(ValueError, match="4096"):
         kern.read_probe(buf[:100])
+
+
+STEALING_SCRIPT = """
+import torch
+from cpud import native
+torch.manual_seed(0)
+torch.set_num_threads(8)
+k = native.kernels()
+assert native.max_threads() == 8, native.max_threads()
+ran = sum(cpu != -1 for cpu in native.thread_cpus(8))
+assert 1 <= ran < 8, ran  # the runtime gave a region fewer threads than asked for
+for n, kk, m in ((1000, 64, 1), (257, 96, 20), (32 * 17, 128, 3)):
+    w = torch.randn(n, kk).to(torch.bfloat16)
+    x = torch.randn(m, kk).to(torch.bfloat16)
+    got = k.gemm_packed(x, native.pack_weight(w)).double()
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(got, ref, rtol=8e-3, atol=2e-5 * kk**0.5)
+print("ok")
+"""
+
+
+def test_panels_of_threads_the_region_did_not_get_are_stolen():
+    """With OMP_DYNAMIC the runtime gives a region fewer threads (here: the 2 CPUs) than the
+    8 the GEMM split its panels for; the threads that run must take the missing ones' panels,
+    every panel exactly once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_DYNAMIC": "true", "OMP_NUM_THREADS": "8"}
+    result = subprocess.run(
+        [sys.executable, "-c", STEALING_SCRIPT], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
