@@ -271,3 +271,45 @@ def test_multibyte_stop_strings_cut_on_character_boundaries(tokenizer, stop):
     # What a stream would have shown at any moment never contains any part of the stop string
     # beyond the final text.
     assert all(detok.text.startswith(shown) for shown in visible)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000, 151936])
+def test_nucleus_from_candidates_equals_a_full_sort(vocab):
+    from cpud.ranks.sampler import keep_nucleus, keep_nucleus_sorted
+
+    gen = torch.Generator().manual_seed(vocab)
+    for scale in (0.3, 2.0, 8.0):  # flat (the set runs past the candidates) to peaked
+        logits = torch.randn(7, vocab, generator=gen) * scale
+        top_k = torch.tensor([vocab, 1, 5, 40, 2000, vocab, vocab]).clamp(max=vocab)
+        top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 1.0, 0.3, 0.95])
+        fast = keep_nucleus(logits, top_k, top_p)
+        ref = keep_nucleus_sorted(logits, top_k, top_p)
+        assert torch.equal(fast.isinf(), ref.isinf()), (fast.isinf() != ref.isinf()).sum(1)
+        assert torch.equal(fast[~fast.isinf()], ref[~ref.isinf()])
+        assert not fast[0].isinf().any()  # top_k = vocab and top_p = 1 restrict nothing
+        assert int((~fast[1].isinf()).sum()) == 1
+
+
+def test_draw_follows_the_probabilities():
+    """Inverse-CDF draws over a vocabulary that is not a whole number of CDF blocks: zero
+    probabilities are never drawn, frequencies match within 5 sigma, and all mass on the first
+    or the last token always draws it."""
+    from cpud.ranks.sampler import CDF_BLOCK, draw
+
+    vocab = 2 * CDF_BLOCK + 77
+    probs = torch.zeros(vocab)
+    chosen = torch.tensor([0, 3, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 5, vocab - 1])
+    probs[chosen] = torch.tensor([0.3, 0.05, 0.2, 0.15, 0.1, 0.2])
+    count = 20000
+    rows = probs.repeat(count, 1) * 3.0  # need not sum to 1
+    tokens = draw(rows, [work(SamplingParams(temperature=1.0))] * count, torch.Generator())
+    seen = torch.bincount(tokens, minlength=vocab).double()
+    assert float(seen[probs == 0].sum()) == 0
+    expected = probs.double() * count
+    sigma = (expected * (1 - probs.double())).sqrt()
+    assert bool(((seen - expected).abs()[chosen] <= 5 * sigma[chosen] + 1).all()), seen[chosen]
+    for token in (0, vocab - 1):
+        one = torch.zeros(4, vocab)
+        one[:, token] = 1.0
+        got = draw(one, [work(SamplingParams(temperature=1.0))] * 4, torch.Generator())
+        assert got.tolist() == [token] * 4
