@@ -146,7 +146,12 @@ def draw(probs: torch.Tensor, works: list[SeqWork], generator: torch.Generator) 
     inside[(start[:, None] + span) >= vocab] = 0.0
     offset = torch.searchsorted(inside.cumsum(-1), (target - below)[:, None], right=True)[:, 0]
     offset = torch.minimum(offset, _last_positive(inside))
-    return start + offset
+    tokens = (start + offset).clamp_(max=vocab - 1)
+    # No positive finite mass (logits all -inf or NaN): the largest entry, else token 0.
+    broken = ~torch.isfinite(cdf[:, -1]) | (cdf[:, -1] <= 0)
+    if bool(broken.any()):
+        tokens[broken] = torch.nan_to_num(probs[broken], nan=-1.0).argmax(dim=-1)
+    return tokens
 
 
 def sample(

@@ -313,3 +313,17 @@ def test_draw_follows_the_probabilities():
         one[:, token] = 1.0
         got = draw(one, [work(SamplingParams(temperature=1.0))] * 4, torch.Generator())
         assert got.tolist() == [token] * 4
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan")])
+def test_rows_without_probability_mass_still_give_a_vocabulary_token(fill):
+    """Logits all -inf or NaN (a fuzzed request found the first): a token inside the vocabulary,
+    never an index past it that the next step's embedding would fail on."""
+    vocab = 300  # not a whole number of CDF blocks
+    params = SamplingParams(temperature=0.9)
+    token = sample(torch.full((1, vocab), fill), [work(params)], torch.Generator())[0].token_id
+    assert 0 <= token < vocab
+    if fill == float("-inf"):  # one finite logit left: it is the token (NaN poisons a row)
+        one_left = torch.full((1, vocab), fill)
+        one_left[0, 7] = 0.0
+        assert sample(one_left, [work(params)], torch.Generator())[0].token_id == 7
