@@ -221,8 +221,7 @@ async def _builtin(
         return {
             "model": model,
             "prompt": prompt_ids(index, isl, salt),
-            "max_tokens": max_tokens,
-            "temperature": 0,
+            "max_tokens": max_tokens,  # no temperature: the server's default, as aiperf sends
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
