@@ -117,7 +117,7 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
 def draw(probs: torch.Tensor, works: list[SeqWork], generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs [S, V] (need not sum to 1), by inverse CDF on one uniform
     draw per row: the block of CDF_BLOCK tokens whose cumulative mass passes u * total (block
-    masses summed in fp64), then the token inside that block the same way. A token is chosen
+    masses accumulated in fp64), then the token inside that block the same way. A token is chosen
     with its probability up to fp64 rounding, tokens of zero probability never; one random
     number per row instead of one per vocabulary entry (an exponential race over 152k tokens
     took 100 ms per 32 rows here). Seeded rows draw from their own generator, so a row's token
