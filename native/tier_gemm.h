@@ -7,8 +7,9 @@
  * Work split: each thread owns a contiguous range of 32-column panels, so it
  * streams one contiguous region of the packed weights exactly once (for
  * M <= GEMM_MT); a thread done with its range takes panels from the back of a
- * slower one's (work_ranges.h), so a descheduled thread costs one panel.  When M exceeds what the micro-kernel holds in registers,
- * K is blocked so that the panel slice is re-read from L1, not from memory. */
+ * slower one's (work_ranges.h), so a descheduled thread costs one panel.  When
+ * M exceeds what the micro-kernel holds in registers, K is blocked so that the
+ * panel slice is re-read from L1, not from memory. */
 
 #include "work_ranges.h"
 

@@ -13,17 +13,16 @@ per-op path runs and `unsupported_reason` says why.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
+from cpud.native.kernels import _DTYPE_CODE, _check_rc
 from cpud.ranks.layers.attention import AttentionMetadata
 from cpud.ranks.models.llama import KVCache, LlamaForCausalLM
 from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _INDEX_DTYPES = (
     ("positions", torch.int64),
     ("slot_mapping", torch.int64),
@@ -47,10 +46,9 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family decoder"
     for layer in model.model.layers:
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
-        if any(lin.packed is None for lin in (*linears, layer.mlp.gate_up_proj)):
-            return "weights are not packed for the native GEMM (dtype is not bfloat16)"
-        if layer.mlp.down_proj.packed is None:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.packed is None for lin in linears):
             return "weights are not packed for the native GEMM (dtype is not bfloat16)"
     inner = _inner_group(group)
     if group.size > 1 and not isinstance(inner, ShmGroup):
@@ -184,19 +182,12 @@ class FusedDecoder:
         else:
             handle, timeout_ns, peer = self._shm.native_collective_args()
         layers = len(self.model.model.layers)
-        started = time.perf_counter()
         rc = self._lib.cpud_decoder_layers(
             self._isa, self._dims, self._layers, layers, step, handle, timeout_ns, peer
         )
         if step.allreduce_calls and hasattr(self.group, "seconds"):
             self.group.seconds += step.allreduce_ns / 1e9  # TimedGroup's all-reduce time
             self.group.calls += step.allreduce_calls
-        if rc == 0:
-            return
-        if step.failed_collective and self._shm is not None:
+        if rc and step.failed_collective and self._shm is not None:
             self._shm.raise_collective_error(rc, "all_reduce")
-        elapsed = time.perf_counter() - started
-        raise ValueError(
-            f"fused decoder: native layers failed with code {rc} after {elapsed:.3f} s "
-            f"(-2: a position, slot or block table out of range; -3: out of memory)"
-        )
+        _check_rc(rc, "fused decoder", "a position, slot or block table out of range?")
