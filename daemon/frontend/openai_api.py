@@ -399,7 +399,7 @@ def completion_delta(
         prefix = prompt_text(state, prompt)
     chars_before = choice.chars
     text, start, reason = _advance(choice, out)
-    if not text and not prefix and reason is None:
+    if not text and not prefix and reason is None and choice.tokens == start:
         return None
     choice.started = True
     logprobs = None
@@ -416,13 +416,13 @@ def completion_delta(
 
 def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
     text, start, reason = _advance(choice, out)
-    if not text and reason is None:
+    if not text and reason is None and choice.tokens == start:
         return None
     delta: dict = {}
     if not choice.started:
         delta["role"] = "assistant"
         choice.started = True
-    if text:
+    if text or choice.tokens > start:
         delta["content"] = text
     logprobs = None
     if job.params.logprobs is not None:

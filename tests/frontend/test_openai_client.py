@@ -157,3 +157,42 @@ def test_stream_events_are_ascii_json_lines(server):
     assert lines[-1] == "data: [DONE]" and len(raw.decode().splitlines()) == len(
         raw.decode().split("\n")
     ) - (1 if raw.decode().endswith("\n") else 0)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_streamed_logprobs_cover_every_token(client, seed):
+    # Tokens whose text is held back (a partial UTF-8 sequence, or no text at all) still
+    # stream their logprobs, in a chunk of their own, so the stream matches the full response.
+    kwargs = dict(
+        model=MODEL,
+        prompt="héllo wörld",
+        max_tokens=32,
+        temperature=1.0,
+        seed=seed,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == len(full.logprobs.tokens) == 32
+    assert tokens == full.logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks) == full.text
+
+
+def test_streamed_chat_logprobs_cover_every_token(client):
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "héllo"}],
+        max_tokens=32,
+        temperature=1.0,
+        seed=1,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    tokens = [e.token for c in chunks for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in full.logprobs.content] and len(tokens) == 32
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
