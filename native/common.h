@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "cpud_native.h"
 
@@ -15,6 +16,13 @@
 #define CPUD_PAR_MIN 32768
 /* Largest rotary dimension the kernels accept. */
 #define CPUD_ROT_MAX 1024
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+static inline int64_t cpud_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -7,12 +7,6 @@
 #include "dispatch.h"
 #include "step_checks.h"
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 static int dims_ok(const cpud_decoder_dims *d) {
     return (d->dtype == CPUD_F32 || d->dtype == CPUD_BF16) && d->hidden > 0 && d->heads > 0 &&
            d->kv_heads > 0 && d->heads % d->kv_heads == 0 && d->head_dim > 0 &&
@@ -43,9 +37,9 @@ static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {
 static int all_reduce(cpud_shm *tp, int dt, char *x, int64_t n, int64_t timeout_ns, int *peer,
                       cpud_decoder_step *s) {
     if (!tp) return CPUD_OK;
-    const int64_t t0 = now_ns();
+    const int64_t t0 = cpud_now_ns();
     const int rc = cpud_shm_all_reduce(tp, dt, (intptr_t)x, n, timeout_ns, peer);
-    s->allreduce_ns += now_ns() - t0;
+    s->allreduce_ns += cpud_now_ns() - t0;
     s->allreduce_calls++;
     if (rc) s->failed_collective = 1;
     return rc;

@@ -23,7 +23,7 @@ import torch
 from . import _loader
 from .hugepages import huge_empty
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # cpud_dtype in cpud_native.h
 _ERRORS = {-1: "ISA tier not supported by this CPU", -2: "invalid argument", -3: "out of memory"}
 GEMM_NB = 32  # columns per packed panel (CPUD_GEMM_NB)
 
@@ -33,7 +33,9 @@ def _require() -> None:
         raise RuntimeError(f"cpud native kernels are not available: {_loader.load_error()}")
 
 
-def _check_rc(rc: int, what: str, hint: str = "") -> None:
+def check_rc(rc: int, what: str, hint: str = "") -> None:
+    """Raises for a native call's nonzero return code: MemoryError for out of memory,
+    ValueError otherwise, naming `what` and adding the hint."""
     if rc == 0:
         return
     msg = f"{what}: {_ERRORS.get(rc, f'error {rc}')}" + (f" ({hint})" if hint else "")
@@ -43,7 +45,7 @@ def _check_rc(rc: int, what: str, hint: str = "") -> None:
 
 
 def _dtype(t: torch.Tensor, name: str) -> int:
-    code = _DTYPE_CODE.get(t.dtype)
+    code = DTYPE_CODE.get(t.dtype)
     if code is None:
         raise ValueError(f"{name}: dtype {t.dtype} not supported (float32 or bfloat16)")
     if not t.is_cpu:
@@ -143,15 +145,15 @@ def pack_rows(data: torch.Tensor, row0: int, rows: torch.Tensor) -> None:
             f"rows: {n} x {k} at row {row0} do not fit a packed weight of "
             f"{panels * GEMM_NB} x {2 * pairs}"
         )
-    if rows.dtype not in _DTYPE_CODE:
+    if rows.dtype not in DTYPE_CODE:
         rows = rows.to(torch.float32)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     _require()
     rc = _loader.lib.cpud_pack_rows(
-        rows.data_ptr(), _DTYPE_CODE[rows.dtype], rows.stride(0), data.data_ptr(), k, row0, n
+        rows.data_ptr(), DTYPE_CODE[rows.dtype], rows.stride(0), data.data_ptr(), k, row0, n
     )
-    _check_rc(rc, "pack_rows")
+    check_rc(rc, "pack_rows")
 
 
 def packed_with_bias(
@@ -268,7 +270,7 @@ class Kernels:
             hidden,
             float(eps),
         )
-        _check_rc(rc, "rms_norm")
+        check_rc(rc, "rms_norm")
         return out
 
     def fused_add_rms_norm(
@@ -294,7 +296,7 @@ class Kernels:
             x.shape[1],
             float(eps),
         )
-        _check_rc(rc, "fused_add_rms_norm")
+        check_rc(rc, "fused_add_rms_norm")
 
     # ----------------------------------------------------------- rotary
 
@@ -341,7 +343,7 @@ class Kernels:
             max_pos,
             int(bool(is_neox)),
         )
-        _check_rc(rc, "rotary_embedding", "positions < max_pos, even rot_dim <= head dim")
+        check_rc(rc, "rotary_embedding", "positions < max_pos, even rot_dim <= head dim")
 
     # ------------------------------------------------------- activation
 
@@ -362,7 +364,7 @@ class Kernels:
         rc = _loader.lib.cpud_silu_and_mul(
             self._code, dt, x.data_ptr(), xs, out.data_ptr(), os_, x.shape[0], inter
         )
-        _check_rc(rc, "silu_and_mul")
+        check_rc(rc, "silu_and_mul")
         return out
 
     # --------------------------------------------------------- KV cache
@@ -404,7 +406,7 @@ class Kernels:
             num_blocks,
             block_size,
         )
-        _check_rc(rc, "write_kv_cache", "slot beyond the cache")
+        check_rc(rc, "write_kv_cache", "slot beyond the cache")
 
     # -------------------------------------------------------- attention
 
@@ -470,7 +472,7 @@ class Kernels:
             float(scale),
             int(sliding_window),
         )
-        _check_rc(rc, "paged_attention", "query_start_loc / seq_lens / block_tables")
+        check_rc(rc, "paged_attention", "query_start_loc / seq_lens / block_tables")
         return out
 
     # ------------------------------------------------------------- GEMM
@@ -509,7 +511,7 @@ class Kernels:
             packed.n,
             packed.k,
         )
-        _check_rc(rc, "gemm_packed")
+        check_rc(rc, "gemm_packed")
         return out
 
     # ------------------------------------------------------------ probe

@@ -196,12 +196,6 @@ int cpud_shm_abort_culprit(const cpud_shm *h) {
 
 /* ------------------------------------------------------------------- waits */
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
-}
-
 /* A process that no longer exists or is a zombie (exited, not yet reaped). */
 static int pid_dead(int pid) {
     if (pid <= 0) return 0;
@@ -230,7 +224,7 @@ static int wait_step(const cpud_shm *h, shm_wait *w, int p, int *peer) {
         _mm_pause();
         return 0;
     }
-    const int64_t t = now_ns();
+    const int64_t t = cpud_now_ns();
     if (!w->start) {
         w->start = t;
         w->next_liveness = t + SHM_LIVENESS_NS;

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from . import _loader
+from .kernels import DTYPE_CODE
 
 DEFAULT_MAX_BYTES = 8 << 20
 DEFAULT_TIMEOUT_S = 30.0
 MAX_WORLD = 64
 _PAGE = 4096
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 # cpud_shm_err codes (cpud_native.h)
 _ETIMEDOUT, _EPEERDEAD, _EABORTED, _EMISMATCH, _EBUSY, _EHEADER = -4, -5, -6, -7, -8, -9
 
@@ -196,7 +196,7 @@ class ShmGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums a contiguous fp32/bf16 CPU tensor over all ranks, in place; returns it."""
-        code = _DTYPE_CODE.get(tensor.dtype)
+        code = DTYPE_CODE.get(tensor.dtype)
         if code is None or not tensor.is_cpu or not tensor.is_contiguous():
             raise ValueError(
                 f"all_reduce: expected a contiguous float32/bfloat16 CPU tensor, got "

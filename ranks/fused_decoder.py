@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from cpud.native.kernels import _DTYPE_CODE, _check_rc
+from cpud.native.kernels import DTYPE_CODE, check_rc
 from cpud.ranks.layers.attention import AttentionMetadata
 from cpud.ranks.models.llama import KVCache, LlamaForCausalLM
 from cpud.ranks.ops import Ops
@@ -74,7 +74,7 @@ class FusedDecoder:
         first = model.model.layers[0].self_attn
         cos_sin = first.rotary.cos_sin
         dtype = kv_caches[0][0].dtype
-        if dtype not in _DTYPE_CODE or cos_sin.dtype != torch.float32:
+        if dtype not in DTYPE_CODE or cos_sin.dtype != torch.float32:
             raise ValueError(f"fused decoder: dtype {dtype} is not float32 or bfloat16")
         self.dtype = dtype
         self.hidden = model.cfg.hidden_size
@@ -83,7 +83,7 @@ class FusedDecoder:
         self.intermediate = model.model.layers[0].mlp.down_proj.packed.k
         num_blocks, _, block_size, _ = kv_caches[0][0].shape
         dims = self._ffi.new("cpud_decoder_dims *")
-        dims.dtype = _DTYPE_CODE[dtype]
+        dims.dtype = DTYPE_CODE[dtype]
         dims.hidden = self.hidden
         dims.heads = first.heads
         dims.kv_heads = first.kv_heads
@@ -190,4 +190,4 @@ class FusedDecoder:
             self.group.calls += step.allreduce_calls
         if rc and step.failed_collective and self._shm is not None:
             self._shm.raise_collective_error(rc, "all_reduce")
-        _check_rc(rc, "fused decoder", "a position, slot or block table out of range?")
+        check_rc(rc, "fused decoder", "a position, slot or block table out of range?")
