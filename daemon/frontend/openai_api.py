@@ -399,7 +399,8 @@ def completion_delta(
         prefix = prompt_text(state, prompt)
     chars_before = choice.chars
     text, start, reason = _advance(choice, out)
-    if not text and not prefix and reason is None and choice.tokens == start:
+    if not text and not prefix and reason is None:
+        choice.tokens = start  # held-back text: these tokens go out with the next chunk
         return None
     choice.started = True
     logprobs = None
@@ -416,13 +417,14 @@ def completion_delta(
 
 def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
     text, start, reason = _advance(choice, out)
-    if not text and reason is None and choice.tokens == start:
+    if not text and reason is None:
+        choice.tokens = start  # held-back text: these tokens go out with the next chunk
         return None
     delta: dict = {}
     if not choice.started:
         delta["role"] = "assistant"
         choice.started = True
-    if text or choice.tokens > start:
+    if text:
         delta["content"] = text
     logprobs = None
     if job.params.logprobs is not None:

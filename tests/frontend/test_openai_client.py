@@ -161,8 +161,8 @@ def test_stream_events_are_ascii_json_lines(server):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_streamed_logprobs_cover_every_token(client, seed):
-    # Tokens whose text is held back (a partial UTF-8 sequence, or no text at all) still
-    # stream their logprobs, in a chunk of their own, so the stream matches the full response.
+    # Tokens whose text is held back (a partial UTF-8 sequence, or no text at all) stream
+    # their logprobs with the next chunk, so the stream matches the full response.
     kwargs = dict(
         model=MODEL,
         prompt="héllo wörld",
