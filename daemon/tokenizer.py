@@ -76,17 +76,18 @@ class Tokenizer:
                 "this model has no chat_template in tokenizer_config.json: use completions",
                 param="messages",
             )
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            **extra,  # chat_template_kwargs override the special tokens, as in transformers
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            template = self._env.from_string(self.chat_template)
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **extra,
-            )
-        except TemplateError as exc:
-            raise RequestError(f"chat template failed: {exc}", param="messages") from None
+            return self._env.from_string(self.chat_template).render(context)
+        except Exception as exc:  # the template runs on request data: any failure is a 400
+            detail = exc if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise RequestError(f"chat template failed: {detail}", param="messages") from None
 
 
 def _raise_template_error(message: str) -> None:

@@ -30,6 +30,7 @@ class Choice:
     index: int
     chars: int = 0
     tokens: int = 0
+    offset: int = 0  # text_offset of the next token's logprobs (as the full response counts)
     started: bool = False
     finished: bool = False
 
@@ -186,7 +187,10 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int, top
         text = chosen.decoded_token or ""
         tokens.append(text)
         values.append(chosen.logprob)
-        tops.append({lp.decoded_token or "": lp.logprob for _, lp in ranked(entry, top)})
+        # the legacy format lists the sampled token among the top ones, as OpenAI does
+        best = {lp.decoded_token or "": lp.logprob for _, lp in ranked(entry, top)}
+        best.setdefault(text, chosen.logprob)
+        tops.append(best)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -397,7 +401,7 @@ def completion_delta(
     prefix = ""
     if job.echo and not choice.started:
         prefix = prompt_text(state, prompt)
-    chars_before = choice.chars
+        choice.offset = len(prefix)
     text, start, reason = _advance(choice, out)
     if not text and not prefix and reason is None:
         choice.tokens = start  # held-back text: these tokens go out with the next chunk
@@ -405,7 +409,8 @@ def completion_delta(
     choice.started = True
     logprobs = None
     if job.params.logprobs is not None:
-        logprobs = completion_logprobs(out, start, chars_before, job.top_logprobs)
+        logprobs = completion_logprobs(out, start, choice.offset, job.top_logprobs)
+        choice.offset += sum(len(token) for token in logprobs["tokens"])
     return {
         "index": choice.index,
         "text": prefix + text,

@@ -80,10 +80,16 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
+    extra = dict(body.chat_template_kwargs or {})
+    if "messages" in extra:
+        raise RequestError(
+            "chat_template_kwargs may not set 'messages': send them as messages",
+            param="chat_template_kwargs",
+        )
     text = state.tokenizer.apply_chat_template(
         message_dicts(body.messages),
-        add_generation_prompt=body.add_generation_prompt,
-        **(body.chat_template_kwargs or {}),
+        add_generation_prompt=extra.pop("add_generation_prompt", body.add_generation_prompt),
+        **extra,
     )
     return Prompt(state.tokenizer.encode(text, add_special_tokens=False), text)
 

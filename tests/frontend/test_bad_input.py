@@ -129,6 +129,14 @@ CASES = [
         "top_logprobs",
         None,
     ),
+    (
+        "chat_template_kwargs sets messages",
+        "/v1/chat/completions",
+        {**OK_CHAT, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs",
+        None,
+    ),
     ("detokenize outside vocab", "/detokenize", {"tokens": [10**9]}, 400, "tokens", None),
     ("tokenize needs one input", "/tokenize", {}, 400, "prompt", None),
     (

@@ -196,3 +196,51 @@ def test_streamed_chat_logprobs_cover_every_token(client):
     tokens = [e.token for c in chunks for e in c.choices[0].logprobs.content]
     assert tokens == [e.token for e in full.logprobs.content] and len(tokens) == 32
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
+
+
+def test_chat_template_kwargs_override_add_generation_prompt(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    with_header = client.chat.completions.create(**kwargs).usage.prompt_tokens
+    without = client.chat.completions.create(
+        **kwargs, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
+    ).usage.prompt_tokens
+    assert without < with_header
+
+
+@pytest.mark.parametrize("stop", [None, ["zzzz"]])
+def test_streamed_text_offsets_equal_the_full_response(client, stop):
+    # A possible stop string holds text back, and so do partial UTF-8 tokens: the offsets
+    # still count every token's own text, as the full response does.
+    kwargs = dict(
+        model=MODEL,
+        prompt="héllo wörld",
+        max_tokens=24,
+        temperature=1.0,
+        seed=5,
+        logprobs=0,
+        stop=stop,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset or [])]
+    assert offsets == full.text_offset and len(offsets) == 24
+
+
+@pytest.mark.parametrize("logprobs", [0, 3])
+def test_completion_top_logprobs_include_the_sampled_token(client, logprobs):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="héllo wörld",
+        max_tokens=16,
+        temperature=1.0,
+        seed=1,
+        logprobs=logprobs,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # tokens that decode alike (partial UTF-8 shows as U+FFFD) share one key
+        assert token in top and len(top) <= logprobs + 1
+        if logprobs == 0:
+            assert top == {token: value}
