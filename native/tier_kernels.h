@@ -444,6 +444,11 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
             if (fa) {
                 const int64_t rows = items[i].nq * G;
                 if (!fw.mem) continue;
+                /* with even items, this thread's next one is about nt further on */
+                const int64_t ahead = ii + omp_get_num_threads();
+                if (ahead < n_items)
+                    fa_prefetch_item(&items[n_items - 1 - ahead], qsl, seq_lens, bt, max_blocks,
+                                     kc, vc, nkv, hd, bs, window);
                 if (rows >= FA_MIN_ROWS)
                     fa_item_run(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
                                 out, os, nh, nkv, hd, bs, scale, window);
