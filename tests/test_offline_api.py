@@ -61,3 +61,16 @@ def test_chat_renders_the_model_template(arch, model_factory):
     out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0))[0]
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_logprob_tokens_show_special_tokens(llama):
+    # A sequence ending on EOS reports the EOS token's text in its logprobs, as OpenAI and
+    # vLLM do, instead of "" (which several special tokens would share as one top_logprobs key).
+    from cpud.engine.sequence import TokenLogprobs
+
+    tokenizer = llama.engine.tokenizer
+    eos = tokenizer.eos_token_ids[0]
+    entry = TokenLogprobs(eos, -0.5, 1, {eos: -0.5, 5: -1.5})
+    shown = llama.engine._logprob_dict(entry)
+    assert shown[eos].decoded_token == tokenizer.eos_token != ""
+    assert shown[5].decoded_token == tokenizer.decode([5])

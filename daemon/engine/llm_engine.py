@@ -272,8 +272,10 @@ class LLMEngine:
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
         result = {
-            token: Logprob(value, rank + 1, decode([token]))
+            token: Logprob(value, rank + 1, decode([token], skip_special_tokens=False))
             for rank, (token, value) in enumerate(entry.top.items())
         }
-        result[entry.token_id] = Logprob(entry.logprob, entry.rank, decode([entry.token_id]))
+        result[entry.token_id] = Logprob(
+            entry.logprob, entry.rank, decode([entry.token_id], skip_special_tokens=False)
+        )
         return result
