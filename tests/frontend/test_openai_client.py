@@ -159,37 +159,30 @@ def test_stream_events_are_ascii_json_lines(server):
     ) - (1 if raw.decode().endswith("\n") else 0)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_streamed_logprobs_cover_every_token(client, seed):
-    # Tokens whose text is held back (a partial UTF-8 sequence, or no text at all) stream
-    # their logprobs with the next chunk, so the stream matches the full response.
-    kwargs = dict(
-        model=MODEL,
-        prompt="héllo wörld",
-        max_tokens=32,
-        temperature=1.0,
-        seed=seed,
-        logprobs=1,
-        extra_body={"ignore_eos": True},
+def sampled(**fields) -> dict:
+    """A seeded request at temperature 1 that never stops early: over non-ASCII text, some
+    steps' tokens hold their text back (partial UTF-8, or no text at all)."""
+    return dict(
+        model=MODEL, max_tokens=32, temperature=1.0, extra_body={"ignore_eos": True}, **fields
     )
+
+
+@pytest.mark.parametrize("seed,stop", [(1, None), (2, None), (3, ["zzzz"]), (5, ["zzzz"])])
+def test_streamed_logprobs_equal_the_full_response(client, seed, stop):
+    # Held-back tokens (also held for a possible stop string) stream their logprobs with the
+    # next chunk, and the offsets count every token's own text, as the full response does.
+    kwargs = sampled(prompt="héllo wörld", seed=seed, logprobs=1, stop=stop)
     full = client.completions.create(**kwargs).choices[0]
     chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
-    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
-    assert len(tokens) == len(full.logprobs.tokens) == 32
-    assert tokens == full.logprobs.tokens
+    parts = [c.choices[0].logprobs for c in chunks]
+    assert [t for p in parts for t in p.tokens] == full.logprobs.tokens
+    assert [o for p in parts for o in p.text_offset] == full.logprobs.text_offset
+    assert len(full.logprobs.tokens) == 32
     assert "".join(c.choices[0].text for c in chunks) == full.text
 
 
 def test_streamed_chat_logprobs_cover_every_token(client):
-    kwargs = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": "héllo"}],
-        max_tokens=32,
-        temperature=1.0,
-        seed=1,
-        logprobs=True,
-        extra_body={"ignore_eos": True},
-    )
+    kwargs = sampled(messages=[{"role": "user", "content": "héllo"}], seed=1, logprobs=True)
     full = client.chat.completions.create(**kwargs).choices[0]
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -207,37 +200,9 @@ def test_chat_template_kwargs_override_add_generation_prompt(client):
     assert without < with_header
 
 
-@pytest.mark.parametrize("stop", [None, ["zzzz"]])
-def test_streamed_text_offsets_equal_the_full_response(client, stop):
-    # A possible stop string holds text back, and so do partial UTF-8 tokens: the offsets
-    # still count every token's own text, as the full response does.
-    kwargs = dict(
-        model=MODEL,
-        prompt="héllo wörld",
-        max_tokens=24,
-        temperature=1.0,
-        seed=5,
-        logprobs=0,
-        stop=stop,
-        extra_body={"ignore_eos": True},
-    )
-    full = client.completions.create(**kwargs).choices[0].logprobs
-    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
-    offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset or [])]
-    assert offsets == full.text_offset and len(offsets) == 24
-
-
 @pytest.mark.parametrize("logprobs", [0, 3])
 def test_completion_top_logprobs_include_the_sampled_token(client, logprobs):
-    out = client.completions.create(
-        model=MODEL,
-        prompt="héllo wörld",
-        max_tokens=16,
-        temperature=1.0,
-        seed=1,
-        logprobs=logprobs,
-        extra_body={"ignore_eos": True},
-    )
+    out = client.completions.create(**sampled(prompt="héllo wörld", seed=1, logprobs=logprobs))
     lp = out.choices[0].logprobs
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         # tokens that decode alike (partial UTF-8 shows as U+FFFD) share one key
