@@ -213,6 +213,13 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stopped.outputs[0].token_ids == [first]
     assert stopped.outputs[0].finish_reason == "stop"
     assert stopped.outputs[0].stop_reason == first
+    assert stopped.outputs[0].text == ""
+    # include_stop_str_in_output keeps a stop token's text as it keeps a stop string's
+    kept = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, stop_token_ids=[first], include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert kept.token_ids == [first] and kept.text == llm.tokenizer.decode([first]) != ""
     held = llm.generate(
         [PROMPT], SamplingParams(temperature=0, stop_token_ids=[first], min_tokens=3)
     )[0].outputs[0]

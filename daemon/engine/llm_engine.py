@@ -226,11 +226,11 @@ class LLMEngine:
             seq.logprobs.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0, top))
         params = seq.params
         may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and token in self._eos_for(params):
-            self._finish(seq, "stop", None)
-            return
-        if may_stop and token in params.stop_token_ids:
-            self._finish(seq, "stop", token)
+        eos = token in self._eos_for(params)
+        if may_stop and (eos or token in params.stop_token_ids):
+            if params.include_stop_str_in_output:  # its text, unless skip_special_tokens drops it
+                seq.detokenizer.add(token, check_stop=False)
+            self._finish(seq, "stop", None if eos else token)
             return
         stop = seq.detokenizer.add(token, check_stop=may_stop)
         if stop is not None:

@@ -275,7 +275,9 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
 
 
 def prompt_text(state: ServerState, prompt: Prompt) -> str:
-    return prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+    if prompt.text is not None:
+        return prompt.text
+    return state.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)  # as given
 
 
 async def respond(state: ServerState, request: Request, job: Job) -> Response:

@@ -209,3 +209,12 @@ def test_completion_top_logprobs_include_the_sampled_token(client, logprobs):
         assert token in top and len(top) <= logprobs + 1
         if logprobs == 0:
             assert top == {token: value}
+
+
+def test_echo_of_token_ids_keeps_special_tokens(client, server):
+    import httpx
+
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "<|im_start|>user hi"}).json()
+    ids = ids["tokens"]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True)
+    assert out.choices[0].text.startswith("<|im_start|>user hi")
