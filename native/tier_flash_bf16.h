@@ -371,9 +371,8 @@ static ALWAYS_INLINE void fa_prefetch_item(const att_item *it, const int32_t *qs
                                           const int32_t *seq_lens, const int32_t *bt,
                                           int64_t max_blocks, const void *kc, const void *vc,
                                           int64_t nkv, int64_t hd, int64_t bs, int64_t window) {
-    const int64_t q_len = qsl[it->s + 1] - qsl[it->s];
-    const int64_t p_first = seq_lens[it->s] - q_len + it->q0, jhi = p_first + it->nq - 1;
-    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    int64_t jlo, jhi;
+    att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     for (int64_t c = 0; c < FA_PF_DIST; c++)
         fa_prefetch_chunk(it, bt, max_blocks, kc, vc, nkv, hd, bs,
                           (jlo & ~(int64_t)15) + c * FA_CHUNK, jhi);
@@ -455,8 +454,8 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
                 _mm512_store_ps((float *)qt + (dp0 + i) * FA_LANES, r[i]);
         }
     }
-    const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
-    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    int64_t jlo, jhi;
+    att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
         const uint16_t *kb[2];
         fa_pf pf;
@@ -568,8 +567,8 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         l[r] = 0.0f;
         memset(w->o + r * hd, 0, sizeof(float) * (size_t)hd);
     }
-    const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
-    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    int64_t jlo, jhi;
+    att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     const vf vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
         const uint16_t *kb[2];

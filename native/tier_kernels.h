@@ -245,6 +245,15 @@ typedef struct att_item {
     int32_t kvh; /* kv head */
 } att_item;
 
+/* Keys [*jlo, *jhi] that any query of an item attends (causal, sliding window). */
+static ALWAYS_INLINE void att_item_keys(const att_item *it, const int32_t *qsl,
+                                        const int32_t *seq_lens, int64_t window, int64_t *jlo,
+                                        int64_t *jhi) {
+    const int64_t p_first = seq_lens[it->s] - (qsl[it->s + 1] - qsl[it->s]) + it->q0;
+    *jhi = p_first + it->nq - 1;
+    *jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+}
+
 /* Per-thread workspace for items of up to R rows (R = max(ATT_ROWS, G)). */
 typedef struct att_ws {
     float *q;    /* [R][hd] scaled queries, fp32 */
@@ -359,8 +368,8 @@ static ALWAYS_INLINE TGT void att_item_run(
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    const int64_t p_first = ctx - q_len + it->q0, jhi = p_first + it->nq - 1;
-    const int64_t jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    int64_t jlo, jhi;
+    att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     for (int64_t blk = jlo / bs; blk <= jhi / bs; blk++) {
         const int64_t phys = bt[it->s * max_blocks + blk], j0 = blk * bs;
         const int64_t ka = (jlo > j0 ? jlo : j0) - j0;
