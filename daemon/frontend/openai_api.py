@@ -387,12 +387,19 @@ async def stream_events(
     yield sse("[DONE]")
 
 
-def _advance(choice: Choice, out: CompletionOutput) -> tuple[str, int, str | None]:
+def _advance(
+    choice: Choice, out: CompletionOutput, send_anyway: bool = False
+) -> tuple[str, int, str | None] | None:
+    """(new text, first unsent token, finish reason), marked as sent; None while the new
+    tokens' text is held back (partial UTF-8, a possible stop string): they go out with the
+    next chunk, logprobs included."""
     text = out.text[choice.chars :]
+    reason = finish_reason(out)
+    if not text and reason is None and not send_anyway:
+        return None
     start = choice.tokens
     choice.chars = len(out.text)
     choice.tokens = len(out.token_ids)
-    reason = finish_reason(out)
     choice.finished = reason is not None
     return text, start, reason
 
@@ -404,10 +411,10 @@ def completion_delta(
     if job.echo and not choice.started:
         prefix = prompt_text(state, prompt)
         choice.offset = len(prefix)
-    text, start, reason = _advance(choice, out)
-    if not text and not prefix and reason is None:
-        choice.tokens = start  # held-back text: these tokens go out with the next chunk
+    advanced = _advance(choice, out, send_anyway=bool(prefix))
+    if advanced is None:
         return None
+    text, start, reason = advanced
     choice.started = True
     logprobs = None
     if job.params.logprobs is not None:
@@ -423,10 +430,10 @@ def completion_delta(
 
 
 def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
-    text, start, reason = _advance(choice, out)
-    if not text and reason is None:
-        choice.tokens = start  # held-back text: these tokens go out with the next chunk
+    advanced = _advance(choice, out)
+    if advanced is None:
         return None
+    text, start, reason = advanced
     delta: dict = {}
     if not choice.started:
         delta["role"] = "assistant"
