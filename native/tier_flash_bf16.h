@@ -279,45 +279,67 @@ static ALWAYS_INLINE TGT __mmask16 fa_softmax(const float *s, uint32_t *p, float
     return active;
 }
 
-/* The key and value rows (up to 4 streams) of the chunk FA_PF_DIST ahead, prefetched in
- * equal slices while the current chunk computes.  Prefetching a whole chunk at once (256
- * lines) left decode reading the cache at 15-20 GB/s; spread over the value re-layout and the
- * scores it reads at 22-31 GB/s (32 sequences x 512-2048 keys, 2 cores). */
+/* Key and value rows to prefetch into L2 while the current chunk computes: up to
+ * FA_PF_STREAMS streams of 64-byte lines, taken `per` lines a step in order.  Prefetching a
+ * whole chunk at once (256 lines) left decode reading the cache at 15-20 GB/s; spread over
+ * the value re-layout and the scores it reads at 22-31 GB/s (32 sequences x 512-2048 keys,
+ * 2 cores). */
+#define FA_PF_STREAMS (4 * FA_PF_DIST)
 typedef struct fa_pf {
-    const char *base[4];
-    int64_t bytes[4];
-    int n;
+    const char *base[FA_PF_STREAMS];
+    int32_t lines[FA_PF_STREAMS];
+    int n;       /* streams */
+    int s;       /* current stream */
+    int32_t at;  /* its next line */
+    int32_t per; /* lines per step */
 } fa_pf;
 
-static ALWAYS_INLINE void fa_pf_plan(fa_pf *pf, const att_item *it, const int32_t *bt,
-                                     int64_t max_blocks, const uint16_t *kcb, const uint16_t *vcb,
-                                     int64_t nkv, int64_t hd, int64_t bs, int64_t j0, int64_t jhi) {
-    pf->n = 0;
-    for (int64_t j = j0; j < j0 + FA_CHUNK && j <= jhi; j += 16) {
+/* Adds the key and value rows of keys [j0, min(j0 + FA_CHUNK - 1, jhi)] of item it. */
+static ALWAYS_INLINE void fa_pf_add(fa_pf *pf, const att_item *it, const int32_t *bt,
+                                    int64_t max_blocks, const uint16_t *kcb, const uint16_t *vcb,
+                                    int64_t nkv, int64_t hd, int64_t bs, int64_t j0, int64_t jhi) {
+    for (int64_t j = j0; j < j0 + FA_CHUNK && j <= jhi && pf->n + 2 <= FA_PF_STREAMS; j += 16) {
         const int64_t phys = bt[it->s * max_blocks + j / bs];
         const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
-        const int64_t n = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * hd * 2; /* bytes */
-        pf->base[pf->n] = (const char *)(kcb + base);
-        pf->bytes[pf->n++] = n;
-        pf->base[pf->n] = (const char *)(vcb + base);
-        pf->bytes[pf->n++] = n;
+        const int64_t bytes = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * hd * 2;
+        for (int kv = 0; kv < 2; kv++) {
+            const uintptr_t from = (uintptr_t)((kv ? vcb : kcb) + base);
+            pf->base[pf->n] = (const char *)(from & ~(uintptr_t)63);
+            pf->lines[pf->n++] = (int32_t)(((from & 63) + (uintptr_t)bytes + 63) / 64);
+        }
     }
 }
 
-/* Slice i of `slices` of every stream of pf. */
-static ALWAYS_INLINE void fa_pf_slice(const fa_pf *pf, int i, int slices) {
-    for (int s = 0; s < pf->n; s++) {
-        const int64_t from = pf->bytes[s] * i / slices & ~(int64_t)63;
-        const int64_t to = pf->bytes[s] * (i + 1) / slices;
-        for (int64_t b = from; b < to; b += 64) __builtin_prefetch(pf->base[s] + b, 0, 2);
+/* Spreads the planned lines over `steps` calls of fa_pf_step. */
+static ALWAYS_INLINE void fa_pf_spread(fa_pf *pf, int steps) {
+    int32_t total = 0;
+    for (int i = 0; i < pf->n; i++) total += pf->lines[i];
+    pf->s = 0;
+    pf->at = 0;
+    pf->per = (total + steps - 1) / steps;
+}
+
+/* Prefetches the next `per` planned lines. */
+static ALWAYS_INLINE void fa_pf_step(fa_pf *pf) {
+    for (int32_t left = pf->per; left > 0 && pf->s < pf->n;) {
+        const int32_t room = pf->lines[pf->s] - pf->at, take = left < room ? left : room;
+        for (int32_t i = 0; i < take; i++)
+            __builtin_prefetch(pf->base[pf->s] + 64 * (int64_t)(pf->at + i), 0, 2);
+        left -= take;
+        pf->at += take;
+        if (pf->at == pf->lines[pf->s]) {
+            pf->s++;
+            pf->at = 0;
+        }
     }
 }
 
 /* vp: [nk/2][hd] = value pairs (V[2kp][d], V[2kp+1][d]) of keys [j0, j0 + nk)
- * (vb[u]: [16][hd] rows of sub-chunk u); rows outside [jlo, jhi] are zero. */
+ * (vb[u]: [16][hd] rows of sub-chunk u); rows outside [jlo, jhi] are zero.  One step of pf
+ * per key pair. */
 static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const *vb, int64_t j0,
                                              int nk, int64_t jlo, int64_t jhi, int64_t hd,
-                                             const fa_pf *pf, int pf_slices) {
+                                             fa_pf *pf) {
     /* 16-bit interleave of rows a, b: dword i = (a[i], b[i]) for i < 16 (lo), 16..31 (hi) */
     const __m512i ilv_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                             40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
@@ -329,7 +351,7 @@ static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const
         const uint16_t *va = (ja >= jlo && ja <= jhi) ? row : NULL;
         const uint16_t *vb1 = (jb >= jlo && jb <= jhi) ? row + hd : NULL;
         uint32_t *dst = vp + kp * hd;
-        fa_pf_slice(pf, kp, pf_slices);
+        fa_pf_step(pf);
         int64_t d = 0;
         for (; d + 32 <= hd; d += 32) {
             const __m512i a = va ? _mm512_loadu_si512(va + d) : _mm512_setzero_si512();
@@ -348,44 +370,25 @@ static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const
     }
 }
 
-/* Prefetches the keys and values of the chunk at j0 (up to jhi) into L2: decode
- * streams each block once, from random places in the cache. */
-static ALWAYS_INLINE void fa_prefetch_chunk(const att_item *it, const int32_t *bt,
-                                           int64_t max_blocks, const uint16_t *kcb,
-                                           const uint16_t *vcb, int64_t nkv, int64_t hd,
-                                           int64_t bs, int64_t j0, int64_t jhi) {
-    for (int64_t j = j0; j < j0 + FA_CHUNK && j <= jhi; j += 16) {
-        const int64_t phys = bt[it->s * max_blocks + j / bs];
-        const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
-        const int64_t n = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * hd * 2; /* bytes */
-        for (int64_t b = 0; b < n; b += 64) {
-            __builtin_prefetch((const char *)(kcb + base) + b, 0, 2);
-            __builtin_prefetch((const char *)(vcb + base) + b, 0, 2);
-        }
-    }
-}
-
-/* Prefetches the first FA_PF_DIST chunks of an item into L2: called one item ahead of it,
- * so short items (decode at short contexts) do not start on a cold miss. */
-static ALWAYS_INLINE void fa_prefetch_item(const att_item *it, const int32_t *qsl,
-                                          const int32_t *seq_lens, const int32_t *bt,
-                                          int64_t max_blocks, const void *kc, const void *vc,
-                                          int64_t nkv, int64_t hd, int64_t bs, int64_t window) {
-    int64_t jlo, jhi;
-    att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
-    for (int64_t c = 0; c < FA_PF_DIST; c++)
-        fa_prefetch_chunk(it, bt, max_blocks, kc, vc, nkv, hd, bs,
-                          (jlo & ~(int64_t)15) + c * FA_CHUNK, jhi);
-}
+/* A thread's items form one stream of chunks for prefetching: near the end of an item the
+ * chunks FA_PF_DIST ahead are those of the thread's next item, when it is known, so short
+ * items (decode at short contexts) do not start on cold misses. */
+typedef struct fa_stream {
+    const att_item *next; /* the thread's next item, or NULL */
+    int64_t next_lo;      /* its key range */
+    int64_t next_hi;
+    int warm; /* the previous item prefetched this item's first FA_PF_DIST chunks */
+} fa_stream;
 
 /* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows in the
- * cache, the next chunk is prefetched and the values are re-laid as key pairs in w->vp.
+ * cache, pf is planned over `steps` fa_pf_step calls with the chunk FA_PF_DIST ahead in the
+ * stream st, and the values are re-laid as key pairs in w->vp (taking nk / 2 of the steps).
  * Returns nsub (1 or 2). */
 static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_t *bt,
                                       int64_t max_blocks, const uint16_t *kcb,
                                       const uint16_t *vcb, int64_t nkv, int64_t hd, int64_t bs,
                                       int64_t j0, int64_t jlo, int64_t jhi, const uint16_t **kb,
-                                      fa_pf *pf, int caller_prefetches_half) {
+                                      fa_pf *pf, int steps, const fa_stream *st) {
     const int nsub = j0 + 16 <= jhi ? 2 : 1;
     const uint16_t *vb[2];
     for (int u = 0; u < nsub; u++) {
@@ -394,14 +397,29 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
         kb[u] = kcb + base;
         vb[u] = vcb + base;
     }
-    /* FA_PF_DIST chunks ahead, spread over this chunk's value re-layout; the item's first
-     * chunk fetches the window before it at once */
-    if (j0 == (jlo & ~(int64_t)15))
+    const int64_t first = jlo & ~(int64_t)15, i = (j0 - first) / FA_CHUNK;
+    const int64_t n = (jhi - first) / FA_CHUNK + 1; /* chunks of this item */
+    pf->n = 0;
+    if (i == 0 && !st->warm) { /* a cold start fetches the window before it at once */
         for (int64_t c = 1; c < FA_PF_DIST; c++)
-            fa_prefetch_chunk(it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + c * FA_CHUNK, jhi);
-    fa_pf_plan(pf, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_PF_DIST * FA_CHUNK, jhi);
-    const int nk = 16 * nsub;
-    fa_value_pairs(w->vp, vb, j0, nk, jlo, jhi, hd, pf, caller_prefetches_half ? nk : nk / 2);
+            fa_pf_add(pf, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, first + c * FA_CHUNK, jhi);
+        fa_pf_spread(pf, 1);
+        fa_pf_step(pf);
+        pf->n = 0;
+    }
+    if (i + FA_PF_DIST < n) {
+        fa_pf_add(pf, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_PF_DIST * FA_CHUNK,
+                  jhi);
+    } else if (st->next) {
+        /* the next item's chunk in that place; an item of fewer than FA_PF_DIST chunks also
+         * takes, at its first chunk, those no chunk of it reaches */
+        const int64_t nfirst = st->next_lo & ~(int64_t)15, c_hi = i + FA_PF_DIST - n;
+        for (int64_t c = i == 0 ? 0 : c_hi; c <= c_hi; c++)
+            fa_pf_add(pf, st->next, bt, max_blocks, kcb, vcb, nkv, hd, bs,
+                      nfirst + c * FA_CHUNK, st->next_hi);
+    }
+    fa_pf_spread(pf, steps);
+    fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd, pf);
     return nsub;
 }
 
@@ -411,7 +429,7 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
                             const void *kc, const void *vc, const int32_t *qsl,
                             const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks,
                             void *out, int64_t os, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
-                            float scale, int64_t window) {
+                            float scale, int64_t window, const fa_stream *st) {
     const int64_t G = nh / nkv, rows = (int64_t)it->nq * G, hp = hd / 2;
     const int64_t ng = (rows + FA_LANES - 1) / FA_LANES;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
@@ -460,7 +478,8 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
         const uint16_t *kb[2];
         fa_pf pf;
         const int nsub =
-            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf, 0);
+            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf,
+                     j0 + 16 <= jhi ? 16 : 8, st);
         const int nk = 16 * nsub;
         int gs[ng], n = 0;
         for (int64_t g = 0; g < ng; g++)
@@ -514,15 +533,14 @@ static ALWAYS_INLINE TGT __m512 fa_red16(const __m512 *u) {
 
 /* s[r] = scores (unscaled) of 16 keys (k: [16][hd] bf16) for R query rows
  * (qr[r]: [hd] bf16): dot products with d in lanes, then a 16 -> 1 reduction.  Prefetches
- * slices [slice0, slice0 + 8) of `slices` of pf (none when pf is NULL). */
+ * 8 steps of pf (none when pf is NULL). */
 static ALWAYS_INLINE TGT void fa_scores_rows(const uint16_t *const *qr, const uint16_t *k,
-                                             int64_t hd, int R, __m512 *s, const fa_pf *pf,
-                                             int slice0, int slices) {
+                                             int64_t hd, int R, __m512 *s, fa_pf *pf) {
     __m512 u[4][4];
     for (int kg = 0; kg < 4; kg++) {
         if (pf) {
-            fa_pf_slice(pf, slice0 + 2 * kg, slices);
-            fa_pf_slice(pf, slice0 + 2 * kg + 1, slices);
+            fa_pf_step(pf);
+            fa_pf_step(pf);
         }
         __m512 acc[4][4];
         for (int r = 0; r < R; r++)
@@ -549,7 +567,8 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
                                 const void *kc, const void *vc, const int32_t *qsl,
                                 const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks,
                                 void *out, int64_t os, int64_t nh, int64_t nkv, int64_t hd,
-                                int64_t bs, float scale, int64_t window, int R) {
+                                int64_t bs, float scale, int64_t window, int R,
+                                const fa_stream *st) {
     const int64_t G = nh / nkv;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
@@ -574,17 +593,19 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         const uint16_t *kb[2];
         fa_pf pf;
         const int nsub =
-            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf, 1);
+            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf,
+                     j0 + 16 <= jhi ? 32 : 16, st);
         const int nk = 16 * nsub;
         __m512 s0[FA_LANES], s1[FA_LANES];
         for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
         for (int rb = 0; rb < R; rb += 4) { /* 4 rows x 4 keys of accumulators at a time */
             const int rc = R - rb < 4 ? R - rb : 4;
-/* the value re-layout prefetched slices [0, nk/2) of nk; the first row block takes the rest */
+/* the value re-layout took nk / 2 of the chunk's nk prefetch steps; the first row block
+ * takes the rest */
 #define FA_SR(RC)                                                                          \
-    fa_scores_rows(qr + rb, kb[0], hd, RC, s0 + rb, rb ? NULL : &pf, nk / 2, nk);          \
+    fa_scores_rows(qr + rb, kb[0], hd, RC, s0 + rb, rb ? NULL : &pf);          \
     if (nsub == 2)                                                                         \
-        fa_scores_rows(qr + rb, kb[1], hd, RC, s1 + rb, rb ? NULL : &pf, nk / 2 + 8, nk);
+        fa_scores_rows(qr + rb, kb[1], hd, RC, s1 + rb, rb ? NULL : &pf);
             if (rc == 4) {
                 FA_SR(4)
             } else if (rc == 3) {

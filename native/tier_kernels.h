@@ -7,6 +7,8 @@
 
 #include <omp.h>
 
+#include "work_ranges.h"
+
 /* ---------------------------------------------------------------- access */
 
 /* p: [>= i + VW] of dt */
@@ -425,9 +427,17 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
                                         (int32_t)(q_len - q0 < tile ? q_len - q0 : tile),
                                         (int32_t)h};
     }
+    /* one range per thread the region may get; ranges of threads it does not get are stolen */
+    const int nr = n_items > 1 ? omp_get_max_threads() : 1;
+    work_range *ranges = work_ranges_new(n_items, nr);
+    if (!ranges) {
+        free(items);
+        return CPUD_ENOMEM;
+    }
     int failed = 0;
 #pragma omp parallel if (n_items > 1) reduction(| : failed)
     {
+        const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
 #if TIER_ID == 3
         /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
         const int fa = fa_usable(dt, hd, bs);
@@ -437,6 +447,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
             fw = fa_ws_alloc((R + FA_LANES - 1) / FA_LANES, hd);
             if (!fw.mem) failed = 1;
         }
+        int64_t warm_item = -1; /* the item the previous one prefetched into */
 #else
         const int fa = 0;
 #endif
@@ -445,26 +456,28 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
             w = att_ws_alloc(G > ATT_ROWS ? G : ATT_ROWS, hd, bs);
             if (!w.q) failed = 1;
         }
-        /* last items first: later query tiles of a sequence see more keys */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t ii = 0; ii < n_items; ii++) {
+        /* last items first (each range, and the steals from its back last): later query tiles
+         * of a sequence see more keys */
+        for (int64_t ii; (ii = work_next(ranges, nr, tid)) >= 0;) {
             const int64_t i = n_items - 1 - ii;
 #if TIER_ID == 3
             if (fa) {
-                const int64_t rows = items[i].nq * G;
                 if (!fw.mem) continue;
-                /* with even items, this thread's next one is about nt further on */
-                const int64_t ahead = ii + omp_get_num_threads();
-                if (ahead < n_items)
-                    fa_prefetch_item(&items[n_items - 1 - ahead], qsl, seq_lens, bt, max_blocks,
-                                     kc, vc, nkv, hd, bs, window);
+                const int64_t rows = items[i].nq * G;
+                /* the next item of this thread's own range, unless another thread takes it */
+                fa_stream st = {NULL, 0, 0, ii == warm_item};
+                if (work_owns(n_items, nr, tid, ii) && work_has_after(&ranges[tid], ii)) {
+                    st.next = &items[i - 1];
+                    att_item_keys(st.next, qsl, seq_lens, window, &st.next_lo, &st.next_hi);
+                }
+                warm_item = st.next ? ii + 1 : -1;
                 if (rows >= FA_MIN_ROWS)
                     fa_item_run(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
-                                out, os, nh, nkv, hd, bs, scale, window);
+                                out, os, nh, nkv, hd, bs, scale, window, &st);
                 else
                     fa_item_run_few(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt,
                                     max_blocks, out, os, nh, nkv, hd, bs, scale, window,
-                                    (int)rows);
+                                    (int)rows, &st);
                 continue;
             }
 #endif
@@ -481,6 +494,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
         if (fa) fa_ws_free(&fw);
 #endif
     }
+    free(ranges);
     free(items);
     return failed ? CPUD_ENOMEM : CPUD_OK;
 }

@@ -3,7 +3,9 @@
  * range, takes them from the front, and once its own range is empty takes
  * from the back of the others'.  A thread the OS or the hypervisor deschedules
  * mid-loop then delays the loop by the item it holds, not by its whole share;
- * with nobody descheduled every thread runs exactly its own contiguous range.
+ * with nobody descheduled every thread runs exactly its own contiguous range,
+ * so it knows its next item ahead (for prefetching: GEMM panels, attention
+ * items).
  * A range is one atomic word (end << 32 | next), so owner and thief agree on
  * every item without a lock.  Nothing here carries a target attribute. */
 #ifndef CPUD_WORK_RANGES_H
@@ -46,6 +48,11 @@ static inline int64_t work_next(work_range *r, int nt, int tid) {
     int64_t i = work_take(&r[tid], 0);
     for (int k = 1; i < 0 && k < nt; k++) i = work_take(&r[(tid + k) % nt], 1);
     return i;
+}
+
+/* Whether item i is one of thread tid's own (work_ranges_new(n, nt)), not a stolen one. */
+static inline int work_owns(int64_t n, int nt, int tid, int64_t i) {
+    return i >= n * tid / nt && i < n * (tid + 1) / nt;
 }
 
 /* Whether item i + 1 is still in range r (a hint: it may be taken meanwhile). */
