@@ -58,6 +58,16 @@ int cpud_silu_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t
     return CPUD_OK;
 }
 
+int cpud_argmax_rows(int isa, int dtype, intptr_t x, int64_t x_stride, int64_t rows, int64_t n,
+                     intptr_t out) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !x || !out || rows < 0 || n < 1 || (rows > 1 && x_stride < n))
+        return CPUD_EARG;
+    ops->argmax_rows(dtype, CADDR(x), x_stride, rows, n, (int64_t *)out);
+    return CPUD_OK;
+}
+
 int cpud_positions_ok(const int64_t *pos, int64_t T, int64_t max_pos) {
     for (int64_t t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= max_pos) return 0;

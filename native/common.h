@@ -71,6 +71,8 @@ typedef struct cpud_ops {
                    int64_t rot, int neox);
     void (*silu_and_mul)(int dt, const void *x, int64_t xs, void *out, int64_t os, int64_t T,
                          int64_t I);
+    void (*argmax_rows)(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
+                        int64_t *out);
     int (*paged_attention)(int dt, const void *q, int64_t qs, const void *kc, const void *vc,
                            const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
                            int64_t max_blocks, void *out, int64_t os, int64_t S, int64_t nh,

@@ -64,6 +64,13 @@ int cpud_silu_and_mul(int isa, int dtype,
                       intptr_t out, /* [T][I], token stride out_stride */
                       int64_t out_stride, int64_t T, int64_t I);
 
+/* out[r] = index of the first largest of x[r][0..n) (NaN never counts; 0 when no value
+ * beats -inf): greedy sampling over logits */
+int cpud_argmax_rows(int isa, int dtype,
+                     intptr_t x,   /* [rows][n], row stride x_stride */
+                     int64_t x_stride, int64_t rows, int64_t n,
+                     intptr_t out); /* [rows] int64 */
+
 /* key_cache[b][h][o] = key[t][h] for slot = slot_mapping[t] = b*bs + o >= 0. */
 int cpud_write_kv_cache(int isa, int dtype,
                         intptr_t key,          /* [T][nkv][hd], token stride key_stride   */

@@ -367,6 +367,22 @@ class Kernels:
         check_rc(rc, "silu_and_mul")
         return out
 
+    # ----------------------------------------------------------- argmax
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: index of the first largest value of each row of x [rows, n] (greedy
+        sampling); NaN never counts, and a row with nothing above -inf gives 0."""
+        dt = _dtype(x, "x")
+        xs = _tokens(x, "x", 2)
+        if x.shape[1] < 1:
+            raise ValueError("x: rows must not be empty")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = _loader.lib.cpud_argmax_rows(
+            self._code, dt, x.data_ptr(), xs, x.shape[0], x.shape[1], out.data_ptr()
+        )
+        check_rc(rc, "argmax")
+        return out
+
     # --------------------------------------------------------- KV cache
 
     def write_kv_cache(

@@ -11,6 +11,7 @@ const cpud_ops cpud_ops_avx2 = {
     .fused_add_rms_norm = fused_add_rms_norm_k,
     .rotary = rotary_k,
     .silu_and_mul = silu_and_mul_k,
+    .argmax_rows = argmax_rows_k,
     .paged_attention = paged_attention_k,
     .gemm_packed = gemm_packed_k,
     .read_probe = read_probe_k,

@@ -234,6 +234,47 @@ static TGT void silu_and_mul_k(int dt, const void *x, int64_t xs, void *out, int
     }
 }
 
+/* ------------------------------------------------------------- argmax */
+
+#define ARGMAX_BLOCK (16 * VW)
+
+/* x: [n] of dt -> index of its first largest value.  Blocks are reduced with vector max
+ * (x first: a NaN lane keeps the running value); only a block whose max beats the best so
+ * far is scanned again for its index, which happens O(log n) times in random order. */
+static ALWAYS_INLINE TGT int64_t argmax_row(const void *x, int64_t n, int dt) {
+    float best = -INFINITY;
+    int64_t idx = 0;
+    for (int64_t b0 = 0; b0 < n; b0 += ARGMAX_BLOCK) {
+        const int64_t b1 = n - b0 < ARGMAX_BLOCK ? n : b0 + ARGMAX_BLOCK;
+        float m = -INFINITY;
+        int64_t i = b0;
+        if (b1 - b0 == ARGMAX_BLOCK) {
+            vf acc = vf_set1(-INFINITY);
+            for (; i < b1; i += VW) acc = vf_max(ldv(x, i, dt), acc);
+            m = vf_hmax(acc);
+        }
+        for (; i < b1; i++) {
+            const float v = ld1(x, i, dt);
+            m = v > m ? v : m;
+        }
+        if (m > best) {
+            best = m;
+            for (i = b0; ld1(x, i, dt) != m; i++) {}
+            idx = i;
+        }
+    }
+    return idx;
+}
+
+/* x: [rows][n] (stride xs) -> out: [rows] */
+static TGT void argmax_rows_k(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
+                              int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * n >= CPUD_PAR_MIN && rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = dt == CPUD_BF16 ? argmax_row(at(x, r * xs, dt), n, CPUD_BF16)
+                                 : argmax_row(at(x, r * xs, dt), n, CPUD_F32);
+}
+
 /* ------------------------------------------------------ paged attention */
 
 /* (query, head) rows handled by one work item: ATT_ROWS / G queries of one

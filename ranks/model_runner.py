@@ -149,7 +149,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if logits is None:
                 return None
-            tokens = sample(logits, inputs.sampling_works, self.generator)
+            tokens = sample(logits, inputs.sampling_works, self.generator, self.ops.argmax)
         elif self.group.rank != 0:
             return None
         return StepResult(plan.step_id, tokens, time.perf_counter() - started)

@@ -8,9 +8,12 @@ what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cpud.protocol.step import SampledToken, SeqWork
+from cpud.ranks.ops import TorchOps
 
 
 def apply_penalties(logits: torch.Tensor, works: list[SeqWork]) -> None:
@@ -155,13 +158,15 @@ def draw(probs: torch.Tensor, works: list[SeqWork], generator: torch.Generator) 
 
 
 def sample(
-    logits: torch.Tensor, works: list[SeqWork], generator: torch.Generator
+    logits: torch.Tensor,
+    works: list[SeqWork],
+    generator: torch.Generator,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax,
 ) -> list[SampledToken]:
-    """logits: [S, vocab] for the sequences in `works` (all with sample=True)."""
+    """logits: [S, vocab] for the sequences in `works` (all with sample=True); argmax is the
+    runner's (ops.argmax) for rows that need nothing but the largest raw logit."""
     if all(_plain_greedy(w) for w in works):
-        # Nothing to process: argmax of the raw logits; max() is vectorized for bf16 where
-        # argmax() is not, and picks the same (first) index.
-        tokens = logits.max(dim=-1).indices.tolist()
+        tokens = argmax(logits).tolist()
         return [SampledToken(w.seq_id, t) for w, t in zip(works, tokens)]
     # a copy either way: the processing below writes into it
     processed = logits.float() if logits.dtype != torch.float32 else logits.clone()

@@ -52,6 +52,24 @@ def test_greedy_is_argmax_and_banned_tokens_are_never_chosen():
     assert banned[0].token_id == 2
 
 
+def test_plain_greedy_rows_take_the_runners_argmax():
+    from cpud.ranks.ops import make_ops
+
+    logits = torch.randn(4, 999).bfloat16()
+    works = [work(SamplingParams(temperature=0))] * 4
+    calls = []
+
+    def argmax(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.shape)
+        return make_ops("auto").argmax(rows)
+
+    tokens = [t.token_id for t in sample(logits, works, torch.Generator(), argmax)]
+    assert tokens == logits.float().argmax(dim=-1).tolist() and calls == [(4, 999)]
+    penalised = [work(SamplingParams(temperature=0, repetition_penalty=1.5), output=[0])]
+    sample(logits[:1], penalised, torch.Generator(), argmax)  # processed rows: torch's argmax
+    assert calls == [(4, 999)]
+
+
 def test_top_k_restricts_support():
     assert draws(spread_logits(), SamplingParams(temperature=5.0, top_k=3)) == {0, 1, 2}
 

@@ -1,4 +1,4 @@
-"""rms_norm, fused_add_rms_norm, rotary embedding, silu_and_mul, KV-cache write."""
+"""rms_norm, fused_add_rms_norm, rotary embedding, silu_and_mul, argmax, KV-cache write."""
 
 from __future__ import annotations
 
@@ -136,6 +136,43 @@ def test_silu_and_mul(kern, dtype, T, inter):
     x = torch.randn(T, 2 * inter, dtype=dtype) * 4
     expected = F.silu(x[:, :inter]) * x[:, inter:]  # HF MLP rounding in the model dtype
     assert_close(kern.silu_and_mul(x), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 255), (3, 256), (5, 1031), (32, 151936)])
+def test_argmax_matches_torch(kern, dtype, rows, n):
+    x = torch.randn(rows, n).to(dtype)
+    assert torch.equal(kern.argmax(x), x.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_first_of_ties_and_edge_rows(kern, dtype):
+    n = 5000
+    x = torch.randn(6, n).to(dtype)
+    x[0, [4000, 17, 2600]] = 50.0  # ties in different blocks: the first wins
+    x[1, 3000] = 50.0
+    x[1, 3001] = float("nan")  # NaN never counts
+    x[1, 0] = float("nan")
+    x[2] = float("-inf")  # nothing above -inf: 0, as torch
+    x[3] = 0.0
+    x[3, n - 1] = 1e-3  # in the last, partial block
+    x[4] = float("-inf")
+    x[4, 777] = float("inf")
+    x[5] = -1.0  # all equal: the first
+    assert kern.argmax(x).tolist() == [17, 3000, 0, n - 1, 777, 0]
+    rows = torch.randn(4, 300).to(dtype)
+    padded = torch.randn(4, 512).to(dtype)
+    padded[:, :300] = rows
+    assert torch.equal(kern.argmax(padded[:, :300]), rows.max(dim=-1).indices)  # row stride
+
+
+def test_argmax_rejects_bad_inputs(kern):
+    with pytest.raises(ValueError, match="dtype"):
+        kern.argmax(torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="empty"):
+        kern.argmax(torch.randn(2, 0))
+    with pytest.raises(ValueError, match="contiguous"):
+        kern.argmax(torch.randn(8, 2).t())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
