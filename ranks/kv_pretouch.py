@@ -11,8 +11,9 @@ alone is not enough: on a VM the host's share of a fault stalls the vCPU whateve
 thread's priority, and a SCHED_IDLE populate halved decode speed here. Each madvise call
 covers at most CALL_BYTES, so a step that arrives waits for at most one call (under 1 ms).
 The thread walks the blocks in the order the block manager hands them out (lowest id first,
-every layer) and holds plain addresses, not tensors: once the cache is freed, madvise fails
-with ENOMEM and the thread stops.
+every layer). It holds the cache only through weak references, taken strong for the length of
+each madvise call: once the cache is freed the thread stops, and it never populates another
+allocation that reuses the freed addresses.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,6 +105,7 @@ class KVPretouch:
         quiet_s: float = QUIET_S,
     ):
         self.ranges = populate_order(regions_of(caches), call_bytes)
+        self._cache_refs = [weakref.ref(t) for pair in caches for t in pair]
         self.total_bytes = sum(len(r) for r in self.ranges)
         self.touched_bytes = 0
         self.seconds = 0.0
@@ -144,7 +147,12 @@ class KVPretouch:
         started = time.perf_counter()
         for span in self.ranges:
             self._wait_quiet()
+            cache = [ref() for ref in self._cache_refs]
+            if any(t is None for t in cache):
+                self.stopped_because = "the KV cache was freed"
+                return
             error = madvise(span.start, len(span), MADV_POPULATE_WRITE)
+            del cache
             if error:
                 self.stopped_because = _reason(error)
                 return
@@ -168,5 +176,5 @@ def _reason(error: int) -> str:
     if error == errno.EINVAL:
         return "MADV_POPULATE_WRITE needs Linux 5.14 or later; pages fault on first use"
     if error == errno.ENOMEM:
-        return "the KV cache was freed, or memory ran out"
+        return "memory ran out"
     return f"madvise failed: {os.strerror(error)}"

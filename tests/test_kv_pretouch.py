@@ -95,7 +95,7 @@ def test_nothing_is_mapped_while_steps_run():
 
 @pytest.mark.parametrize(
     "error, reason",
-    [(errno.EINVAL, "Linux 5.14"), (errno.ENOMEM, "freed"), (errno.EIO, "madvise failed")],
+    [(errno.EINVAL, "Linux 5.14"), (errno.ENOMEM, "ran out"), (errno.EIO, "madvise failed")],
 )
 def test_a_failing_madvise_stops_the_helper_with_a_reason(error, reason):
     calls = []
@@ -104,10 +104,28 @@ def test_a_failing_madvise_stops_the_helper_with_a_reason(error, reason):
         calls.append((address, length, advice))
         return error if len(calls) == 3 else 0
 
-    helper = KVPretouch(fresh_cache(layers=1), always_idle, madvise=madvise).start()
+    caches = fresh_cache(layers=1)
+    helper = KVPretouch(caches, always_idle, madvise=madvise).start()
     assert helper.done.wait(WAIT_S)
     assert len(calls) == 3 and reason in helper.stopped_because
     assert helper.touched_bytes == sum(length for _, length, _ in calls[:2])
+
+
+def test_a_freed_cache_stops_the_helper_before_it_touches_the_addresses_again():
+    calls = []
+    idle = threading.Event()
+    caches = fresh_cache(layers=1)
+    helper = KVPretouch(
+        caches,
+        lambda: 10.0 if idle.is_set() else 0.0,
+        madvise=lambda address, length, advice: calls.append(address) or 0,
+        quiet_s=0.05,
+    ).start()
+    del caches  # the owner frees its cache: the addresses may belong to anything next
+    idle.set()
+    assert helper.done.wait(WAIT_S)
+    assert calls == [] and helper.touched_bytes == 0
+    assert "freed" in helper.stopped_because
 
 
 def test_the_engine_prefaults_its_cache_and_generates_the_same(model_factory):
