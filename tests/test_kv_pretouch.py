@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
+import mmap
 import os
 import threading
 import time
@@ -21,14 +23,17 @@ BLOCK_SHAPE = (2, 16, 128)  # kv heads, block size, head dim: 8 KiB per block in
 WAIT_S = 60
 
 
+def fresh_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    """bf16 tensor on a fresh anonymous mapping: never-touched pages, as the rank's cache is
+    in a fresh process. torch.empty may reuse resident heap memory in a long test process,
+    whatever the size (glibc serves large requests from free heap chunks before mmap)."""
+    nbytes = 2 * math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.bfloat16).view(shape)
+
+
 def fresh_cache(layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """KV tensors big enough (>= 32 MiB each, glibc's largest mmap threshold) to be fresh,
-    never-touched mappings rather than recycled heap."""
     shape = (BLOCKS * 64, *BLOCK_SHAPE)
-    return [
-        (torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16))
-        for _ in range(layers)
-    ]
+    return [(fresh_tensor(shape), fresh_tensor(shape)) for _ in range(layers)]
 
 
 def resident_fraction(tensor: torch.Tensor) -> float:
