@@ -212,3 +212,14 @@ uint64_t cpud_read_probe(int isa, intptr_t buf, int64_t bytes) {
     if (!ops || !buf || bytes % 4096 || buf % 64) return 0;
     return ops->read_probe(CADDR(buf), bytes);
 }
+
+double cpud_compute_probe(int isa, int64_t iters) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops || iters < 0) return -1.0;
+    volatile float sink;
+    float value;
+    const double flops = ops->compute_probe(iters, &value);
+    sink = value;
+    (void)sink;
+    return flops;
+}

@@ -81,6 +81,7 @@ typedef struct cpud_ops {
                        const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
                        int64_t N, int64_t K);
     uint64_t (*read_probe)(const void *buf, int64_t bytes);
+    double (*compute_probe)(int64_t iters, float *sink);
 } cpud_ops;
 
 extern const cpud_ops cpud_ops_scalar;

@@ -129,6 +129,11 @@ int cpud_pack_rows(intptr_t w, /* [nrows][K], row stride w_stride, w_dtype      
  * random data: on some machines constant pages read measurably slower. */
 uint64_t cpud_read_probe(int isa, intptr_t buf /* [bytes] */, int64_t bytes);
 
+/* Every thread of a parallel region runs iters x 16 independent register multiply-adds of
+ * the tier's widest kind (vdpbf16ps on avx512bf16); returns the FLOPs done, or -1 for a bad
+ * isa or iters < 0.  Timed by the caller: the tier's instruction peak. */
+double cpud_compute_probe(int isa, int64_t iters);
+
 /* Inside one parallel region of n threads, thread i pins itself to cpus[i] and
  * writes sched_getcpu() to out_cpus[i] (-1: no such thread, -2: pin failed).
  * Returns the number of threads that ran. */

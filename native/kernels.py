@@ -540,3 +540,13 @@ class Kernels:
         if not buf.is_contiguous() or nbytes % 4096 or buf.data_ptr() % 64:
             raise ValueError("buf: contiguous, 64-byte aligned, size a multiple of 4096 bytes")
         return int(_loader.lib.cpud_read_probe(self._code, buf.data_ptr(), nbytes))
+
+    def compute_probe(self, iters: int) -> float:
+        """Runs iters x 16 independent register multiply-adds of this tier's widest kind
+        (vdpbf16ps on avx512bf16) on every thread; returns the FLOPs done.  Timed by the
+        caller, it gives the instruction peak the GEMM is measured against."""
+        if iters < 0:
+            raise ValueError(f"iters must be >= 0, got {iters}")
+        flops = float(_loader.lib.cpud_compute_probe(self._code, iters))
+        check_rc(0 if flops >= 0 else -1, "compute_probe")
+        return flops

@@ -15,4 +15,5 @@ const cpud_ops cpud_ops_avx512 = {
     .paged_attention = paged_attention_k,
     .gemm_packed = gemm_packed_k,
     .read_probe = read_probe_k,
+    .compute_probe = compute_probe_k,
 };

@@ -16,4 +16,5 @@ const cpud_ops cpud_ops_avx512bf16 = {
     .paged_attention = paged_attention_k,
     .gemm_packed = gemm_packed_k,
     .read_probe = read_probe_k,
+    .compute_probe = compute_probe_k,
 };

@@ -1,6 +1,6 @@
 /* Skinny GEMM y[M][N] = x[M][K] @ W[N][K]^T over the packed weight layout
  * [ceil(N/32)][ceil(K/2)][32][2] bf16 (see cpud_native.h), plus the streaming
- * read probe it is measured against.  Included once per tier after
+ * read probe and the compute probe it is measured against.  Included once per tier after
  * tier_kernels.h; the micro-kernel and the probe loop are tier specific
  * (TIER_ID), the driver is shared.
  *
@@ -346,4 +346,66 @@ static TGT uint64_t read_probe_k(const void *buf, int64_t bytes) {
         sum ^= probe_range(b, e);
     }
     return sum;
+}
+
+/* ---------------------------------------------------------- compute probe */
+
+/* iters x 16 independent multiply-adds of the tier's widest kind (vdpbf16ps, vfmadd on zmm or
+ * ymm, scalar fmaf) per thread, all in registers: the instruction peak the GEMM micro-kernel
+ * is measured against.  Returns the FLOPs done by all threads; *sink takes a value that
+ * depends on every result, so nothing is optimised away. */
+static TGT double compute_probe_k(int64_t iters, float *sink) {
+    double flops = 0.0;
+    float total = 0.0f;
+#pragma omp parallel reduction(+ : flops, total)
+    {
+#if TIER_ID == 3
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i);
+        __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = a;
+        for (int64_t it = 0; it < iters; it++) {
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+            __asm__ volatile("" : "+v"(a));
+        }
+        for (int i = 1; i < 16; i++) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+        total += _mm512_reduce_add_ps(acc[0]);
+        flops += (double)iters * 16 * 64;
+#elif TIER_ID == 2
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i);
+        __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-6f);
+        for (int64_t it = 0; it < iters; it++) {
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
+            __asm__ volatile("" : "+v"(a));
+        }
+        for (int i = 1; i < 16; i++) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+        total += _mm512_reduce_add_ps(acc[0]);
+        flops += (double)iters * 16 * 32;
+#elif TIER_ID == 1
+        __m256 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm256_set1_ps((float)i);
+        __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-6f);
+        for (int64_t it = 0; it < iters; it++) {
+            for (int i = 0; i < 16; i++) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
+            __asm__ volatile("" : "+x"(a));
+        }
+        for (int i = 1; i < 16; i++) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[0]);
+        for (int i = 0; i < 8; i++) total += lanes[i];
+        flops += (double)iters * 16 * 16;
+#else
+        float acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = (float)i;
+        float a = 1.0f, b = 1e-6f;
+        for (int64_t it = 0; it < iters; it++) {
+            for (int i = 0; i < 16; i++) acc[i] = a * b + acc[i];
+            __asm__ volatile("" : "+x"(a));
+        }
+        for (int i = 0; i < 16; i++) total += acc[i];
+        flops += (double)iters * 16 * 2;
+#endif
+    }
+    *sink = total;
+    return flops;
 }

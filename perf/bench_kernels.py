@@ -11,9 +11,10 @@ unpadded bf16 weight bytes (N * K * 2) per call.
     python perf/bench_kernels.py [--threads 2] [--reps 7] [--batches 1 8] [--peak]
     python perf/bench_kernels.py --attention [--reps 7] [--attn-scenarios prefill-512 ...]
 
-With --peak it also measures the machine's bf16 matmul peak in the same run: torch F.linear
-(oneDNN) at M=512, K=2048, N=8192, compute bound (~845 GFLOP/s here in DESIGN.md), median of
---reps, and reports each native GEMM's GFLOP/s as a fraction of it.
+With --peak it also measures two compute limits in the same run, medians of --reps: the
+instruction peak (the kernel tier's widest multiply-add, vdpbf16ps on avx512bf16, in registers
+on every thread: ~450 GFLOP/s on this 2-core EPYC) and torch F.linear (oneDNN) at M=512,
+K=2048, N=8192 (~375 here), and reports each native GEMM's GFLOP/s as a fraction of both.
 With --attention it benchmarks native paged attention instead (bf16 KV cache, Qwen3-0.6B layer
 shapes: 16 q heads, 8 kv heads, head dim 128, block size 16): one prefill of 512 or 2048 tokens,
 and decode of 32 sequences at context 64, 512 or 2048; ms per call (one layer), GFLOP/s counting
@@ -171,6 +172,24 @@ def bf16_peak_gflops(reps: int) -> dict[str, float | list[float]]:
         for _ in range(reps)
     ]
     return {"m": m, "k": k, "n": n, "gflops": statistics.median(samples), "samples": samples}
+
+
+def instruction_peak_gflops(kern: native.Kernels, reps: int) -> dict[str, float | list[float]]:
+    """The tier's register multiply-add loop on every thread (kern.compute_probe), ~0.1 s a
+    sample: what no kernel of this tier can beat."""
+    kern.compute_probe(1 << 20)  # warm-up: the parallel region's threads
+    iters = max(1, round((1 << 20) * 0.1 / timed(lambda: kern.compute_probe(1 << 20))))
+    samples = []
+    for _ in range(reps):
+        flops = 0.0
+
+        def run() -> None:
+            nonlocal flops
+            flops = kern.compute_probe(iters)
+
+        seconds = timed(run)
+        samples.append(flops / seconds / 1e9)
+    return {"iters": iters, "gflops": statistics.median(samples), "samples": samples}
 
 
 # name -> [(context incl. this step, query tokens)] per sequence
@@ -353,13 +372,18 @@ def main() -> None:
     if args.peak:
         peak = bf16_peak_gflops(args.reps)
         meta["bf16_peak"] = peak
+        isa_peak = instruction_peak_gflops(kern, args.reps)
+        meta["instruction_peak"] = isa_peak
         print(
-            f"bf16 matmul peak (torch F.linear, M,K,N = {PEAK_SHAPE}): {peak['gflops']:.0f} GFLOP/s"
+            f"instruction peak (tier {kern.isa}, register multiply-adds): "
+            f"{isa_peak['gflops']:.0f} GFLOP/s; bf16 matmul peak (torch F.linear, M,K,N = "
+            f"{PEAK_SHAPE}): {peak['gflops']:.0f} GFLOP/s"
         )
         for r in rows:
             print(
                 f"  {r.model} {r.layer} M={r.m}: native {r.native_gflops:.0f} GFLOP/s = "
-                f"{r.native_gflops / peak['gflops']:.0%} of peak"
+                f"{r.native_gflops / isa_peak['gflops']:.0%} of the instruction peak, "
+                f"{r.native_gflops / peak['gflops']:.0%} of torch's"
             )
     write_results(args.out_dir, "bench_kernels", meta, [asdict(r) for r in rows])
 

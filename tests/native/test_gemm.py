@@ -116,6 +116,15 @@ def test_gemm_rejects_mismatch(kern):
         kern.gemm_packed(torch.randn(2, 15), packed)
 
 
+def test_compute_probe_counts_the_tiers_multiply_adds_on_every_thread(kern):
+    flops_per_instruction = {"scalar": 2, "avx2": 16, "avx512": 32, "avx512bf16": 64}[kern.isa]
+    threads = native.max_threads()
+    assert kern.compute_probe(1000) == 1000 * 16 * flops_per_instruction * threads
+    assert kern.compute_probe(0) == 0
+    with pytest.raises(ValueError, match="iters"):
+        kern.compute_probe(-1)
+
+
 def test_read_probe_checksum(kern):
     buf = torch.randint(-(2**62), 2**62, (64 * 1024 // 8,), dtype=torch.int64)
     expected = functools.reduce(operator.xor, buf.tolist()) & (2**64 - 1)
