@@ -2,8 +2,6 @@
  * as one call into the kernel table, so a step costs one crossing from Python
  * instead of a dozen per layer.  The kernels and their order are those of the
  * per-op path (ranks/models/llama.py), so both give the same bits. */
-#include <time.h>
-
 #include "dispatch.h"
 #include "step_checks.h"
 
