@@ -13,6 +13,10 @@ Scenarios (--scenario NAME, repeatable; `all` is the default):
   tp                              decode, TP=2 vs TP=1                   bench_tp.py
   kernels                         skinny GEMM vs read probe, bf16 peak   bench_kernels.py
 
+Before the first module and after the last, bench_host.py samples the host's read bandwidth
+for --host-seconds (0 skips it): on a shared host it swings 2x or more within seconds, and the
+table's header says how much it did around this run.
+
 Each bench module runs as its own process (fresh interpreter, its own peers) with --runs
 interleaved rounds (cpud, peer, peer, cpud, ...), figures are medians, ratios are computed
 round by round. Peers: transformers (eager bf16), llama.cpp (llama-bench, llama-batched-bench,
@@ -106,6 +110,17 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "commit": commit,
     }
+
+
+def host_trace(out: Path, when: str, seconds: float) -> dict[str, Any]:
+    """bench_host.py for `seconds`: {"line": its one-line spread} or {"error": why}."""
+    path = out / f"host-{when}.json"
+    cmd = [str(HERE / "bench_host.py"), "--seconds", str(seconds), "--json", str(path)]
+    info = run_module(cmd, out, f"host-{when}", seconds + 120)
+    data = load_json(path)
+    if info["exit"] != 0 or data is None:
+        return {"error": f"bench_host.py failed: {' '.join(info['tail'])}"}
+    return {"line": info["tail"][-1], "read_gbs": data["read_gbs"], "steal": data["steal_cores"]}
 
 
 def engine_rows(data: dict[str, Any] | None, scenarios: list[str], err: str) -> dict[str, dict]:
@@ -275,6 +290,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['loadavg_end']:.2f}. Command: `{results['command']}`"
         + (" (quick: short outputs, smoke numbers only)" if results.get("quick") else ""),
         "",
+        *host_lines(results.get("host", {})),
         "| scenario | unit | cpud | " + " | ".join(PEERS) + " | ratio | target | met? |",
         "|---|---|---|" + "---|" * len(PEERS) + "---|---|---|",
     ]
@@ -324,6 +340,14 @@ def markdown(results: dict[str, Any]) -> str:
     if plots:
         lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots]]
     return "\n".join(lines) + "\n"
+
+
+def host_lines(host: dict[str, Any]) -> list[str]:
+    """The header's lines on host read bandwidth before and after the modules."""
+    lines = []
+    for when, trace in host.items():
+        lines.append(f"- host {when}: {trace.get('line') or trace.get('error')}")
+    return [*lines, ""] if lines else []
 
 
 def plain_log_x(ax: Any) -> None:
@@ -423,6 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="short outputs: a smoke test")
     parser.add_argument("--no-peers", action="store_true", help="cpud only (fast)")
     parser.add_argument("--loadgen", choices=("aiperf", "builtin"), default="aiperf")
+    parser.add_argument(
+        "--host-seconds", type=float, default=20.0, help="host bandwidth trace, before and after"
+    )
     args = parser.parse_args(argv)
 
     chosen = args.scenario or ["all"]
@@ -446,7 +473,10 @@ def main(argv: list[str] | None = None) -> None:
         "modules": {},
         "peers": {},
         "scenarios": {},
+        "host": {},
     }
+    if args.host_seconds > 0:
+        results["host"]["before"] = host_trace(out, "before", args.host_seconds)
     log(f"scenarios {', '.join(scenarios)}; results in {out}")
 
     engine = None
@@ -516,6 +546,8 @@ def main(argv: list[str] | None = None) -> None:
         err = f"bench_kernels.py failed: {' '.join(results['modules']['kernels']['tail'])}"
         results["scenarios"]["kernels"] = kernels_row(load_json(found[-1]) if found else None, err)
 
+    if args.host_seconds > 0:
+        results["host"]["after"] = host_trace(out, "after", args.host_seconds)
     results["loadavg_end"] = os.getloadavg()[0]
     results["plots"] = plot(results, engine, serving, out)
     (out / "results.json").write_text(json.dumps(results, indent=2))
