@@ -231,7 +231,8 @@ def markdown(summary: dict) -> str:
     lines = [
         f"Engine benchmark, {summary['date']}: {summary['model']} ({summary['dtype']}, "
         f"{summary['threads']} threads, kernels {summary['kernels']}), {summary['rounds']} "
-        f"interleaved rounds, medians; load average {summary['loadavg_start']:.2f} -> "
+        f"interleaved rounds ({summary.get('decode_1_rounds', summary['rounds'])} for decode-1), "
+        f"medians; load average {summary['loadavg_start']:.2f} -> "
         f"{summary.get('loadavg_end', float('nan')):.2f}.",
         "",
         "| scenario | " + " | ".join(names) + " |",
@@ -268,6 +269,12 @@ def main() -> None:
     parser.add_argument("--scenario", choices=SCENARIOS, action="append")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per stream")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--decode-1-rounds",
+        type=int,
+        help="rounds for decode-1 alone (default --rounds): a few seconds each, and its ratio "
+        "follows the host's memory bandwidth, which swings within seconds (bench_host.py)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument(
         "--llamacpp", action="store_true", help="also run llama.cpp (built on first use)"
@@ -319,6 +326,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "tokens": args.tokens,
         "rounds": args.rounds,
+        "decode_1_rounds": args.decode_1_rounds or args.rounds,
         "cpud_load_s": load_seconds,
         "cpud_kv_pretouch_wait_s": pretouch_s,
         "start_s": start_s,
@@ -331,7 +339,8 @@ def main() -> None:
     try:
         for scenario in scenarios:
             engines = runners(scenario, llm, hf, llama, worker, args.tokens, summary["threads"])
-            row = measure(engines, args.rounds, peers)
+            rounds = args.decode_1_rounds if scenario == "decode-1" else None
+            row = measure(engines, rounds or args.rounds, peers)
             summary["scenarios"][scenario] = row
             text = "".join(
                 f", {peer} {row[peer]:.1f} tok/s (cpud {row[f'ratio_vs_{peer}']:.2f}x)"

@@ -13,9 +13,10 @@ Scenarios (--scenario NAME, repeatable; `all` is the default):
   tp                              decode, TP=2 vs TP=1                   bench_tp.py
   kernels                         skinny GEMM vs read probe, bf16 peak   bench_kernels.py
 
-Before the first module and after the last, bench_host.py samples the host's read bandwidth
-for --host-seconds (0 skips it): on a shared host it swings 2x or more within seconds, and the
-table's header says how much it did around this run.
+decode-1 runs at least 9 rounds (--quick: --runs): a round takes seconds, and its ratio follows
+the host's memory bandwidth. Before the first module and after the last, bench_host.py samples
+the host's read bandwidth for --host-seconds (0 skips it): on a shared host it swings 2x or
+more within seconds, and the table's header says how much it did around this run.
 
 Each bench module runs as its own process (fresh interpreter, its own peers) with --runs
 interleaved rounds (cpud, peer, peer, cpud, ...), figures are medians, ratios are computed
@@ -483,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     wanted = [s for s in scenarios if s in ENGINE]
     if wanted:
         cmd = [str(HERE / "bench_engine.py"), *model_args, "--rounds", str(args.runs)]
+        cmd += ["--decode-1-rounds", str(args.runs if args.quick else max(args.runs, 9))]
         cmd += [arg for s in wanted for arg in ("--scenario", s)]
         cmd += ["--tokens", "16" if args.quick else "64"]
         cmd += ["--json", str(out / "engine.json"), "--markdown", str(out / "engine.md")]
