@@ -119,7 +119,7 @@ def host_trace(out: Path, when: str, seconds: float) -> dict[str, Any]:
     cmd = [str(HERE / "bench_host.py"), "--seconds", str(seconds), "--json", str(path)]
     info = run_module(cmd, out, f"host-{when}", seconds + 120)
     data = load_json(path)
-    if info["exit"] != 0 or data is None:
+    if info["exit"] != 0 or data is None or not info["tail"]:
         return {"error": f"bench_host.py failed: {' '.join(info['tail'])}"}
     return {"line": info["tail"][-1], "read_gbs": data["read_gbs"], "steal": data["steal_cores"]}
 
