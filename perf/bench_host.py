@@ -62,7 +62,7 @@ def trace(seconds: float, interval: float, mib: int) -> dict[str, Any]:
         raise ValueError("need seconds > 0, interval > 0 and a buffer of at least 16 MiB")
     kern = native.kernels()
     buf = huge_empty((mib << 20,), torch.uint8)
-    buf.fill_(1)  # populated: the samples time reads, not page faults
+    buf.random_(0, 256)  # populated, and random: constant pages can read slower (read_probe)
     kern.read_probe(buf)
     hz = os.sysconf("SC_CLK_TCK")
     steal_before, started = steal_ticks(), time.perf_counter()
