@@ -339,8 +339,8 @@ def main() -> None:
     try:
         for scenario in scenarios:
             engines = runners(scenario, llm, hf, llama, worker, args.tokens, summary["threads"])
-            rounds = args.decode_1_rounds if scenario == "decode-1" else None
-            row = measure(engines, rounds or args.rounds, peers)
+            rounds = summary["decode_1_rounds"] if scenario == "decode-1" else args.rounds
+            row = measure(engines, rounds, peers)
             summary["scenarios"][scenario] = row
             text = "".join(
                 f", {peer} {row[peer]:.1f} tok/s (cpud {row[f'ratio_vs_{peer}']:.2f}x)"
