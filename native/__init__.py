@@ -6,7 +6,8 @@
         k.rms_norm(x, w, 1e-6)
         k16 = native.Kernels("avx2")    # an explicit tier (tests, comparisons)
 
-Tiers, lowest first: scalar, avx2, avx512, avx512bf16.  ``isa()`` is the
+Tiers, lowest first: scalar, avx2, avx512, avx512bf16, amx (avx512bf16 with GEMMs of 4+ rows
+on AMX-BF16 tiles, where the kernel grants tile data).  ``isa()`` is the
 highest one the CPU runs, lowered by ``CPUD_ISA``; a tier the CPU cannot run is
 never executed.  Without the compiled module (no compiler at install time)
 this package still imports and ``available()`` is False.

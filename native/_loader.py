@@ -18,7 +18,7 @@ from typing import Any
 log = logging.getLogger("cpud.native")
 
 # Index == the C enum cpud_isa; lowest tier first.
-ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512bf16")
+ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 ISA_ENV = "CPUD_ISA"
 
 ffi: Any = None

@@ -34,6 +34,7 @@ SOURCES = [
     "tier_avx2.c",
     "tier_avx512.c",
     "tier_avx512bf16.c",
+    "tier_amx.c",
     "shm_allreduce.c",
     "shm_tier_scalar.c",
     "shm_tier_avx2.c",

@@ -88,5 +88,6 @@ extern const cpud_ops cpud_ops_scalar;
 extern const cpud_ops cpud_ops_avx2;
 extern const cpud_ops cpud_ops_avx512;
 extern const cpud_ops cpud_ops_avx512bf16;
+extern const cpud_ops cpud_ops_amx;
 
 #endif

@@ -18,7 +18,13 @@
 
 #include <stdint.h>
 
-enum cpud_isa { CPUD_ISA_SCALAR = 0, CPUD_ISA_AVX2 = 1, CPUD_ISA_AVX512 = 2, CPUD_ISA_AVX512BF16 = 3 };
+enum cpud_isa {
+    CPUD_ISA_SCALAR = 0,
+    CPUD_ISA_AVX2 = 1,
+    CPUD_ISA_AVX512 = 2,
+    CPUD_ISA_AVX512BF16 = 3,
+    CPUD_ISA_AMX = 4 /* AVX512-BF16 kernels, GEMMs of 4+ rows on AMX-BF16 tiles */
+};
 enum cpud_dtype { CPUD_F32 = 0, CPUD_BF16 = 1 };
 enum cpud_err { CPUD_OK = 0, CPUD_EISA = -1, CPUD_EARG = -2, CPUD_ENOMEM = -3 };
 

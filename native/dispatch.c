@@ -1,7 +1,10 @@
 /* Runtime ISA detection (cpuid + XGETBV) and the per-tier kernel tables.
  * The detected tier is computed once when the library is loaded; the tables
  * are constant.  Nothing here needs more than baseline x86-64. */
+#define _GNU_SOURCE
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "dispatch.h"
 
@@ -14,6 +17,18 @@ static uint64_t xgetbv0(void) {
 
 static int bit(unsigned v, int i) { return (int)((v >> i) & 1u); }
 
+/* Linux hands out AMX tile data only to a process that asks (arch/x86/include/uapi/asm/prctl.h);
+ * the permission covers every thread of the process. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* edx7: cpuid leaf 7 subleaf 0 EDX. */
+static int amx_usable(unsigned edx7, uint64_t xcr0) {
+    const int tile = bit(edx7, 24), bf16 = bit(edx7, 22);
+    if (!tile || !bf16 || (xcr0 & (3ull << 17)) != (3ull << 17)) return 0; /* XTILECFG, XTILEDATA */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
 static int detect_isa(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return CPUD_ISA_SCALAR;
@@ -23,13 +38,14 @@ static int detect_isa(void) {
     if ((xcr0 & 0x6) != 0x6) return CPUD_ISA_SCALAR; /* XMM and YMM state */
     if (__get_cpuid_max(0, NULL) < 7) return CPUD_ISA_SCALAR;
     __cpuid_count(7, 0, a, b, c, d);
-    const unsigned max_sub = a;
+    const unsigned max_sub = a, edx7 = d;
     if (!bit(b, 5)) return CPUD_ISA_SCALAR; /* AVX2 */
     const int avx512 = bit(b, 16) && bit(b, 17) && bit(b, 30) && bit(b, 31); /* F DQ BW VL */
     if (!avx512 || (xcr0 & 0xe6) != 0xe6) return CPUD_ISA_AVX2; /* + opmask, ZMM state */
     if (max_sub < 1) return CPUD_ISA_AVX512;
     __cpuid_count(7, 1, a, b, c, d);
-    return bit(a, 5) ? CPUD_ISA_AVX512BF16 : CPUD_ISA_AVX512;
+    if (!bit(a, 5)) return CPUD_ISA_AVX512;
+    return amx_usable(edx7, xcr0) ? CPUD_ISA_AMX : CPUD_ISA_AVX512BF16;
 }
 
 static int g_max_isa = CPUD_ISA_SCALAR; /* set once, at load */
@@ -40,7 +56,7 @@ int cpud_detect_isa(void) { return g_max_isa; }
 
 const cpud_ops *cpud_ops_for(int isa) {
     static const cpud_ops *const table[] = {&cpud_ops_scalar, &cpud_ops_avx2, &cpud_ops_avx512,
-                                            &cpud_ops_avx512bf16};
+                                            &cpud_ops_avx512bf16, &cpud_ops_amx};
     if (isa < CPUD_ISA_SCALAR || isa > g_max_isa) return NULL;
     return table[isa];
 }

@@ -1,5 +1,6 @@
 /* Vector abstraction, AVX-512 tiers: 16 floats per vector.  Define
- * CPUD_WITH_BF16 before including for the AVX512-BF16 tier. */
+ * CPUD_WITH_BF16 before including for the AVX512-BF16 tier, and CPUD_WITH_AMX too for the
+ * AMX tier (the same kernels, GEMMs on AMX tiles). */
 #ifndef CPUD_SIMD_H
 #define CPUD_SIMD_H
 
@@ -7,7 +8,12 @@
 
 #include "common.h"
 
-#ifdef CPUD_WITH_BF16
+#if defined(CPUD_WITH_AMX)
+#define TGT                                                                                        \
+    __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,"  \
+                          "amx-bf16")))
+#define TIER_ID 4
+#elif defined(CPUD_WITH_BF16)
 #define TGT __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define TIER_ID 3
 #else

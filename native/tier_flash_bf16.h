@@ -1,5 +1,5 @@
 /* Flash-style paged attention for the AVX512-BF16 tier, bf16 KV cache (prefill
- * and decode).  Included by tier_kernels.h only when TIER_ID == 3, after att_item.
+ * and decode).  Included by tier_kernels.h only when TIER_ID >= 3, after att_item.
  *
  * Items of >= FA_MIN_ROWS rows (prefill): the rows of a work item (queries x the
  * G heads of one kv head) sit in the 16 lanes of a vector ("row group"), so

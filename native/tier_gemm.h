@@ -17,8 +17,8 @@
 #define GEMM_KC 128          /* k pairs per block when M > GEMM_MR: 16 KiB of panel */
 #define GEMM_MT 32           /* rows per C tile */
 
-#if TIER_ID == 3
-/* ---- AVX512-BF16: vdpbf16ps straight on the packed pairs, x as bf16 pairs */
+#if TIER_ID >= 3
+/* ---- AVX512-BF16 (and AMX for fewer than GEMM_AMX_MIN_M rows): vdpbf16ps straight on the packed pairs, x as bf16 pairs */
 #define GEMM_MR 8
 #define GEMM_XDT CPUD_BF16
 #define GEMM_X_BF16 1 /* micro-kernel reads x as bf16 pairs */
@@ -179,6 +179,76 @@ static ALWAYS_INLINE void gemm_uk(const int mr, const uint16_t *w, int64_t nkp, 
 }
 #endif
 
+#if TIER_ID == 4
+/* ---- AMX-BF16: tiles 0-3 hold a 32 x 32 fp32 block of C (rows 0-15 / 16-31 x columns
+ * 0-15 / 16-31), 4-5 two 16 x 32 bf16 blocks of x, 6-7 the panel's two column halves for 16 k
+ * pairs, which the packed layout already is: row kp of a half is 16 columns x (k, k + 1), 64
+ * bytes at a 128-byte stride.  Used from GEMM_AMX_MIN_M rows (fewer are bound by the weight
+ * stream, where the vdpbf16ps micro-kernel is as fast) and for K a multiple of 32. */
+#define GEMM_AMX_MIN_M 4
+#define GEMM_AMX_KP 16 /* k pairs per tile step */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* Every tile 16 rows x 64 bytes; this thread's tile state until amx_release. */
+static TGT void amx_configure(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+static TGT void amx_release(void) { __asm__ volatile("tilerelease" ::); }
+
+static int amx_fits(int64_t M, int64_t nkp) { return M >= GEMM_AMX_MIN_M && nkp % GEMM_AMX_KP == 0; }
+
+/* panel: [nkp][32][2] bf16; x: [mt][xs] bf16 (rows beyond mt readable up to 16 or 32);
+ * c: [32][32] f32 <- x @ panel, rows >= mt garbage */
+static TGT void amx_block(const uint16_t *panel, int64_t nkp, const uint16_t *x, int64_t xs,
+                          int64_t mt, float *c) {
+    const long wstride = 2 * GEMM_NB * 2, xstride = xs * 2;
+    const uint16_t *x1 = x + 16 * xs;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (mt > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kp = 0; kp < nkp; kp += GEMM_AMX_KP) {
+            const uint16_t *w = panel + kp * 2 * GEMM_NB;
+            _tile_loadd(6, w, wstride);
+            _tile_loadd(7, w + GEMM_NB, wstride);
+            _tile_loadd(4, x + 2 * kp, xstride);
+            _tile_loadd(5, x1 + 2 * kp, xstride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, c + 16 * GEMM_NB, GEMM_NB * 4);
+        _tile_stored(3, c + 16 * GEMM_NB + 16, GEMM_NB * 4);
+    } else {
+        for (int64_t kp = 0; kp < nkp; kp += GEMM_AMX_KP) {
+            const uint16_t *w = panel + kp * 2 * GEMM_NB;
+            _tile_loadd(6, w, wstride);
+            _tile_loadd(7, w + GEMM_NB, wstride);
+            _tile_loadd(4, x + 2 * kp, xstride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, c, GEMM_NB * 4);
+    _tile_stored(1, c + 16, GEMM_NB * 4);
+}
+#endif
+
 /* Dispatch to a micro-kernel specialised for mr rows (mr <= GEMM_MR). */
 static TGT void gemm_ukernel(int mr, const uint16_t *w, int64_t nkp, const xelem *x, int64_t xs,
                              float *c, int first, const uint16_t *pf, int64_t npf) {
@@ -228,6 +298,26 @@ static ALWAYS_INLINE TGT void gemm_store(const float *c, int64_t mt, int64_t n0,
     }
 }
 
+/* c: [mt][32] f32 <- x [mt][xs] @ panel [nkp][32][2], through the micro-kernel.  When M exceeds
+ * what the micro-kernel holds in registers, K is blocked: while the row groups re-read a block
+ * from L1, they prefetch the next one (of this panel, or of the next panel, which follows it),
+ * each group an equal share, so the weights stream evenly instead of in one burst per block. */
+static TGT void gemm_tile(const uint16_t *panel, int64_t nkp, const xelem *x, int64_t xs,
+                          int64_t mt, float *c, work_range *own, int64_t p) {
+    const int64_t kc = mt <= GEMM_MR ? nkp : GEMM_KC;
+    for (int64_t k0 = 0; k0 < nkp; k0 += kc) {
+        const int64_t nk = nkp - k0 < kc ? nkp - k0 : kc;
+        const int64_t groups = (mt + GEMM_MR - 1) / GEMM_MR;
+        const int64_t share = (2 * kc + groups - 1) / groups;
+        const int has_next = kc < nkp && (k0 + kc < nkp || work_has_after(own, p));
+        const uint16_t *next = panel + (k0 + kc) * 2 * GEMM_NB;
+        for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
+            gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR), panel + k0 * 2 * GEMM_NB, nk,
+                         x + r0 * xs + 2 * k0, xs, c + r0 * GEMM_NB, k0 == 0,
+                         next + r0 / GEMM_MR * share * 32, has_next ? share : 0);
+    }
+}
+
 /* Arguments as cpud_gemm_packed; returns 0 or CPUD_ENOMEM. */
 static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t *packed,
                              const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
@@ -244,12 +334,16 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
     const int64_t xvs = direct ? xs : kpad;
     /* one range per thread the region may get; ranges of threads it does not get are stolen */
     const int nr = np > 1 ? omp_get_max_threads() : 1;
+#if TIER_ID == 4
+    const int amx = amx_fits(M, nkp);
+#endif
+    int failed = 0;
     work_range *ranges = work_ranges_new(np, nr);
     if (!ranges) {
         free(xp);
         return CPUD_ENOMEM;
     }
-#pragma omp parallel if (np > 1)
+#pragma omp parallel if (np > 1) reduction(| : failed)
     {
         if (!direct) {
 #pragma omp for schedule(static)
@@ -258,40 +352,49 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
         const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
         float c[GEMM_MT * GEMM_NB] __attribute__((aligned(64)));
         float b32[GEMM_NB] __attribute__((aligned(64)));
-        for (int64_t p; (p = work_next(ranges, nr, tid)) >= 0;) {
+#if TIER_ID == 4
+        /* the last, partial block of rows, padded with zero rows: tiles load 16 or 32 */
+        uint16_t *tail = NULL;
+        const int64_t tail0 = M / GEMM_MT * GEMM_MT;
+        if (amx) {
+            amx_configure();
+            if (tail0 < M && (tail = aligned_alloc(64, GEMM_MT * kpad * 2)) != NULL) {
+                memset(tail, 0, GEMM_MT * kpad * 2);
+                for (int64_t m = tail0; m < M; m++)
+                    memcpy(tail + (m - tail0) * kpad, xv + m * xvs, K * 2);
+            }
+            if (tail0 < M && !tail) failed = 1;
+        }
+#endif
+        for (int64_t p; !failed && (p = work_next(ranges, nr, tid)) >= 0;) {
             const uint16_t *panel = packed + p * nkp * 2 * GEMM_NB;
             for (int64_t i = 0; i < GEMM_NB; i++)
                 b32[i] = bias && p * GEMM_NB + i < N ? ld1(bias, p * GEMM_NB + i, bdt) : 0.0f;
             for (int64_t m0 = 0; m0 < M; m0 += GEMM_MT) {
                 const int64_t mt = M - m0 < GEMM_MT ? M - m0 : GEMM_MT;
-                const int64_t kc = mt <= GEMM_MR ? nkp : GEMM_KC;
-                for (int64_t k0 = 0; k0 < nkp; k0 += kc) {
-                    const int64_t nk = nkp - k0 < kc ? nkp - k0 : kc;
-                    /* Blocked: while the row groups re-read this block from L1, they
-                     * prefetch the next one (of this panel, or of the next panel, which
-                     * follows it), each group an equal share, so the weights stream
-                     * evenly instead of in one burst per block. */
-                    const int64_t groups = (mt + GEMM_MR - 1) / GEMM_MR;
-                    const int64_t share = (2 * kc + groups - 1) / groups;
-                    const int has_next =
-                        kc < nkp && (k0 + kc < nkp || work_has_after(&ranges[tid], p));
-                    const uint16_t *next = panel + (k0 + kc) * 2 * GEMM_NB;
-                    for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
-                        gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR),
-                                     panel + k0 * 2 * GEMM_NB, nk, xv + (m0 + r0) * xvs + 2 * k0,
-                                     xvs, c + r0 * GEMM_NB, k0 == 0, next + r0 / GEMM_MR * share * 32,
-                                     has_next ? share : 0);
-                }
+#if TIER_ID == 4
+                if (amx) {
+                    if (m0 < tail0)
+                        amx_block(panel, nkp, xv + m0 * xvs, xvs, mt, c);
+                    else
+                        amx_block(panel, nkp, tail, kpad, mt, c);
+                } else
+#endif
+                    gemm_tile(panel, nkp, xv + m0 * xvs, xvs, mt, c, &ranges[tid], p);
                 if (odt == CPUD_BF16)
                     gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_BF16);
                 else
                     gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_F32);
             }
         }
+#if TIER_ID == 4
+        if (amx) amx_release();
+        free(tail);
+#endif
     }
     free(ranges);
     free(xp);
-    return CPUD_OK;
+    return failed ? CPUD_ENOMEM : CPUD_OK;
 }
 
 /* ------------------------------------------------------------ read probe */
@@ -359,14 +462,38 @@ static TGT double compute_probe_k(int64_t iters, float *sink) {
     float total = 0.0f;
 #pragma omp parallel reduction(+ : flops, total)
     {
-#if TIER_ID >= 2
+#if TIER_ID == 4
+        /* tdpbf16ps on four independent 16 x 16 accumulator tiles: 16 x 16 x 32 multiply-adds
+         * per instruction */
+        uint16_t ab[16 * 32] __attribute__((aligned(64)));
+        float cs[16 * 16] __attribute__((aligned(64)));
+        for (int i = 0; i < 16 * 32; i++) ab[i] = 0x3f80; /* 1.0 */
+        amx_configure();
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(4, ab, 64);
+        _tile_loadd(6, ab, 64);
+        for (int64_t it = 0; it < iters; it++)
+            for (int i = 0; i < 4; i++) {
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        _tile_stored(3, cs, 64);
+        amx_release();
+        for (int i = 0; i < 16 * 16; i++) total += cs[i];
+        flops += (double)iters * 16 * 16 * 16 * 32 * 2;
+#elif TIER_ID >= 2
         /* bf16 pairs (1.0039, 1.0039), read as fp32 ~1.0039 by vfmadd */
         const __m512 a0 = _mm512_castsi512_ps(_mm512_set1_epi32(0x3f803f80));
         __m512 acc[16], a = a0;
         for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i);
         for (int64_t it = 0; it < iters; it++) {
             for (int i = 0; i < 16; i++)
-#if TIER_ID == 3
+#if TIER_ID >= 3
                 acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)a0);
 #else
                 acc[i] = _mm512_fmadd_ps(a, a0, acc[i]);
@@ -375,7 +502,7 @@ static TGT double compute_probe_k(int64_t iters, float *sink) {
         }
         for (int i = 1; i < 16; i++) acc[0] = _mm512_add_ps(acc[0], acc[i]);
         total += _mm512_reduce_add_ps(acc[0]);
-        flops += (double)iters * 16 * (TIER_ID == 3 ? 64 : 32);
+        flops += (double)iters * 16 * (TIER_ID >= 3 ? 64 : 32);
 #elif TIER_ID == 1
         __m256 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm256_set1_ps((float)i);

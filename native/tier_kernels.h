@@ -442,7 +442,7 @@ static ALWAYS_INLINE TGT void att_item_run(
     }
 }
 
-#if TIER_ID == 3
+#if TIER_ID >= 3
 #include "tier_flash_bf16.h"
 #endif
 
@@ -479,7 +479,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
 #pragma omp parallel if (n_items > 1) reduction(| : failed)
     {
         const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
-#if TIER_ID == 3
+#if TIER_ID >= 3
         /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
         const int fa = fa_usable(dt, hd, bs);
         fa_ws fw = {0};
@@ -501,7 +501,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
          * of a sequence see more keys */
         for (int64_t ii; (ii = work_next(ranges, nr, tid)) >= 0;) {
             const int64_t i = n_items - 1 - ii;
-#if TIER_ID == 3
+#if TIER_ID >= 3
             if (fa) {
                 if (!fw.mem) continue;
                 const int64_t rows = items[i].nq * G;
@@ -531,7 +531,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
                              nh, nkv, hd, bs, scale, window, CPUD_F32);
         }
         if (!fa) att_ws_free(&w);
-#if TIER_ID == 3
+#if TIER_ID >= 3
         if (fa) fa_ws_free(&fw);
 #endif
     }

@@ -12,8 +12,8 @@ from cpud import native
 
 
 def reference(x, w, bias, isa):
-    # The avx512bf16 tier feeds vdpbf16ps, so fp32 x is rounded to bf16 first.
-    xr = x.to(torch.bfloat16) if isa == "avx512bf16" else x
+    # The avx512bf16 and amx tiers feed vdpbf16ps / tdpbf16ps, so fp32 x is rounded to bf16 first.
+    xr = x.to(torch.bfloat16) if isa in ("avx512bf16", "amx") else x
     y = xr.double() @ w.to(torch.bfloat16).double().T
     return y if bias is None else y + bias.double()
 
@@ -51,6 +51,22 @@ def test_gemm_packed_bias_strides_and_out_dtype(kern, odt):
     assert kern.gemm_packed(x, packed, out=out) is out
     check(out, reference(x, w, bias, kern.isa), K)
     assert torch.all(obuf[:, N:] == 5.0)
+
+
+@pytest.mark.parametrize("M", [4, 15, 16, 17, 31, 32, 33, 50, 64])
+@pytest.mark.parametrize("N, K", [(31, 31), (33, 64), (200, 96)])
+def test_gemm_packed_across_tile_edges(kern, M, N, K):
+    # The amx tier runs M >= 4 with K padded to a multiple of 32 on 16 x 16 tiles, in blocks of
+    # 32 rows; a last partial block goes through a zero-padded copy. Strided rows, a bias and a
+    # bf16 output on top, at every tier.
+    w = torch.randn(N, K)
+    bias = torch.randn(N)
+    packed = native.pack_weight(w, bias)
+    xbuf = torch.randn(M, K + 7).to(torch.bfloat16)
+    x = xbuf[:, 5 : 5 + K]
+    out = torch.full((M, N + 3), 7.0, dtype=torch.bfloat16)[:, :N]
+    kern.gemm_packed(x, packed, out=out)
+    check(out, reference(x, w, bias, kern.isa), K)
 
 
 def test_pack_layout():
@@ -117,7 +133,13 @@ def test_gemm_rejects_mismatch(kern):
 
 
 def test_compute_probe_counts_the_tiers_multiply_adds_on_every_thread(kern):
-    flops_per_instruction = {"scalar": 2, "avx2": 16, "avx512": 32, "avx512bf16": 64}[kern.isa]
+    flops_per_instruction = {
+        "scalar": 2,
+        "avx2": 16,
+        "avx512": 32,
+        "avx512bf16": 64,
+        "amx": 16 * 16 * 32 * 2,  # tdpbf16ps: a 16 x 16 fp32 tile += 16 x 32 by 32 x 16 bf16
+    }[kern.isa]
     threads = native.max_threads()
     assert kern.compute_probe(1000) == 1000 * 16 * flops_per_instruction * threads
     assert kern.compute_probe(0) == 0
