@@ -53,12 +53,18 @@ def test_gemm_packed_bias_strides_and_out_dtype(kern, odt):
     assert torch.all(obuf[:, N:] == 5.0)
 
 
-@pytest.mark.parametrize("M", [4, 15, 16, 17, 31, 32, 33, 50, 64])
-@pytest.mark.parametrize("N, K", [(31, 31), (33, 64), (200, 96)])
+@pytest.mark.parametrize(
+    "M, N, K",
+    [
+        *((m, n, k) for m in (4, 15, 16, 17, 31, 32, 33, 50, 64) for n, k in ((31, 31), (33, 64))),
+        (17, 200, 96),
+        (300, 40, 2048),  # amx: chunks of 256 rows (1 MiB of x), the last one 44 rows
+    ],
+)
 def test_gemm_packed_across_tile_edges(kern, M, N, K):
     # The amx tier runs M >= 4 with K padded to a multiple of 32 on 16 x 16 tiles, in blocks of
-    # 32 rows; a last partial block goes through a zero-padded copy. Strided rows, a bias and a
-    # bf16 output on top, at every tier.
+    # 32 rows and chunks of ~1 MiB of x; a last partial block goes through a zero-padded copy.
+    # Strided rows, a bias and a bf16 output on top, at every tier.
     w = torch.randn(N, K)
     bias = torch.randn(N)
     packed = native.pack_weight(w, bias)
