@@ -9,7 +9,9 @@
  * M <= GEMM_MT); a thread done with its range takes panels from the back of a
  * slower one's (work_ranges.h), so a descheduled thread costs one panel.  When
  * M exceeds what the micro-kernel holds in registers, K is blocked so that the
- * panel slice is re-read from L1, not from memory. */
+ * panel slice is re-read from L1, not from memory.  The amx tier (TIER_ID 4) runs 4+ rows on
+ * AMX tiles instead, and splits large M into chunks of x that stay in L2: its work items are
+ * (chunk, panel) pairs. */
 
 #include "work_ranges.h"
 
@@ -18,7 +20,8 @@
 #define GEMM_MT 32           /* rows per C tile */
 
 #if TIER_ID >= 3
-/* ---- AVX512-BF16 (and AMX for fewer than GEMM_AMX_MIN_M rows): vdpbf16ps straight on the packed pairs, x as bf16 pairs */
+/* ---- AVX512-BF16 (and the AMX tier below GEMM_AMX_MIN_M rows): vdpbf16ps straight on the
+ * packed pairs, x as bf16 pairs */
 #define GEMM_MR 8
 /* Unblocked (M <= GEMM_MR, weights read once): prefetch this far ahead of the weight stream.
  * Intel's L2 streamer stops at every 4 KiB page, so without it M=1 streams at ~70 % of the read
@@ -225,8 +228,6 @@ static int64_t amx_chunk_rows(int64_t M, int64_t kpad) {
     return rows < GEMM_MT ? GEMM_MT : rows > M ? M : rows;
 }
 
-/* panel: [nkp][32][2] bf16; x: [mt][xs] bf16 (rows beyond mt readable up to 16 or 32);
- * c: [32][32] f32 <- x @ panel, rows >= mt garbage */
 /* The 2 KiB of weights one tile step reads, 4 KiB ahead (on the first row block of a panel,
  * which reads it from memory): M=32 GEMMs 1.2-1.6x faster than with the hardware prefetcher
  * alone, which stops at every 4 KiB page; 2 or 8 KiB ahead, or into L2 only, no better. */
@@ -235,6 +236,8 @@ static ALWAYS_INLINE TGT void amx_prefetch(const uint16_t *w) {
     for (int l = 0; l < 32; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
+/* panel: [nkp][32][2] bf16; x: [mt][xs] bf16 (rows beyond mt readable up to 16 or 32);
+ * c: [32][32] f32 <- x @ panel, rows >= mt garbage; prefetch: the panel comes from memory */
 static TGT void amx_block(const uint16_t *panel, int64_t nkp, const uint16_t *x, int64_t xs,
                           int64_t mt, float *c, int prefetch) {
     const long wstride = 2 * GEMM_NB * 2, xstride = xs * 2;
@@ -323,18 +326,19 @@ static ALWAYS_INLINE TGT void gemm_store(const float *c, int64_t mt, int64_t n0,
     }
 }
 
-/* c: [mt][32] f32 <- x [mt][xs] @ panel [nkp][32][2], through the micro-kernel.  When M exceeds
- * what the micro-kernel holds in registers, K is blocked: while the row groups re-read a block
- * from L1, they prefetch the next one (of this panel, or of the next panel, which follows it),
- * each group an equal share, so the weights stream evenly instead of in one burst per block. */
+/* c: [mt][32] f32 <- x [mt][xs] @ panel [nkp][32][2] (work item `item` of range own), through
+ * the micro-kernel.  When M exceeds what the micro-kernel holds in registers, K is blocked:
+ * while the row groups re-read a block from L1, they prefetch the next one (of this panel, or of
+ * the next panel, which follows it), each group an equal share, so the weights stream evenly
+ * instead of in one burst per block. */
 static TGT void gemm_tile(const uint16_t *panel, int64_t nkp, const xelem *x, int64_t xs,
-                          int64_t mt, float *c, work_range *own, int64_t p) {
+                          int64_t mt, float *c, work_range *own, int64_t item) {
     const int64_t kc = mt <= GEMM_MR ? nkp : GEMM_KC;
     for (int64_t k0 = 0; k0 < nkp; k0 += kc) {
         const int64_t nk = nkp - k0 < kc ? nkp - k0 : kc;
         const int64_t groups = (mt + GEMM_MR - 1) / GEMM_MR;
         const int64_t share = (2 * kc + groups - 1) / groups;
-        const int has_next = kc < nkp && (k0 + kc < nkp || work_has_after(own, p));
+        const int has_next = kc < nkp && (k0 + kc < nkp || work_has_after(own, item));
         const uint16_t *next = panel + (k0 + kc) * 2 * GEMM_NB;
         for (int64_t r0 = 0; r0 < mt; r0 += GEMM_MR)
             gemm_ukernel((int)(mt - r0 < GEMM_MR ? mt - r0 : GEMM_MR), panel + k0 * 2 * GEMM_NB, nk,

@@ -12,9 +12,11 @@ unpadded bf16 weight bytes (N * K * 2) per call.
     python perf/bench_kernels.py --attention [--reps 7] [--attn-scenarios prefill-512 ...]
 
 With --peak it also measures two compute limits in the same run, medians of --reps: the
-instruction peak (the kernel tier's widest multiply-add, vdpbf16ps on avx512bf16, in registers
-on every thread: ~450 GFLOP/s on this 2-core EPYC) and torch F.linear (oneDNN) at M=512,
-K=2048, N=8192 (~375 here), and reports each native GEMM's GFLOP/s as a fraction of both.
+instruction peak (the kernel tier's widest multiply-add in registers on every thread: vdpbf16ps
+on avx512bf16, ~450 GFLOP/s on a 2-core Zen 4 EPYC, 154 on a 2-core AMX Xeon; tdpbf16ps on amx,
+~2560 on that Xeon) and torch F.linear (oneDNN) at M=512, K=2048, N=8192 (~375 on the EPYC,
+~700 on the Xeon, where oneDNN uses AMX too), and reports each native GEMM's GFLOP/s as a
+fraction of both.
 With --attention it benchmarks native paged attention instead (bf16 KV cache, Qwen3-0.6B layer
 shapes: 16 q heads, 8 kv heads, head dim 128, block size 16): one prefill of 512 or 2048 tokens,
 and decode of 32 sequences at context 64, 512 or 2048; ms per call (one layer), GFLOP/s counting

@@ -18,7 +18,7 @@ from cpud.cli import main
 from cpud.config import EngineArgs
 from cpud.doctor import syscalls
 from cpud.doctor.inputs import DoctorInputs
-from cpud.doctor.machine import dtype_check
+from cpud.doctor.machine import dtype_check, native_check
 from cpud.doctor.report import EXIT_FAIL, EXIT_OK, Check, exit_code, render, report
 from cpud.doctor.run import collect
 from cpud.doctor.runtime import openmp_check, openmp_runtimes
@@ -405,6 +405,29 @@ def test_dtype_verdicts(tmp_path, flags, requested, status, chosen):
         assert "--dtype bfloat16" in check.advice[0]
     if status == "fail":
         assert "--dtype float32" in check.advice[0]
+
+
+@pytest.mark.parametrize(
+    "flags, detected, status",
+    [
+        ("avx512f avx512_bf16 amx_bf16 amx_tile", "avx512bf16", "warn"),  # AMX refused by the OS
+        ("avx512f avx512_bf16 amx_bf16 amx_tile", "amx", "ok"),
+        ("avx512f avx512_bf16", "avx512bf16", "ok"),  # no AMX to miss (Zen 4)
+    ],
+)
+def test_native_check_warns_when_the_cpu_has_amx_but_cpud_cannot_use_it(
+    tmp_path, monkeypatch, flags, detected, status
+):
+    from cpud import native
+
+    (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    info = {"available": True, "isa": detected, "detected_isa": detected}
+    monkeypatch.setattr(native, "info", lambda: info)
+    check = native_check(DoctorInputs(engine=EngineArgs(), proc_root=tmp_path))
+    assert check.status == status
+    assert check.summary == f"ISA tier {detected} (best this CPU runs: {detected})"
+    if status == "warn":
+        assert "ARCH_REQ_XCOMP_PERM" in check.advice[0] and "Linux >= 5.16" in check.advice[0]
 
 
 # --- reports and the command line ----------------------------------------------------------

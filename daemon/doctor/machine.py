@@ -92,7 +92,7 @@ def cpu_check(inputs: DoctorInputs) -> Check:
     return Check("cpu", "ok", summary, value)
 
 
-def native_check() -> Check:
+def native_check(inputs: DoctorInputs) -> Check:
     from cpud import native
 
     info = native.info()
@@ -109,6 +109,14 @@ def native_check() -> Check:
         advice = (
             f"CPUD_ISA lowers the tier below what this CPU runs: unset it to use "
             f"{info['detected_isa']}"
+        )
+        return Check("native kernels", "warn", summary, info, (advice,))
+    flags = cpu_flags(str(inputs.proc_root / "cpuinfo"))
+    if {"amx_tile", "amx_bf16"} <= flags and info["detected_isa"] != "amx":
+        advice = (
+            "this CPU has AMX but the kernel did not grant cpud its tile data "
+            "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux >= 5.16 and no seccomp filter on it): "
+            "batched GEMMs run several times slower on the avx512bf16 tier"
         )
         return Check("native kernels", "warn", summary, info, (advice,))
     return Check("native kernels", "ok", summary, info)

@@ -50,7 +50,7 @@ def collect(inputs: DoctorInputs) -> list[Check]:
     builders: list[tuple[str, Callable[[], Check]]] = [
         ("cpud", version_check),
         ("cpu", lambda: cpu_check(inputs)),
-        ("native kernels", native_check),
+        ("native kernels", lambda: native_check(inputs)),
         ("dtype", lambda: dtype_check(inputs)),
         ("smt", lambda: smt_check(inputs, planning)),
         ("numa", lambda: numa_check(planning)),
