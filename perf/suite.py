@@ -340,6 +340,8 @@ def markdown(results: dict[str, Any]) -> str:
     plots = results.get("plots", [])
     if plots:
         lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots]]
+    elif results.get("plot_error"):
+        lines += ["", f"No plots: {results['plot_error']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -556,6 +558,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "results.md").write_text(markdown(results))
     print(markdown(results))
     log(f"wrote {out / 'results.json'}, {out / 'results.md'}, {len(results['plots'])} plots")
+    if results.get("plot_error"):
+        log(f"no plots: {results['plot_error']}")
 
 
 if __name__ == "__main__":
