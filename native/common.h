@@ -12,6 +12,14 @@
 #include "cpud_native.h"
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* The AMX target attributes exist from gcc 11 and clang 12; with an older compiler the amx tier
+ * is not built and never detected. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define CPUD_CAN_AMX 1
+#else
+#define CPUD_CAN_AMX 0
+#endif
 /* Below this many elements a kernel runs on the calling thread only. */
 #define CPUD_PAR_MIN 32768
 /* Largest rotary dimension the kernels accept. */

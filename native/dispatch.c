@@ -25,7 +25,7 @@ static int bit(unsigned v, int i) { return (int)((v >> i) & 1u); }
 /* edx7: cpuid leaf 7 subleaf 0 EDX. */
 static int amx_usable(unsigned edx7, uint64_t xcr0) {
     const int tile = bit(edx7, 24), bf16 = bit(edx7, 22);
-    if (!tile || !bf16 || (xcr0 & (3ull << 17)) != (3ull << 17)) return 0; /* XTILECFG, XTILEDATA */
+    if (!CPUD_CAN_AMX || !tile || !bf16 || (xcr0 & (3ull << 17)) != (3ull << 17)) return 0; /* XTILECFG, XTILEDATA */
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
