@@ -19,9 +19,13 @@ DTYPES = {
     "half": "float16",
 }
 
-# A dtype is usable when the CPU has native arithmetic for it or AVX-512 to emulate it at speed.
+# A dtype is usable when the CPU has native arithmetic for it or vector units to emulate it at
+# speed: cpud's kernels widen bf16 weights to fp32 in registers on AVX-512 and AVX2 (with FMA).
 _DTYPE_NEEDS = {
-    "bfloat16": ({"avx512_bf16", "amx_bf16", "avx512f"}, "AVX512-BF16, AMX-BF16 or AVX-512"),
+    "bfloat16": (
+        {"avx512_bf16", "amx_bf16", "avx512f", "avx2"},
+        "AVX512-BF16, AMX-BF16, AVX-512 or AVX2",
+    ),
     "float16": ({"avx512_fp16", "amx_fp16", "avx512f"}, "AVX512-FP16, AMX-FP16 or AVX-512"),
     "float32": (set(), ""),
 }

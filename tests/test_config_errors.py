@@ -103,10 +103,11 @@ def test_unknown_dtype(model_copy):
 
 def test_dtype_the_cpu_cannot_do():
     with pytest.raises(ConfigError, match="bfloat16 needs .*use --dtype float32"):
-        resolve_dtype("bfloat16", flags=frozenset({"sse4_2", "avx2"}))
+        resolve_dtype("bfloat16", flags=frozenset({"sse4_2", "avx"}))
     with pytest.raises(ConfigError, match="float16 needs"):
         resolve_dtype("float16", flags=frozenset({"avx2", "f16c"}))
     assert resolve_dtype("auto", flags=frozenset({"avx2"})) == "float32"
+    assert resolve_dtype("bfloat16", flags=frozenset({"avx2", "fma"})) == "bfloat16"
     assert resolve_dtype("auto", flags=frozenset({"avx512_bf16"})) == "bfloat16"
 
 

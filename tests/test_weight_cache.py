@@ -169,7 +169,10 @@ def test_weight_cache_setting_resolves(model_copy, tmp_path, monkeypatch):
 
 def test_tp2_ranks_each_map_their_own_shard(model_copy, tmp_path):
     cache = tmp_path / "cache"
-    reference = greedy(load(model_copy, "off"))
+    # TP=2 without the cache: bf16 partial sums round differently from TP=1's full sums, so
+    # greedy tokens of the two degrees need not agree on random weights (they do at fp32).
+    with load(model_copy, "off", tp=2, collective="shm") as uncached:
+        reference = greedy(uncached)
     first = load(model_copy, cache, tp=2, collective="shm")
     assert greedy(first) == reference
     first.shutdown()

@@ -122,6 +122,10 @@ def native_check(inputs: DoctorInputs) -> Check:
     return Check("native kernels", "ok", summary, info)
 
 
+# CPU flag -> ISA on which cpud's kernels emulate bf16 (weights widened to fp32), best first.
+_BF16_EMULATION = (("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
 def dtype_check(inputs: DoctorInputs) -> Check:
     flags = cpu_flags(str(inputs.proc_root / "cpuinfo"))
     auto = str(resolve_dtype("auto", flags)).removeprefix("torch.")
@@ -141,7 +145,8 @@ def dtype_check(inputs: DoctorInputs) -> Check:
     value["chosen"] = chosen
     native = [name for name in ("AVX512-BF16", "AMX-BF16") if value[name.lower().replace("-", "_")]]
     summary = f"--dtype {requested} -> {chosen} (native bf16: {', '.join(native) or 'none'})"
-    if chosen == "float32" and "avx512f" in flags:
+    emulates = next((name for flag, name in _BF16_EMULATION if flag in flags), None)
+    if chosen == "float32" and emulates:
         return Check(
             "dtype",
             "warn",
@@ -149,7 +154,7 @@ def dtype_check(inputs: DoctorInputs) -> Check:
             value,
             (
                 "float32 weights take twice the memory and bandwidth of bfloat16: --dtype "
-                "bfloat16 runs on AVX-512 here (emulated, slower per FLOP than AVX512-BF16)",
+                f"bfloat16 runs on {emulates} here (emulated, slower per FLOP than AVX512-BF16)",
             ),
         )
     return Check("dtype", "ok", summary, value)
