@@ -17,7 +17,11 @@
 
 #define GEMM_NB CPUD_GEMM_NB /* columns per panel */
 #define GEMM_KC 128          /* k pairs per block when M > GEMM_MR: 16 KiB of panel */
-#define GEMM_MT 32           /* rows per C tile */
+#if TIER_ID == 1
+#define GEMM_MT 72 /* rows per C tile: whole groups of GEMM_WIDE_MR; 36 read the same */
+#else
+#define GEMM_MT 32 /* rows per C tile */
+#endif
 
 #if TIER_ID >= 3
 /* ---- AVX512-BF16 (and the AMX tier below GEMM_AMX_MIN_M rows): vdpbf16ps straight on the
@@ -162,6 +166,101 @@ static ALWAYS_INLINE TGT void gemm_uk(const int mr, const uint16_t *w, int64_t n
     }
     for (int r = 0; r < mr; r++)
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(c + r * GEMM_NB + 8 * q, acc[r][q]);
+}
+
+/* GEMM_WIDE_MIN_M rows or more: converting each weight vector in the micro-kernel above costs two
+ * integer ops per two rows of FMAs, and four rows of 32 columns do not fit in 16 registers.  So
+ * a block of the panel is widened to fp32 once per C tile and every group of 6 rows multiplies
+ * it from L1 in 6 x 16 tiles (12 accumulators, 2 weight vectors, 1 broadcast: the classic AVX2
+ * shape).  x is prepared as groups of 6 rows interleaved by k ([group][kpad][6] fp32), so the
+ * broadcasts read one sequential stream: six rows at a row stride of 4 KiB multiples would
+ * share one L1 set with the widened block. */
+#define GEMM_WIDE 1
+#define GEMM_WIDE_MIN_M 48 /* paired A/B, Zen 3: 0.93-1.04x the micro-kernel above at M=32,
+                              1.02-1.09x at 64, 1.06-1.12x at 512 */
+#define GEMM_WIDE_MR 6
+#define GEMM_WIDE_KC 64 /* k pairs per widened block: 16 KiB of fp32 */
+
+/* w: [nkp][32][2] bf16 -> wf: [2 * nkp][32] f32 (k-major) */
+static ALWAYS_INLINE TGT void gemm_widen(const uint16_t *w, int64_t nkp, float *wf) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000);
+    for (int64_t kp = 0; kp < nkp; kp++)
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + kp * 2 * GEMM_NB + 16 * q));
+            _mm256_store_ps(wf + 2 * kp * GEMM_NB + 8 * q, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_store_ps(wf + (2 * kp + 1) * GEMM_NB + 8 * q,
+                            _mm256_castsi256_ps(_mm256_and_si256(v, hi)));
+        }
+}
+
+/* wf: [nk][32] f32 (the 16 columns at wf), xg: [nk][6] f32 (rows interleaved),
+ * c: [mr][32] f32 (the 16 columns at c) */
+static ALWAYS_INLINE TGT void gemm_uk_wide(const int mr, const float *wf, int64_t nk,
+                                           const float *xg, float *c, int first) {
+    __m256 acc[GEMM_WIDE_MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 2; j++)
+            acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * GEMM_NB + 8 * j);
+    for (int64_t k = 0; k < nk; k++) {
+        const __m256 b0 = _mm256_load_ps(wf + k * GEMM_NB), b1 = _mm256_load_ps(wf + k * GEMM_NB + 8);
+        for (int r = 0; r < mr; r++) {
+            const __m256 a = _mm256_broadcast_ss(xg + k * GEMM_WIDE_MR + r);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 2; j++) _mm256_storeu_ps(c + r * GEMM_NB + 8 * j, acc[r][j]);
+}
+
+static TGT void gemm_ukernel_wide(int mr, const float *wf, int64_t nk, const float *xg, float *c,
+                                  int first) {
+    switch (mr) {
+#define UK_CASE(n)                                                                                 \
+    case n: gemm_uk_wide(n, wf, nk, xg, c, first); break;
+    UK_CASE(1)
+    UK_CASE(2)
+    UK_CASE(3)
+    UK_CASE(4)
+    UK_CASE(5)
+    UK_CASE(6)
+#undef UK_CASE
+    default: break;
+    }
+}
+
+/* c: [mt][32] f32 <- the mt rows of x at xg ([ceil(mt / 6)][kpad][6] f32) @ panel [nkp][32][2] */
+static TGT void gemm_tile_wide(const uint16_t *panel, int64_t nkp, const float *xg, int64_t kpad,
+                               int64_t mt, float *c) {
+    float wf[2 * GEMM_WIDE_KC * GEMM_NB] __attribute__((aligned(64)));
+    for (int64_t k0 = 0; k0 < nkp; k0 += GEMM_WIDE_KC) {
+        const int64_t nk = nkp - k0 < GEMM_WIDE_KC ? nkp - k0 : GEMM_WIDE_KC;
+        gemm_widen(panel + k0 * 2 * GEMM_NB, nk, wf);
+        for (int64_t r0 = 0; r0 < mt; r0 += GEMM_WIDE_MR) {
+            const int mr = (int)(mt - r0 < GEMM_WIDE_MR ? mt - r0 : GEMM_WIDE_MR);
+            const float *xk = xg + (r0 * kpad + 2 * k0 * GEMM_WIDE_MR);
+            for (int h = 0; h < 2; h++)
+                gemm_ukernel_wide(mr, wf + 16 * h, 2 * nk, xk, c + r0 * GEMM_NB + 16 * h, k0 == 0);
+        }
+    }
+}
+
+/* rows [m0, m0 + 6) of x ([M][xs] xdt; rows >= M read as zero) -> dst: [kpad][6] f32 */
+static TGT void gemm_prep_group(const void *x, int xdt, int64_t xs, int64_t m0, int64_t M,
+                                int64_t K, float *dst, int64_t kpad) {
+    float lanes[VW] __attribute__((aligned(32)));
+    for (int r = 0; r < GEMM_WIDE_MR; r++) {
+        int64_t k = 0;
+        if (m0 + r < M) {
+            const void *src = at(x, (m0 + r) * xs, xdt);
+            for (; k + VW <= K; k += VW) {
+                vf_st(lanes, ldv(src, k, xdt));
+                for (int i = 0; i < VW; i++) dst[(k + i) * GEMM_WIDE_MR + r] = lanes[i];
+            }
+            for (; k < K; k++) dst[k * GEMM_WIDE_MR + r] = ld1(src, k, xdt);
+        }
+        for (; k < kpad; k++) dst[k * GEMM_WIDE_MR + r] = 0.0f;
+    }
 }
 
 #else
@@ -352,10 +451,17 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
                              const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
                              int64_t N, int64_t K) {
     const int64_t nkp = (K + 1) / 2, kpad = 2 * nkp, np = (N + GEMM_NB - 1) / GEMM_NB;
-    const int direct = xdt == GEMM_XDT && K % 2 == 0;
+#ifdef GEMM_WIDE
+    const int wide = M >= GEMM_WIDE_MIN_M; /* x prepared in row groups for gemm_tile_wide */
+    const int64_t xrows = wide ? (M + GEMM_WIDE_MR - 1) / GEMM_WIDE_MR * GEMM_WIDE_MR : M;
+#else
+    const int wide = 0;
+    const int64_t xrows = M;
+#endif
+    const int direct = !wide && xdt == GEMM_XDT && K % 2 == 0;
     xelem *xp = NULL;
     if (!direct) {
-        const size_t bytes = ((size_t)(M * kpad) * sizeof(xelem) + 63) & ~(size_t)63;
+        const size_t bytes = ((size_t)(xrows * kpad) * sizeof(xelem) + 63) & ~(size_t)63;
         xp = aligned_alloc(64, bytes);
         if (!xp) return CPUD_ENOMEM;
     }
@@ -380,6 +486,13 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
     }
 #pragma omp parallel if (items > 1) reduction(| : failed)
     {
+#ifdef GEMM_WIDE
+        if (wide) {
+#pragma omp for schedule(static)
+            for (int64_t m0 = 0; m0 < M; m0 += GEMM_WIDE_MR)
+                gemm_prep_group(x, xdt, xs, m0, M, K, xp + m0 * kpad, kpad);
+        } else
+#endif
         if (!direct) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) gemm_prep_row(at(x, m * xs, xdt), xdt, K, xp + m * kpad, kpad);
@@ -415,6 +528,11 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
                     else
                         amx_block(panel, nkp, tail, kpad, mt, c, m0 == item / np * mc);
                 } else
+#endif
+#ifdef GEMM_WIDE
+                if (wide)
+                    gemm_tile_wide(panel, nkp, xp + m0 * kpad, kpad, mt, c);
+                else
 #endif
                     gemm_tile(panel, nkp, xv + m0 * xvs, xvs, mt, c, &ranges[tid], item);
                 if (odt == CPUD_BF16)
@@ -489,9 +607,9 @@ static TGT uint64_t read_probe_k(const void *buf, int64_t bytes) {
 
 /* ---------------------------------------------------------- compute probe */
 
-/* iters x 16 independent multiply-adds of the tier's widest kind (vdpbf16ps, vfmadd on zmm or
- * ymm, scalar fmaf) per thread, all in registers: the instruction peak the GEMM micro-kernel
- * is measured against.  Returns the FLOPs done by all threads; *sink takes a value that
+/* iters x 16 (avx2: 12) independent multiply-adds of the tier's widest kind (vdpbf16ps, vfmadd
+ * on zmm or ymm, scalar fmaf) per thread, all in registers: the instruction peak the GEMM
+ * micro-kernel is measured against.  Returns the FLOPs done by all threads; *sink takes a value that
  * depends on every result, so nothing is optimised away. */
 static TGT double compute_probe_k(int64_t iters, float *sink) {
     double flops = 0.0;
@@ -540,18 +658,20 @@ static TGT double compute_probe_k(int64_t iters, float *sink) {
         total += _mm512_reduce_add_ps(acc[0]);
         flops += (double)iters * 16 * (TIER_ID >= 3 ? 64 : 32);
 #elif TIER_ID == 1
-        __m256 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = _mm256_set1_ps((float)i);
+        /* 12 accumulators: with the two operands 14 of the 16 ymm registers (16 accumulators
+         * spilled to the stack and read 116 GFLOP/s on a Zen 3 whose GEMM reaches 170) */
+        __m256 acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps((float)i);
         __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-6f);
         for (int64_t it = 0; it < iters; it++) {
-            for (int i = 0; i < 16; i++) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
+            for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
             __asm__ volatile("" : "+x"(a));
         }
-        for (int i = 1; i < 16; i++) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+        for (int i = 1; i < 12; i++) acc[0] = _mm256_add_ps(acc[0], acc[i]);
         float lanes[8];
         _mm256_storeu_ps(lanes, acc[0]);
         for (int i = 0; i < 8; i++) total += lanes[i];
-        flops += (double)iters * 16 * 16;
+        flops += (double)iters * 12 * 16;
 #else
         float acc[16];
         for (int i = 0; i < 16; i++) acc[i] = (float)i;
