@@ -53,6 +53,27 @@ static ALWAYS_INLINE TGT float dot_f32(const float *a, const float *b, int64_t n
     return s;
 }
 
+/* a: [n] f32, b: 4 rows [4][bs] f32 (stride bs) -> out[i] = sum a * b[i]: four independent
+ * chains, so a score costs FMA throughput, not a chain's latency */
+static ALWAYS_INLINE TGT void dot4_f32(const float *a, const float *b, int64_t bs, int64_t n,
+                                       float *out) {
+    vf acc0 = vf_zero(), acc1 = vf_zero(), acc2 = vf_zero(), acc3 = vf_zero();
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf x = vf_ld(a + i);
+        acc0 = vf_fma(x, vf_ld(b + i), acc0);
+        acc1 = vf_fma(x, vf_ld(b + bs + i), acc1);
+        acc2 = vf_fma(x, vf_ld(b + 2 * bs + i), acc2);
+        acc3 = vf_fma(x, vf_ld(b + 3 * bs + i), acc3);
+    }
+    out[0] = vf_hsum(acc0);
+    out[1] = vf_hsum(acc1);
+    out[2] = vf_hsum(acc2);
+    out[3] = vf_hsum(acc3);
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++) out[r] += a[i] * b[r * bs + i];
+}
+
 /* ------------------------------------------------------------- rms norm */
 
 /* x: [H] dt -> sum of squares in fp32 */
@@ -375,11 +396,11 @@ static ALWAYS_INLINE TGT void att_block(att_ws *w, const float *kb, const float 
         const int64_t b = (hi[r] < j0 + nk - 1 ? hi[r] : j0 + nk - 1) - j0;
         if (a > b) continue;
         const float *qr = w->q + r * hd;
+        int64_t j = a;
+        for (; j + 4 <= b + 1; j += 4) dot4_f32(qr, kb + j * hd, hd, hd, w->p + j);
+        for (; j <= b; j++) w->p[j] = dot_f32(qr, kb + j * hd, hd);
         float mx = -INFINITY;
-        for (int64_t j = a; j <= b; j++) {
-            w->p[j] = dot_f32(qr, kb + j * hd, hd);
-            mx = w->p[j] > mx ? w->p[j] : mx;
-        }
+        for (j = a; j <= b; j++) mx = w->p[j] > mx ? w->p[j] : mx;
         const float m_new = mx > w->m[r] ? mx : w->m[r];
         const float alpha = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
         const float sum = att_exp(w->p, a, b, m_new);
