@@ -301,6 +301,10 @@ static TGT void argmax_rows_k(int dt, const void *x, int64_t xs, int64_t rows, i
 /* (query, head) rows handled by one work item: ATT_ROWS / G queries of one
  * sequence times the G heads of one kv head (one query when G > ATT_ROWS). */
 #define ATT_ROWS 64
+/* Rows per group of the tiled block path: 6 rows x 16 keys (or 16 dims) of accumulators, the
+ * GEMM micro-kernel's shape; it runs when hd and bs are multiples of 16. */
+#define ATT_MR 6
+#define ATT_NC (16 / VW) /* vectors per 16 keys or dims */
 
 typedef struct att_item {
     int32_t s;   /* sequence */
@@ -324,7 +328,8 @@ typedef struct att_ws {
     float *acc;  /* [R][hd] unnormalised outputs */
     float *m;    /* [R] running max */
     float *l;    /* [R] running sum */
-    float *p;    /* [bs] scores / probabilities of one row */
+    float *p;    /* [ATT_MR][bs] scores / probabilities of a row group */
+    float *kt;   /* [hd][bs] keys of one block transposed, fp32 (tiled path) */
     float *kb;   /* [bs][hd] keys of one block, fp32 */
     float *vb;   /* [bs][hd] values of one block, fp32 */
     int64_t *lo; /* [R] first key each row attends */
@@ -333,13 +338,15 @@ typedef struct att_ws {
 
 static att_ws att_ws_alloc(int64_t R, int64_t hd, int64_t bs) {
     att_ws w;
-    const size_t floats = ((size_t)(R * hd * 2 + R * 2 + bs + 2 * bs * hd) + 1) & ~(size_t)1;
+    const size_t floats =
+        ((size_t)(R * hd * 2 + R * 2 + ATT_MR * bs + 3 * bs * hd) + 1) & ~(size_t)1;
     w.q = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(2 * R));
     w.acc = w.q ? w.q + R * hd : NULL;
     w.m = w.q ? w.acc + R * hd : NULL;
     w.l = w.q ? w.m + R : NULL;
     w.p = w.q ? w.l + R : NULL;
-    w.kb = w.q ? w.p + bs : NULL;
+    w.kt = w.q ? w.p + ATT_MR * bs : NULL;
+    w.kb = w.q ? w.kt + bs * hd : NULL;
     w.vb = w.q ? w.kb + bs * hd : NULL;
     w.lo = w.q ? (int64_t *)(void *)(w.q + floats) : NULL;
     w.hi = w.q ? w.lo + R : NULL;
@@ -410,6 +417,106 @@ static ALWAYS_INLINE TGT void att_block(att_ws *w, const float *kb, const float 
     }
 }
 
+/* s[r][0..16) = q[r] . keys [j0, j0 + 16) for mr rows; q: [mr][hd], kt: [hd][bs], s: [mr][bs] */
+static ALWAYS_INLINE TGT void att_scores_tile(const int mr, const float *q, const float *kt,
+                                              int64_t j0, int64_t hd, int64_t bs, float *s) {
+    vf acc[ATT_MR][ATT_NC];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < ATT_NC; c++) acc[r][c] = vf_zero();
+    for (int64_t d = 0; d < hd; d++) {
+        vf k[ATT_NC];
+        for (int c = 0; c < ATT_NC; c++) k[c] = vf_ld(kt + d * bs + j0 + c * VW);
+        for (int r = 0; r < mr; r++) {
+            const vf a = vf_set1(q[r * hd + d]);
+            for (int c = 0; c < ATT_NC; c++) acc[r][c] = vf_fma(a, k[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < ATT_NC; c++) vf_st(s + r * bs + j0 + c * VW, acc[r][c]);
+}
+
+/* acc[r] = acc[r] * alpha[r] + sum_{j in [a, b]} p[r][j] * vb[j] for mr rows;
+ * acc: [mr][hd], p: [mr][bs], vb: [bs][hd] */
+static ALWAYS_INLINE TGT void att_pv_tile(const int mr, float *acc, const float *alpha,
+                                          const float *p, const float *vb, int64_t a, int64_t b,
+                                          int64_t hd, int64_t bs) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+        vf o[ATT_MR][ATT_NC];
+        for (int r = 0; r < mr; r++) {
+            const vf al = vf_set1(alpha[r]);
+            for (int c = 0; c < ATT_NC; c++)
+                o[r][c] = vf_mul(vf_ld(acc + r * hd + d0 + c * VW), al);
+        }
+        for (int64_t j = a; j <= b; j++) {
+            vf v[ATT_NC];
+            for (int c = 0; c < ATT_NC; c++) v[c] = vf_ld(vb + j * hd + d0 + c * VW);
+            for (int r = 0; r < mr; r++) {
+                const vf pr = vf_set1(p[r * bs + j]);
+                for (int c = 0; c < ATT_NC; c++) o[r][c] = vf_fma(pr, v[c], o[r][c]);
+            }
+        }
+        for (int r = 0; r < mr; r++)
+            for (int c = 0; c < ATT_NC; c++) vf_st(acc + r * hd + d0 + c * VW, o[r][c]);
+    }
+}
+
+/* One row group [r0, r0 + mr) of an item against keys [j0 + ka, j0 + ke] of a block whose keys
+ * are transposed in w->kt and values are vb ([bs][hd] fp32); lo/hi: [rows] attended range. */
+static ALWAYS_INLINE TGT void att_group_tile(const int mr, att_ws *w, const float *vb, int64_t j0,
+                                             int64_t ka, int64_t ke, const int64_t *lo,
+                                             const int64_t *hi, int64_t r0, int64_t hd,
+                                             int64_t bs) {
+    int64_t ga = ke + 1, gb = ka - 1; /* keys any row of the group attends, block-relative */
+    int64_t ra[ATT_MR], rb[ATT_MR];
+    for (int r = 0; r < mr; r++) {
+        ra[r] = (lo[r0 + r] > j0 + ka ? lo[r0 + r] : j0 + ka) - j0;
+        rb[r] = (hi[r0 + r] < j0 + ke ? hi[r0 + r] : j0 + ke) - j0;
+        if (ra[r] <= rb[r]) {
+            ga = ra[r] < ga ? ra[r] : ga;
+            gb = rb[r] > gb ? rb[r] : gb;
+        }
+    }
+    if (ga > gb) return;
+    const float *q = w->q + r0 * hd;
+    for (int64_t c0 = ga / 16 * 16; c0 <= gb; c0 += 16) att_scores_tile(mr, q, w->kt, c0, hd, bs, w->p);
+    float alpha[ATT_MR];
+    for (int r = 0; r < mr; r++) {
+        float *p = w->p + r * bs;
+        float *m = w->m + r0 + r, *l = w->l + r0 + r;
+        if (ra[r] > rb[r]) { /* this row sees none of these keys: p = 0, nothing rescaled */
+            for (int64_t j = ga; j <= gb; j++) p[j] = 0.0f;
+            alpha[r] = 1.0f;
+            continue;
+        }
+        float mx = -INFINITY;
+        for (int64_t j = ra[r]; j <= rb[r]; j++) mx = p[j] > mx ? p[j] : mx;
+        const float m_new = mx > *m ? mx : *m;
+        alpha[r] = *m == -INFINITY ? 0.0f : expf(*m - m_new);
+        *l = *l * alpha[r] + att_exp(p, ra[r], rb[r], m_new);
+        *m = m_new;
+        for (int64_t j = ga; j < ra[r]; j++) p[j] = 0.0f;
+        for (int64_t j = rb[r] + 1; j <= gb; j++) p[j] = 0.0f;
+    }
+    att_pv_tile(mr, w->acc + r0 * hd, alpha, w->p, vb, ga, gb, hd, bs);
+}
+
+static TGT void att_group_tiles(int mr, att_ws *w, const float *vb, int64_t j0, int64_t ka,
+                                int64_t ke, const int64_t *lo, const int64_t *hi, int64_t r0,
+                                int64_t hd, int64_t bs) {
+    switch (mr) {
+#define ATT_CASE(n)                                                                                \
+    case n: att_group_tile(n, w, vb, j0, ka, ke, lo, hi, r0, hd, bs); break;
+    ATT_CASE(1)
+    ATT_CASE(2)
+    ATT_CASE(3)
+    ATT_CASE(4)
+    ATT_CASE(5)
+    ATT_CASE(6)
+#undef ATT_CASE
+    default: break;
+    }
+}
+
 /* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh. */
 static ALWAYS_INLINE TGT void att_item_run(
     att_ws *w, const att_item *it, const void *q /* [T][nh][hd] stride qs */, int64_t qs,
@@ -434,12 +541,30 @@ static ALWAYS_INLINE TGT void att_item_run(
     }
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
+    /* the tiled path needs whole 16-wide key chunks and dims; it pays from a few rows on */
+    const int tiled = hd % 16 == 0 && bs % 16 == 0 && rows >= 4;
     for (int64_t blk = jlo / bs; blk <= jhi / bs; blk++) {
         const int64_t phys = bt[it->s * max_blocks + blk], j0 = blk * bs;
         const int64_t ka = (jlo > j0 ? jlo : j0) - j0;
         const int64_t ke = (jhi < j0 + bs - 1 ? jhi : j0 + bs - 1) - j0;
         const int64_t base = (phys * nkv + it->kvh) * bs * hd;
         const float *kb, *vb;
+        if (tiled) {
+            /* keys [ka, ke] transposed into kt, values as fp32 rows (converted if bf16) */
+            for (int64_t j = ka; j <= ke; j++)
+                for (int64_t d = 0; d < hd; d++)
+                    w->kt[d * bs + j] = ld1(kc, base + j * hd + d, dt);
+            if (dt == CPUD_F32)
+                vb = (const float *)vc + base;
+            else {
+                to_f32(at(vc, base + ka * hd, dt), w->vb + ka * hd, (ke - ka + 1) * hd, 1.0f, dt);
+                vb = w->vb;
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += ATT_MR)
+                att_group_tiles((int)(rows - r0 < ATT_MR ? rows - r0 : ATT_MR), w, vb, j0, ka, ke,
+                                lo, hi, r0, hd, bs);
+            continue;
+        }
         if (dt == CPUD_F32) {
             kb = (const float *)kc + base;
             vb = (const float *)vc + base;
