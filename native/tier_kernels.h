@@ -417,20 +417,25 @@ static ALWAYS_INLINE TGT void att_block(att_ws *w, const float *kb, const float 
     }
 }
 
+/* acc[r][c] += a[r * as] * b[c * VW] for mr rows and the ATT_NC vectors at b: one step of the
+ * 6 x 16 tiles below */
+static ALWAYS_INLINE TGT void att_rank1(const int mr, vf acc[ATT_MR][ATT_NC], const float *a,
+                                        int64_t as, const float *b) {
+    vf bv[ATT_NC];
+    for (int c = 0; c < ATT_NC; c++) bv[c] = vf_ld(b + c * VW);
+    for (int r = 0; r < mr; r++) {
+        const vf ar = vf_set1(a[r * as]);
+        for (int c = 0; c < ATT_NC; c++) acc[r][c] = vf_fma(ar, bv[c], acc[r][c]);
+    }
+}
+
 /* s[r][0..16) = q[r] . keys [j0, j0 + 16) for mr rows; q: [mr][hd], kt: [hd][bs], s: [mr][bs] */
 static ALWAYS_INLINE TGT void att_scores_tile(const int mr, const float *q, const float *kt,
                                               int64_t j0, int64_t hd, int64_t bs, float *s) {
     vf acc[ATT_MR][ATT_NC];
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < ATT_NC; c++) acc[r][c] = vf_zero();
-    for (int64_t d = 0; d < hd; d++) {
-        vf k[ATT_NC];
-        for (int c = 0; c < ATT_NC; c++) k[c] = vf_ld(kt + d * bs + j0 + c * VW);
-        for (int r = 0; r < mr; r++) {
-            const vf a = vf_set1(q[r * hd + d]);
-            for (int c = 0; c < ATT_NC; c++) acc[r][c] = vf_fma(a, k[c], acc[r][c]);
-        }
-    }
+    for (int64_t d = 0; d < hd; d++) att_rank1(mr, acc, q + d, hd, kt + d * bs + j0);
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < ATT_NC; c++) vf_st(s + r * bs + j0 + c * VW, acc[r][c]);
 }
@@ -447,14 +452,7 @@ static ALWAYS_INLINE TGT void att_pv_tile(const int mr, float *acc, const float 
             for (int c = 0; c < ATT_NC; c++)
                 o[r][c] = vf_mul(vf_ld(acc + r * hd + d0 + c * VW), al);
         }
-        for (int64_t j = a; j <= b; j++) {
-            vf v[ATT_NC];
-            for (int c = 0; c < ATT_NC; c++) v[c] = vf_ld(vb + j * hd + d0 + c * VW);
-            for (int r = 0; r < mr; r++) {
-                const vf pr = vf_set1(p[r * bs + j]);
-                for (int c = 0; c < ATT_NC; c++) o[r][c] = vf_fma(pr, v[c], o[r][c]);
-            }
-        }
+        for (int64_t j = a; j <= b; j++) att_rank1(mr, o, p + j, bs, vb + j * hd + d0);
         for (int r = 0; r < mr; r++)
             for (int c = 0; c < ATT_NC; c++) vf_st(acc + r * hd + d0 + c * VW, o[r][c]);
     }
