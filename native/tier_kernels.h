@@ -393,6 +393,19 @@ static ALWAYS_INLINE TGT float att_exp(float *p, int64_t a, int64_t b, float mx)
     return s;
 }
 
+/* p[a..b]: a row's scores of one block -> exp(p - m_new) in place; folds them into the row's
+ * running max *m and sum *l and returns alpha, the factor that rescales its earlier output */
+static ALWAYS_INLINE TGT float att_online_softmax(float *p, int64_t a, int64_t b, float *m,
+                                                  float *l) {
+    float mx = -INFINITY;
+    for (int64_t j = a; j <= b; j++) mx = p[j] > mx ? p[j] : mx;
+    const float m_new = mx > *m ? mx : *m;
+    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - m_new);
+    *l = *l * alpha + att_exp(p, a, b, m_new);
+    *m = m_new;
+    return alpha;
+}
+
 /* One block of keys [j0, j0 + nk) against all rows of an item. kb, vb: [bs][hd]
  * fp32 (only rows [ka, kb_end] valid), lo/hi: [rows] attended key range. */
 static ALWAYS_INLINE TGT void att_block(att_ws *w, const float *kb, const float *vb, int64_t j0,
@@ -406,13 +419,7 @@ static ALWAYS_INLINE TGT void att_block(att_ws *w, const float *kb, const float 
         int64_t j = a;
         for (; j + 4 <= b + 1; j += 4) dot4_f32(qr, kb + j * hd, hd, hd, w->p + j);
         for (; j <= b; j++) w->p[j] = dot_f32(qr, kb + j * hd, hd);
-        float mx = -INFINITY;
-        for (j = a; j <= b; j++) mx = w->p[j] > mx ? w->p[j] : mx;
-        const float m_new = mx > w->m[r] ? mx : w->m[r];
-        const float alpha = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
-        const float sum = att_exp(w->p, a, b, m_new);
-        w->l[r] = w->l[r] * alpha + sum;
-        w->m[r] = m_new;
+        const float alpha = att_online_softmax(w->p, a, b, w->m + r, w->l + r);
         att_pv(w->acc + r * hd, alpha, w->p, vb, a, b, hd);
     }
 }
@@ -486,12 +493,7 @@ static ALWAYS_INLINE TGT void att_group_tile(const int mr, att_ws *w, const floa
             alpha[r] = 1.0f;
             continue;
         }
-        float mx = -INFINITY;
-        for (int64_t j = ra[r]; j <= rb[r]; j++) mx = p[j] > mx ? p[j] : mx;
-        const float m_new = mx > *m ? mx : *m;
-        alpha[r] = *m == -INFINITY ? 0.0f : expf(*m - m_new);
-        *l = *l * alpha[r] + att_exp(p, ra[r], rb[r], m_new);
-        *m = m_new;
+        alpha[r] = att_online_softmax(p, ra[r], rb[r], m, l);
         for (int64_t j = ga; j < ra[r]; j++) p[j] = 0.0f;
         for (int64_t j = rb[r] + 1; j <= gb; j++) p[j] = 0.0f;
     }
