@@ -286,7 +286,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"# cpud perf suite, {results['date']}",
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; commit {m['commit']}; model "
-        f"{results['model']} (bf16); {results['runs']} interleaved runs per figure, medians, "
+        f"{results['model']} (bf16); {runs_text(results)} per figure, medians, "
         f"ratios cpud/peer computed run by run; load average {results['loadavg_start']:.2f} -> "
         f"{results['loadavg_end']:.2f}. Command: `{results['command']}`"
         + (" (quick: short outputs, smoke numbers only)" if results.get("quick") else ""),
@@ -345,6 +345,14 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_text(results: dict[str, Any]) -> str:
+    """'3 interleaved runs', or '3 interleaved runs (serving: 1)' where serving ran fewer."""
+    text = f"{results['runs']} interleaved runs"
+    serving = results.get("serving_runs", results["runs"])
+    ran_serving = any(s.startswith("serving-") for s in results["scenarios"])
+    return text + (f" (serving: {serving})" if ran_serving and serving != results["runs"] else "")
+
+
 def host_lines(host: dict[str, Any]) -> list[str]:
     """The header's lines on host read bandwidth before and after the modules."""
     lines = []
@@ -379,7 +387,9 @@ def plot(results: dict[str, Any], engine: dict | None, serving: dict | None, out
     title = f"{results['model_name']}, bf16, {results['machine']['cores']} cores"
     title += f", {results['date'][:10]}" + (" (quick smoke run)" if results.get("quick") else "")
     paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = 2 if serving and serving.get("concurrency") else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
+    axes = axes[0]
     if engine:
         series: dict[str, list[tuple[int, float]]] = {}
         for scenario, row in engine.get("scenarios", {}).items():
@@ -392,17 +402,17 @@ def plot(results: dict[str, Any], engine: dict | None, serving: dict | None, out
             points.sort()
             axes[0].plot(*zip(*points), marker="o", label=name, color=COLORS[name])
     axes[0].set(xlabel="streams", ylabel="generated tok/s", title="offline decode")
-    if serving:
+    if panels == 2:
         series = {}
-        for conc, row in serving.get("concurrency", {}).items():
+        for conc, row in serving["concurrency"].items():
             for name in ("cpud", *PEERS):
                 if name in row:
                     series.setdefault(name, []).append((int(conc), row[name]["output_tok_s"]))
         for name, points in series.items():
             points.sort()
             axes[1].plot(*zip(*points), marker="o", label=name, color=COLORS[name])
-    shape = f"{serving['isl']}/{serving['osl']}" if serving else ""
-    axes[1].set(xlabel="concurrent requests", ylabel="output tok/s", title=f"serving {shape}")
+        shape = f"{serving['isl']}/{serving['osl']}"
+        axes[1].set(xlabel="concurrent requests", ylabel="output tok/s", title=f"serving {shape}")
     for ax in axes:
         plain_log_x(ax)
         if ax.lines:
@@ -449,6 +459,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="default perf/results/<date>-<time>")
     parser.add_argument("--quick", action="store_true", help="short outputs: a smoke test")
     parser.add_argument("--no-peers", action="store_true", help="cpud only (fast)")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        choices=PEERS,
+        help="run only these peers (repeatable; default all three); the others show as "
+        "'not selected' in the table",
+    )
+    parser.add_argument(
+        "--serving-runs", type=int, help="rounds of the serving scenarios (default --runs)"
+    )
+    parser.add_argument(
+        "--per-client",
+        type=int,
+        default=2,
+        help="serving requests per client per round (at least 8 requests per round)",
+    )
     parser.add_argument("--loadgen", choices=("aiperf", "builtin"), default="aiperf")
     parser.add_argument(
         "--host-seconds", type=float, default=20.0, help="host bandwidth trace, before and after"
@@ -456,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     chosen = args.scenario or ["all"]
+    peers = [] if args.no_peers else (args.peer or list(PEERS))
     scenarios = list(SCENARIOS) if "all" in chosen else [s for s in SCENARIOS if s in chosen]
     out = args.out or HERE / "results" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -471,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": str(model),
         "model_name": args.model and Path(args.model).name or args.preset,
         "runs": args.runs,
+        "serving_runs": args.serving_runs or args.runs,
         "quick": args.quick,
         "loadavg_start": os.getloadavg()[0],
         "modules": {},
@@ -478,6 +506,11 @@ def main(argv: list[str] | None = None) -> None:
         "scenarios": {},
         "host": {},
     }
+    for peer in PEERS:
+        if peer not in peers:
+            results["peers"][peer] = (
+                "not selected (--no-peers)" if args.no_peers else "not selected (--peer)"
+            )
     if args.host_seconds > 0:
         results["host"]["before"] = host_trace(out, "before", args.host_seconds)
     log(f"scenarios {', '.join(scenarios)}; results in {out}")
@@ -490,10 +523,9 @@ def main(argv: list[str] | None = None) -> None:
         cmd += [arg for s in wanted for arg in ("--scenario", s)]
         cmd += ["--tokens", "16" if args.quick else "64"]
         cmd += ["--json", str(out / "engine.json"), "--markdown", str(out / "engine.md")]
-        if args.no_peers:
-            cmd += ["--no-hf"]
-        else:
-            cmd += ["--llamacpp", "--vllm"]
+        cmd += [] if "transformers" in peers else ["--no-hf"]
+        cmd += ["--llamacpp"] if "llama.cpp" in peers else []
+        cmd += ["--vllm"] if "vLLM-CPU" in peers else []
         results["modules"]["engine"] = run_module(cmd, out, "engine", 4 * 3600)
         engine = load_json(out / "engine.json")
         err = f"bench_engine.py failed: {' '.join(results['modules']['engine']['tail'])}"
@@ -501,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
         results["peers"].update((engine or {}).get("peers", {}))
 
     serving = None
-    targets = ["--target", "cpud"] if args.no_peers else []
+    servers = ["cpud", *[p for p in peers if p != "transformers"]]  # no server of its own
+    targets = [arg for name in servers for arg in ("--target", name)]
     serving_wanted = [s for s in scenarios if s in SERVING]
     if "start-to-ready" in scenarios and not serving_wanted:
         cmd = [str(HERE / "bench_serving.py"), *model_args, "--no-serving", *targets]
@@ -517,10 +550,13 @@ def main(argv: list[str] | None = None) -> None:
 
     wanted = serving_wanted
     if wanted:
-        cmd = [str(HERE / "bench_serving.py"), *model_args, *targets, "--rounds", str(args.runs)]
+        rounds = args.serving_runs or args.runs
+        cmd = [str(HERE / "bench_serving.py"), *model_args, *targets, "--rounds", str(rounds)]
         cmd += ["--concurrency", *[s.split("-")[1] for s in wanted], "--loadgen", args.loadgen]
         if args.quick:
             cmd += ["--osl", "16", "--per-client", "1", "--min-requests", "2"]
+        else:
+            cmd += ["--per-client", str(args.per_client), "--min-requests", "8"]
         cmd += ["--json", str(out / "serving.json"), "--markdown", str(out / "serving.md")]
         results["modules"]["serving"] = run_module(cmd, out, "serving", 4 * 3600)
         serving = load_json(out / "serving.json")
