@@ -57,6 +57,16 @@ def test_tp2_tokens_equal_tp1(arch, collective, model_factory):
     assert got == expected
 
 
+def test_tp2_engine_leaves_the_callers_torch_threads(model_factory):
+    import torch
+
+    before = torch.get_num_threads()
+    with LLM(model_factory("qwen3"), dtype="float32", tp=2, bind="0|1") as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+        assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before
+
+
 def test_rank_threads_pinned_and_busy(model_factory):
     with LLM(
         model_factory("qwen3"), dtype="bfloat16", tp=2, bind="0|1", collective=COLLECTIVES[0]

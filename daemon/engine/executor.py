@@ -146,10 +146,9 @@ def make_executor(config: EngineConfig, bind: str | None, reserved_cpus: int | N
     plan = plan_placement(config, bind, reserved_cpus)
     if config.tp == 1:
         return InProcessExecutor(config)
-    import torch
-
     from cpud.engine.multiproc import MultiprocExecutor
 
-    # The caller only schedules and detokenizes: keep its torch off the rank cores.
-    torch.set_num_threads(1)
+    # The caller's torch thread count is its own: cpud's frontend sets 1 at its start, an
+    # offline LLM(tp=2) leaves the user's process as it was (a TP=1 engine beside it keeps
+    # its threads).
     return MultiprocExecutor(config, rank_slots(plan), config.collective)
