@@ -470,10 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         "--serving-runs", type=int, help="rounds of the serving scenarios (default --runs)"
     )
     parser.add_argument(
-        "--per-client",
-        type=int,
-        default=2,
-        help="serving requests per client per round (at least 8 requests per round)",
+        "--per-client", type=int, help="serving requests per client per round (bench_serving.py's)"
     )
     parser.add_argument("--loadgen", choices=("aiperf", "builtin"), default="aiperf")
     parser.add_argument(
@@ -555,8 +552,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd += ["--concurrency", *[s.split("-")[1] for s in wanted], "--loadgen", args.loadgen]
         if args.quick:
             cmd += ["--osl", "16", "--per-client", "1", "--min-requests", "2"]
-        else:
-            cmd += ["--per-client", str(args.per_client), "--min-requests", "8"]
+        elif args.per_client:
+            cmd += ["--per-client", str(args.per_client)]
         cmd += ["--json", str(out / "serving.json"), "--markdown", str(out / "serving.md")]
         results["modules"]["serving"] = run_module(cmd, out, "serving", 4 * 3600)
         serving = load_json(out / "serving.json")
