@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +15,22 @@ from cpud.errors import CpudError
 SUPPRESS = argparse.SUPPRESS
 
 EXIT_CONFIG = 2
+MAX_API_KEY_BYTES = 4096
+
+
+class _StoreGiven(argparse.Action):
+    """Stores the value and notes that the flag came on the command line (in `given`), which
+    an environment default does not."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*namespace.given, self.dest}
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -183,10 +200,69 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_api_key_file(path: str) -> str:
+    """The API key in `path`: one line, one trailing newline dropped. ConfigError for a file
+    that cannot be read, is empty or holds more than a key; a warning when every user may read
+    it."""
+    from cpud.errors import ConfigError
+
+    try:
+        with open(path, "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            raw = file.read(MAX_API_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_API_KEY_BYTES:
+        raise ConfigError(f"--api-key-file {path} is over {MAX_API_KEY_BYTES} bytes: not a key")
+    try:
+        key = raw.decode().removesuffix("\n").removesuffix("\r")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--api-key-file {path} is not UTF-8 text") from None
+    if not key:
+        raise ConfigError(f"--api-key-file {path} is empty: write the key into it")
+    if key != key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ConfigError(
+            f"--api-key-file {path} must hold the key alone on one line, without spaces or "
+            "control characters around or in it"
+        )
+    if stat.S_ISREG(mode) and mode & stat.S_IROTH:
+        print(
+            f"cpud: warning: --api-key-file {path} is readable by every user "
+            f"(mode {stat.S_IMODE(mode):04o}): chmod o-r it",
+            file=sys.stderr,
+        )
+    return key
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """From --api-key-file, --api-key or the environment: a flag beats the environment; two
+    sources at the same level are an error."""
+    from cpud import envs
+    from cpud.errors import ConfigError
+
+    given = {"api_key", "api_key_file"} & args.given
+    if len(given) == 2:
+        raise ConfigError("--api-key and --api-key-file both give the API key: give one")
+    if given == {"api_key"}:
+        print(
+            "cpud: warning: --api-key shows the key to every user of this machine in the "
+            "process list; use --api-key-file or the CPUD_API_KEY environment variable",
+            file=sys.stderr,
+        )
+        return args.api_key
+    if not given and args.api_key and args.api_key_file:
+        raise ConfigError(
+            "CPUD_API_KEY_FILE and an API key variable (CPUD_API_KEY, VLLM_API_KEY) are both "
+            "set: set one"
+        )
+    if args.api_key_file:
+        return read_api_key_file(args.api_key_file)
+    return args.api_key or envs.api_key()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from cpud import envs
     from cpud.config import EngineArgs, ServeArgs
     from cpud.supervisor import serve
 
@@ -195,7 +271,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve_args = ServeArgs(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or envs.api_key(),
+        api_key=_api_key(args),
         served_model_names=tuple(args.served_model_name or ()),
         drain_timeout=args.drain_timeout,
         metrics_need_key=args.metrics_need_key,
@@ -203,6 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_timeout=args.ready_timeout,
         rank_timeout=args.rank_timeout,
         step_timeout=args.step_timeout,
+        stall_timeout=args.stall_timeout,
     )
     return serve(engine_args, serve_args)
 
@@ -240,7 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI API")
     srv.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` (env CPUD_API_KEY or VLLM_API_KEY)"
+        "--api-key",
+        action=_StoreGiven,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY`; on the command line every user sees it in the "
+        "process list: prefer --api-key-file or the environment",
+    )
+    srv.add_argument(
+        "--api-key-file",
+        action=_StoreGiven,
+        metavar="PATH",
+        help="read the API key from PATH (one line; keep the file 0600 or 0640)",
     )
     srv.add_argument(
         "--served-model-name", nargs="+", help="model names clients use (default: --model)"
@@ -279,7 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds one model step may run before its rank counts as hung",
     )
-    srv.set_defaults(func=cmd_serve)
+    srv.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds queued work may wait for a step to finish before /health answers 503",
+    )
+    srv.set_defaults(func=cmd_serve, given=frozenset())
     _document_env(srv)
 
     gen = sub.add_parser("generate", help="generate text offline (no HTTP)")

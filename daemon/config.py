@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpud import envs
 from cpud.errors import ConfigError
 from cpud.ranks.cpu_features import resolve_dtype
-from cpud.ranks.model_config import ModelConfig, load_model_config
+from cpud.ranks.model_config import ModelConfig, load_model_config, read_json_object
+from cpud.ranks.safetensors_check import check_weights
 from cpud.ranks.sizes import kv_block_bytes
 
 GiB = 1 << 30
@@ -49,7 +51,7 @@ class ServeArgs:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in logs, files or argv
     served_model_names: tuple[str, ...] = ()
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_waiting: int = 1024
@@ -57,6 +59,20 @@ class ServeArgs:
     ready_timeout: float = 600.0  # seconds ranks may take to load
     rank_timeout: float = 30.0  # seconds without a heartbeat before a child counts as lost
     step_timeout: float = 300.0  # seconds one step may run before its rank counts as hung
+    stall_timeout: float = 10.0  # seconds without a finished step before /health says 503
+
+    def __post_init__(self) -> None:
+        for name in (
+            "drain_timeout",
+            "ready_timeout",
+            "rank_timeout",
+            "step_timeout",
+            "stall_timeout",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
 
 
 @dataclass(frozen=True)
@@ -91,8 +107,20 @@ def _positive(name: str, value: int | float | None) -> None:
         raise ConfigError(f"{name} must be positive, got {value}")
 
 
-def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
+def check_model_files(model_dir: Path) -> ModelConfig:
+    """config.json parsed, safetensors headers checked against their files and the index, and
+    the tokenizer's JSON side files readable: a corrupt model is a ConfigError naming the file
+    before any rank starts. Reads headers only: milliseconds for any model size."""
     model = load_model_config(model_dir)
+    check_weights(model_dir)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            read_json_object(model_dir / name, finite=False)
+    return model
+
+
+def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
+    model = check_model_files(Path(model_dir))
     for name in ("tp", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
         _positive(name, getattr(args, name))
     _positive("kv_cache_space_gib", args.kv_cache_space_gib)

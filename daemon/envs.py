@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 
 from cpud.errors import ConfigError
 
@@ -26,6 +27,15 @@ def kv_cache_space_gib() -> float | None:
 def api_key() -> str | None:
     """CPUD_API_KEY, else VLLM_API_KEY (vLLM's name): the key clients must send."""
     return os.environ.get("CPUD_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
+API_KEY_VARIABLES = ("CPUD_API_KEY", "VLLM_API_KEY", "CPUD_API_KEY_FILE")
+
+
+def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` less the API key variables: the environment of the frontend and the ranks
+    (the frontend gets the key on its stdin)."""
+    return {name: value for name, value in environ.items() if name not in API_KEY_VARIABLES}
 
 
 # `cpud serve` flags also read from the environment (flag > env > default): each --foo-bar as

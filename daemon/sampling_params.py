@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 from cpud.errors import RequestError
@@ -10,6 +12,19 @@ from cpud.errors import RequestError
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
+TOKEN_ID_LIMIT = 2**31  # token ids and token counts fit in int32
+MAX_COUNT = TOKEN_ID_LIMIT - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch take seeds
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -35,39 +50,61 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._coerce()
         self._validate()
+
+    def _coerce(self) -> None:
+        """Numbers as plain ints and floats (numpy scalars welcome); anything else is refused.
+        Messages never print the value: a huge integer has no cheap decimal form."""
+
+        def integer(param: str, value: object) -> int:
+            if isinstance(value, bool):
+                raise RequestError(f"{param} must be an integer, not a bool", param=param)
+            try:
+                return operator.index(value)
+            except TypeError:
+                raise RequestError(
+                    f"{param} must be an integer, got {type(value).__name__}", param=param
+                ) from None
+
+        def real(param: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise RequestError(
+                    f"{param} must be a number, got {type(value).__name__}", param=param
+                )
+            try:
+                result = float(value)
+            except OverflowError:
+                result = math.inf
+            if not math.isfinite(result):
+                raise RequestError(f"{param} must be a finite number", param=param)
+            return result
+
+        for name in ("n", "top_k", "min_tokens"):
+            object.__setattr__(self, name, integer(name, getattr(self, name)))
+        for name in ("seed", "max_tokens", "logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, integer(name, getattr(self, name)))
+        ids = tuple(integer("stop_token_ids", t) for t in self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        for name in FLOAT_FIELDS:
+            object.__setattr__(self, name, real(name, getattr(self, name)))
 
     def _validate(self) -> None:
         def fail(param: str, message: str) -> None:
             raise RequestError(f"{param} {message}", param=param)
 
-        def finite(param: str, value: float) -> None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                fail(param, f"must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                fail(param, f"must be finite, got {value}")
-
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
-            finite(name, getattr(self, name))
         if not 1 <= self.n <= MAX_N:
-            fail("n", f"must be between 1 and {MAX_N}, got {self.n}")
+            fail("n", f"must be between 1 and {MAX_N}")
         if not 0.0 <= self.temperature <= 100.0:
             fail("temperature", f"must be between 0 and 100, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 and self.top_k != -1:
-            fail("top_k", f"must be 0 or -1 (disabled) or a positive count, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_COUNT:
+            fail("top_k", f"must be -1 or 0 (disabled) or a count up to {MAX_COUNT}")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", f"must be between 0 and 1, got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -76,22 +113,28 @@ class SamplingParams:
             fail("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_COUNT:
+            fail("max_tokens", f"must be between 1 and {MAX_COUNT}")
+        if not 0 <= self.min_tokens <= MAX_COUNT:
+            fail("min_tokens", f"must be between 0 and {MAX_COUNT}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(
                 "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+            fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         if len(self.stop) > MAX_STOP_STRINGS:
             fail("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             fail("stop", "entries must be non-empty strings")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            fail("seed", "must fit in 64 bits")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            fail("stop", f"entries must be at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"allows at most {MAX_STOP_TOKEN_IDS} ids")
+        if any(not 0 <= t < TOKEN_ID_LIMIT for t in self.stop_token_ids):
+            fail("stop_token_ids", f"entries must be token ids in [0, {TOKEN_ID_LIMIT})")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            fail("seed", f"must be between {SEED_MIN} and {SEED_MAX} (a signed 64-bit integer)")
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,11 @@
 
 It resolves the configuration, plans CPUs and memory per rank (refusing, with numbers, a plan
 that cannot fit), then spawns the frontend and one process per rank in a private 0700 runtime
-directory. It tells systemd READY=1 only once every rank has reported READY and the frontend
-serves, pings the watchdog only while every child's heartbeat is fresh, and says STOPPING=1 on
-drain. Signal handlers only set state; the loop acts on it.
+directory (removing those that daemons killed with SIGKILL left). The frontend gets the API
+key on its stdin; no child's environment carries it. It tells systemd READY=1 only once every
+rank has reported READY and the frontend serves, pings the watchdog only while every child's
+heartbeat is fresh, and says STOPPING=1 on drain. Signal handlers only set state; the loop acts
+on it.
 
 Exit codes: 0 after a drain, EXIT_CONFIG (2) for a configuration the daemon refuses, and
 EXIT_CHILD_LOST (3) when a rank or the frontend dies or hangs: in-flight requests have then
@@ -27,12 +29,13 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from cpud import envs
 from cpud.config import EngineArgs, ServeArgs, resolve_config
 from cpud.engine.executor import plan_placement, rank_slots, size_kv_from_fraction
 from cpud.engine.multiproc import make_runtime_dir, rank_engine_config
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
 from cpud.errors import ConfigError
-from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec
+from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec, send_secrets
 from cpud.llm import resolve_model_dir
 from cpud.protocol.supervision import (
     FrontendServing,
@@ -116,8 +119,11 @@ class Supervisor:
                 msgspec.json.encode(frontend_spec(runtime_dir, self.engine_args, self.serve_args))
             )
             frontend = subprocess.Popen(
-                [sys.executable, "-m", "cpud.frontend.server", str(spec_path)]
+                [sys.executable, "-m", "cpud.frontend.server", str(spec_path), str(os.getpid())],
+                stdin=subprocess.PIPE,
+                env=envs.without_secrets(os.environ),
             )
+            send_secrets(frontend.stdin, self.serve_args)
             self.frontend_beat = time.monotonic()
             group = RankGroup(
                 ctx,
@@ -205,7 +211,10 @@ class Supervisor:
         to_frontend: zmq.Socket,
         exc: RankDiedError,
     ) -> int:
-        """The frontend fails every in-flight request and exits; then everything stops."""
+        """The frontend fails every in-flight request and exits; then everything stops. A rank
+        that found the model unusable while loading is a configuration error: no restart."""
+        if group.config_failure is not None:
+            raise ConfigError(group.config_failure)
         self.notifier.status(f"failed: {exc}")
         to_frontend.send(encoder.encode(RankDown(group.failed_rank or 0, str(exc))))
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +10,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from cpud.errors import ConfigError, RequestError
+from cpud.ranks.model_config import read_json_object
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    return read_json_object(path, finite=False) if path.is_file() else {}
 
 
 def _token_text(value: Any) -> str | None:
@@ -67,6 +62,12 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes one token decodes to: the longest vocabulary entry in
+        UTF-8 (byte-level and SentencePiece spellings are never shorter than their bytes)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(piece.encode()) for piece in vocab), default=1)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

@@ -5,18 +5,29 @@ A plan is self-contained: a rank needs nothing from earlier steps but its KV cac
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
+
+# What a rank can hold: the sampler's settings and the ids a request contributes are checked
+# against these when decoding, and by wire_error before a request is admitted.
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+Int32 = Annotated[int, Meta(ge=-(2**31), lt=2**31)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 
 
 class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    num_logprobs: int = -1  # -1: none; 0: only the sampled token's logprob
+    temperature: Finite = 1.0
+    top_k: Int32 = 0
+    top_p: Finite = 1.0
+    min_p: Finite = 0.0
+    repetition_penalty: Finite = 1.0
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    num_logprobs: Int32 = -1  # -1: none; 0: only the sampled token's logprob
 
 
 class SeqWork(msgspec.Struct, frozen=True, array_like=True):
@@ -26,8 +37,8 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     block_table: list[int]  # KV blocks covering positions [0, start_pos + len(token_ids))
     sample: bool  # the last token completes the sequence so far: sample the next one
     sampling: SamplingSpec | None = None
-    seed: int | None = None  # per-step seed derived by the frontend; None: engine randomness
-    banned_token_ids: list[int] = []  # e.g. EOS while min_tokens is not reached
+    seed: Int64 | None = None  # per-step seed derived by the frontend; None: engine randomness
+    banned_token_ids: list[TokenId] = []  # e.g. EOS while min_tokens is not reached
     prompt_token_ids: list[int] = []  # only sent when penalties need the history
     output_token_ids: list[int] = []
 
@@ -50,3 +61,19 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
     step_id: int
     tokens: list[SampledToken]
     forward_seconds: float = 0.0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_work_decoder = msgspec.msgpack.Decoder(SeqWork)
+
+
+def wire_error(work: SeqWork, check_ranges: bool = True) -> str | None:
+    """Why `work` would not reach a rank as sent, or None when it would: a value msgpack cannot
+    encode, or (with check_ranges) one the rank's decoder refuses."""
+    try:
+        data = _encoder.encode(work)
+        if check_ranges:
+            _work_decoder.decode(data)
+    except (msgspec.MsgspecError, OverflowError, TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -31,6 +31,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
 class RankFailed(msgspec.Struct, frozen=True, tag="failed"):
     rank: int
     message: str
+    config_error: bool = False  # the model or the settings are unusable: restarting won't help
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):

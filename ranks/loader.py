@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,31 +9,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from cpud.errors import ConfigError
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"{index} is unreadable or lacks weight_map: {exc}") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ConfigError(f"{index.name} lists {missing[0]}, which is missing from {model_dir}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(model_dir.glob("*.safetensors"))
-    if found:
-        return found
-    raise ConfigError(
-        f"no *.safetensors weights in {model_dir} (pytorch_model.bin is not read: "
-        f"convert the checkpoint to safetensors)"
-    )
+from cpud.ranks.safetensors_check import weight_files
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, object]:

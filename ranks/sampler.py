@@ -218,6 +218,6 @@ def _sampled(work: SeqWork, token: int, logprobs: torch.Tensor | None) -> Sample
     top_ids: list[int] = []
     top_values: list[float] = []
     if num > 0:
-        values, ids = logprobs.topk(num)
+        values, ids = logprobs.topk(min(num, logprobs.numel()))
         top_ids, top_values = ids.tolist(), values.tolist()
     return SampledToken(work.seq_id, token, chosen, rank, top_ids, top_values)

@@ -1,10 +1,11 @@
 """One rank process: bind, pin, load its weight shard, then execute step plans in lockstep.
 
-    python -m cpud.ranks.worker SPEC_JSON
+    python -m cpud.ranks.worker SPEC_JSON PARENT_PID
 
-The spec (a RankSpec, msgspec JSON) says where to run and where the sockets are. Every rank
-reports READY (or FAILED) and a heartbeat every second to the supervisor; step plans come from
-the frontend, and rank 0 returns each step's sampled tokens to it.
+The rank dies with PARENT_PID, its owner (armed before anything else). The spec (a RankSpec,
+msgspec JSON) says where to run and where the sockets are. Every rank reports READY (or FAILED)
+and a heartbeat every second to the supervisor; step plans come from the frontend, and rank 0
+returns each step's sampled tokens to it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,6 @@ def start_heartbeat(
 
 
 def run(spec: RankSpec) -> int:
-    die_with_parent()
     # Ctrl-C, `timeout` and `kill -- -PGID` signal the whole process group; the owner decides
     # when ranks stop (a Shutdown message after the drain, or SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -193,6 +193,12 @@ def run(spec: RankSpec) -> int:
             if stats.due():
                 results.send(encoder.encode(stats.snapshot(group, runner.kv_cache_bytes)))
     except BaseException as exc:
+        from cpud.errors import ConfigError
+
+        if isinstance(exc, ConfigError):
+            log.error("rank %d cannot load the model: %s", spec.rank, exc)
+            control.send(encoder.encode(RankFailed(spec.rank, str(exc), config_error=True)))
+            return 1
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.error("rank %d failed: %s\n%s", spec.rank, detail, traceback.format_exc())
         control.send(encoder.encode(RankFailed(spec.rank, detail)))
@@ -205,6 +211,7 @@ def run(spec: RankSpec) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(args[1]))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(message)s"
     )

@@ -135,6 +135,12 @@ def test_logprobs_are_raw_and_ranked():
     assert token.top_logprobs == pytest.approx(expected[:3].tolist(), abs=1e-6)
 
 
+def test_more_logprobs_than_the_vocabulary_lists_the_whole_vocabulary():
+    logits = torch.linspace(1.0, -1.0, 5).unsqueeze(0)
+    token = sample(logits, [work(SamplingParams(temperature=0, logprobs=20))], torch.Generator())[0]
+    assert token.top_token_ids == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -3,6 +3,7 @@ threads pinned to their cores and busy, and clean failure when a rank dies or ha
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.multiproc import RankDiedError
+from cpud.errors import ConfigError
 from cpud_server_helpers import rank_pids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -140,14 +142,28 @@ def test_rank_that_raises_during_a_step_is_named(model_factory):
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
-def test_rank_that_fails_to_load_is_named(model_factory, tmp_path):
+def test_rank_that_finds_the_model_unusable_is_a_config_error(model_factory, tmp_path):
     import shutil
 
     model_dir = tmp_path / "broken"
     shutil.copytree(model_factory("llama"), model_dir)
-    # The frontend reads config.json; the ranks then find no weights to load.
+    # config.json and the safetensors headers are each valid, but they disagree: only a rank
+    # loading its weights finds out.
+    config = json.loads((model_dir / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="config.json does not match the weights"):
+        LLM(model_dir, dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
+    assert not children(os.getpid())
+
+
+def test_missing_weights_are_refused_before_any_rank_starts(model_factory, tmp_path):
+    import shutil
+
+    model_dir = tmp_path / "no-weights"
+    shutil.copytree(model_factory("llama"), model_dir)
     (model_dir / "model.safetensors").rename(model_dir / "weights.bin")
-    with pytest.raises(RankDiedError, match=r"rank \d failed to start: .*safetensors"):
+    with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
         LLM(model_dir, dtype="float32", tp=2, bind="0|1", collective=COLLECTIVES[0])
     assert not children(os.getpid())
 

@@ -1,9 +1,15 @@
-"""The engine loop: add requests, step (schedule -> run -> postprocess), collect outputs."""
+"""The engine loop: add requests, step (schedule -> run -> postprocess), collect outputs.
+
+A failure that belongs to one request (its plan, its text, its logprobs) ends that request
+only: it is aborted and its error filed for the caller; a failure of the step itself (the
+executor, a rank) propagates.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,10 +20,26 @@ from cpud.engine.executor import Executor
 from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence, TokenLogprobs
-from cpud.errors import RequestError
-from cpud.protocol.step import SampledToken, SamplingSpec, SeqWork, StepPlan
+from cpud.errors import CpudError, RequestError
+from cpud.protocol.step import SampledToken, SamplingSpec, SeqWork, StepPlan, StepResult, wire_error
 from cpud.sampling_params import SamplingParams
 from cpud.tokenizer import Tokenizer
+
+log = logging.getLogger("cpud.engine")
+
+
+class RequestFailedError(CpudError):
+    """Serving one request failed inside the engine; the engine goes on with the others."""
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` on one short line, whatever the exception holds."""
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:
+        text = ""
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def derive_seed(*parts: int) -> int:
@@ -66,6 +88,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
+        # False (the offline API): step() raises a request's failure once it is cleaned up.
+        # True (the server): failures are filed in `failures` and the step goes on.
+        self.isolate_requests = False
+        self.failures: list[tuple[str, Exception]] = []
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -112,6 +138,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> None:
+        """Admit a request, or raise (RequestError for its own faults) and change nothing."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         self.validate(prompt_token_ids, params)
@@ -129,6 +156,12 @@ class LLMEngine:
             seq = Sequence(
                 next(self._seq_ids), request_id, index, list(prompt_token_ids), params, detok, seed
             )
+            why = wire_error(self._work(seq, 0, 0, True))
+            if why is not None:
+                raise RequestError(
+                    f"the request's sampling settings cannot be sent to the model ranks ({why}): "
+                    "bring its numbers into range",
+                )
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seqs)
         for seq in seqs:
@@ -149,6 +182,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of the requests that failed since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _fail(self, request_id: str, exc: Exception, doing: str) -> None:
+        """End one request for a failure of its own; the engine goes on."""
+        log.error("request %s failed while %s: %s", request_id, doing, describe(exc))
+        log.debug("request %s failure", request_id, exc_info=exc)
+        self.abort(request_id)
+        if not isinstance(exc, RequestError):
+            exc = RequestFailedError(
+                f"the request failed inside the engine while {doing} ({type(exc).__name__}); "
+                "the server logged it"
+            )
+        self.failures.append((request_id, exc))
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -159,58 +209,105 @@ class LLMEngine:
                 # Validation guarantees a lone request fits; reaching here is a bug, not load.
                 raise RuntimeError("scheduler made no progress with an idle engine")
             return []
-        result = self.executor.execute(self._plan(sched))
+        plan = self._plan(sched)
+        result = self._execute(plan) if plan.seqs else None
+        if result is None:
+            return self._end_step([])
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = item.seq
+            if seq.finished:  # its request failed while planning
+                continue
             seq.num_computed_tokens += item.num_tokens
             self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
         for sampled in result.tokens:
             seq = self.seqs.get(sampled.seq_id)
             if seq is None or seq.finished:
                 continue
-            self._append(seq, sampled)
+            try:
+                self._append(seq, sampled)
+            except Exception as exc:
+                self._fail(seq.request_id, exc, "reading its new token")
+                continue
             touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = [self._output(request) for request in touched.values()]
+        outputs = []
         for request in touched.values():
+            if request.request_id not in self.requests:  # failed after another choice advanced
+                continue
+            try:
+                outputs.append(self._output(request))
+            except Exception as exc:
+                self._fail(request.request_id, exc, "building its output")
+                continue
             if request.finished:
                 self.requests.pop(request.request_id, None)
                 for seq in request.seqs:
                     self.seqs.pop(seq.seq_id, None)
+        return self._end_step(outputs)
+
+    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.failures and not self.isolate_requests:
+            _, error = self.failures[0]
+            self.failures = []
+            raise error
         return outputs
+
+    def _execute(self, plan: StepPlan) -> StepResult | None:
+        """The executor's result; None when the plan could not be encoded because of requests
+        of its own, which are failed. Encoding precedes sending, so no rank has the plan and
+        the others are simply planned again next step."""
+        try:
+            return self.executor.execute(plan)
+        except CpudError:
+            raise
+        except Exception as exc:
+            culprits = [w.seq_id for w in plan.seqs if wire_error(w, check_ranges=False)]
+            if not culprits:
+                raise
+            for seq_id in culprits:
+                seq = self.seqs.get(seq_id)
+                if seq is not None:
+                    self._fail(seq.request_id, exc, "sending its step to the ranks")
+            return None
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
         works = []
         for item in sched.scheduled:
             seq = item.seq
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + item.num_tokens]
-            if not item.samples:
-                works.append(SeqWork(seq.seq_id, tokens, start, list(seq.blocks.block_ids), False))
+            try:
+                work = self._work(seq, seq.num_computed_tokens, item.num_tokens, item.samples)
+            except Exception as exc:
+                self._fail(seq.request_id, exc, "planning its step")
                 continue
-            params = seq.params
-            seed = None
-            if seq.seed is not None:
-                seed = derive_seed(seq.seed, seq.num_output_tokens)
-            banned: list[int] = []
-            if seq.num_output_tokens < params.min_tokens:
-                banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
-            needs_history = params.needs_penalties
-            works.append(
-                SeqWork(
-                    seq.seq_id,
-                    tokens,
-                    start,
-                    list(seq.blocks.block_ids),
-                    True,
-                    sampling_spec(params),
-                    seed,
-                    banned,
-                    seq.prompt_token_ids if needs_history else [],
-                    seq.output_token_ids if needs_history else [],
-                )
-            )
+            works.append(work)
+        works = [w for w in works if w.seq_id in self.seqs]  # drop choices of failed requests
         return StepPlan(next(self._step_ids), works)
+
+    def _work(self, seq: Sequence, start: int, num_tokens: int, samples: bool) -> SeqWork:
+        tokens = seq.token_ids[start : start + num_tokens]
+        blocks = list(seq.blocks.block_ids)
+        if not samples:
+            return SeqWork(seq.seq_id, tokens, start, blocks, False)
+        params = seq.params
+        seed = None
+        if seq.seed is not None:
+            seed = derive_seed(seq.seed, seq.num_output_tokens)
+        banned: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
+        needs_history = params.needs_penalties
+        return SeqWork(
+            seq.seq_id,
+            tokens,
+            start,
+            blocks,
+            True,
+            sampling_spec(params),
+            seed,
+            banned,
+            seq.prompt_token_ids if needs_history else [],
+            seq.output_token_ids if needs_history else [],
+        )
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         return frozenset() if params.ignore_eos else self.eos_token_ids

@@ -2,14 +2,23 @@
 when serving). A private 0700 runtime directory holds the IPC sockets and the shared memory
 segment; READY from every rank is awaited (any rank that fails or never answers is named),
 then plans run in lockstep. Ranks die with their parent (PR_SET_PDEATHSIG), so no orphan
-survives any exit path."""
+survives any exit path.
+
+A runtime directory names its owner in its `owner` file (pid, start time, pid namespace),
+written while the directory still has a hidden staging name, so a `cpud-*` directory never
+lacks it. An owner killed with SIGKILL cannot remove its directory: the next one made under the
+same parent removes every directory whose owner is gone."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -30,6 +39,12 @@ from cpud.ranks.model_config import load_model_config
 
 if TYPE_CHECKING:
     from cpud.ranks.model_runner import ModelRunner
+
+log = logging.getLogger("cpud.runtime")
+RUNTIME_PREFIX = "cpud-"
+STAGING_PREFIX = ".cpud-"
+ABANDONED_STAGING_S = 60.0  # a staging directory gets its owner record within microseconds
+OWNER_FILE = "owner"
 
 __all__ = ["MultiprocExecutor", "RankDiedError", "RankSlot", "build_runner", "rank_engine_config"]
 
@@ -60,9 +75,98 @@ def runtime_parent() -> str:
     return os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
 
 
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot); None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def owner_record() -> str | None:
+    """This process as a runtime directory's owner: its pid, its start time (which tells a
+    reused pid apart) and its pid namespace (outside it, the pid means another process)."""
+    start, namespace = _start_time(os.getpid()), _pid_namespace()
+    if start is None or namespace is None:
+        return None
+    return f"{os.getpid()} {start} {namespace}"
+
+
+def _read_owner(directory: str) -> str | None:
+    """The owner record of `directory` when it is a regular file of this user."""
+    try:
+        fd = os.open(os.path.join(directory, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            return None
+        return file.read(256).decode(errors="replace").strip()
+
+
+def _owner_dead(record: str) -> bool:
+    parts = record.split()
+    if len(parts) != 3 or not parts[0].isdigit() or parts[2] != _pid_namespace():
+        return False  # unreadable, or from another pid namespace: cannot be checked from here
+    return _start_time(int(parts[0])) != parts[1]
+
+
+def remove_dead_runtime_dirs(parent: str) -> list[str]:
+    """Removes the runtime directories under `parent` whose owner is gone (killed with
+    SIGKILL, or the machine lost power with the parent on disk); returns their paths. Only this
+    user's real directories (never a link) are considered: with an owner record, one owned by a
+    live process or by a process of another pid namespace stays; without one, only a staging
+    directory abandoned for a minute goes (a `cpud-*` one then predates owner records)."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        staging = entry.name.startswith(STAGING_PREFIX)
+        if not (staging or entry.name.startswith(RUNTIME_PREFIX)):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        record = _read_owner(entry.path)
+        if record is None:
+            if not staging or time.time() - info.st_mtime < ABANDONED_STAGING_S:
+                continue
+        elif not _owner_dead(record):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        owner = "unknown" if record is None else record.split()[0]
+        log.info("removed %s, left by a cpud that is gone (pid %s)", entry.path, owner)
+        removed.append(entry.path)
+    return removed
+
+
 def make_runtime_dir() -> str:
-    path = tempfile.mkdtemp(prefix="cpud-", dir=runtime_parent())
-    os.chmod(path, 0o700)
+    """A new private 0700 directory under runtime_parent() that names this process as its
+    owner, once the directories of owners that are gone are removed."""
+    parent = runtime_parent()
+    remove_dead_runtime_dirs(parent)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent)
+    os.chmod(staging, 0o700)
+    record = owner_record()
+    if record is not None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(os.path.join(staging, OWNER_FILE), flags, 0o600), "w") as file:
+            file.write(record + "\n")
+    path = os.path.join(parent, RUNTIME_PREFIX + os.path.basename(staging)[len(STAGING_PREFIX) :])
+    os.rename(staging, path)
     return path
 
 

@@ -11,6 +11,7 @@ is lost is aborted in the shared-memory all-reduce so its peers stop waiting for
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from cpud.errors import CpudError
+from cpud import envs
+from cpud.errors import ConfigError, CpudError
 from cpud.protocol.control import Shutdown, encoder
 from cpud.protocol.supervision import (
     MAX_MESSAGE_BYTES,
@@ -113,6 +115,7 @@ class RankGroup:
         self.failed_rank: int | None = None
         self._failure_reported = False  # the failure came from a FAILED report, not an exit
         self.reported: set[int] = set()  # ranks that sent FAILED
+        self.config_failure: str | None = None  # a rank found the model unusable while loading
         self.stopping = False  # set once ranks are expected to exit
         self.ctx = ctx
         self.control = ctx.socket(zmq.PULL)
@@ -144,9 +147,8 @@ class RankGroup:
             )
             path = Path(self.runtime_dir) / f"rank{rank}.json"
             path.write_bytes(msgspec.json.encode(spec))
-            self.procs.append(
-                subprocess.Popen([sys.executable, "-m", "cpud.ranks.worker", str(path)])
-            )
+            command = [sys.executable, "-m", "cpud.ranks.worker", str(path), str(os.getpid())]
+            self.procs.append(subprocess.Popen(command, env=envs.without_secrets(os.environ)))
             self.last_beat[rank] = now
 
     def pump(self, timeout_s: float = 0.0) -> None:
@@ -174,6 +176,8 @@ class RankGroup:
                 )
             elif isinstance(message, RankFailed):
                 self.reported.add(message.rank)
+                if message.config_error and message.rank not in self.ready:
+                    self.config_failure = self.config_failure or message.message
                 self._lose(message.rank, f"rank {message.rank} failed: {message.message}")
             elif self.on_message is not None:
                 self.on_message(message)
@@ -248,6 +252,8 @@ class RankGroup:
             try:
                 self.poll(0.1)
             except RankDiedError as exc:
+                if self.config_failure is not None:
+                    raise ConfigError(self.config_failure) from None
                 raise RankDiedError(str(exc).replace("failed:", "failed to start:", 1)) from None
         return self.ready_in_rank_order()
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -20,7 +21,7 @@ from cpud.errors import RequestError
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.openai_api import chat_job, completion_job, respond
 from cpud.frontend.openapi import openapi_document
-from cpud.frontend.requests import chat_prompt, check_model
+from cpud.frontend.requests import chat_prompt, check_model, check_text_size
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,12 +30,13 @@ from cpud.frontend.schemas import (
 )
 from cpud.frontend.state import Phase, ServerState
 
+log = logging.getLogger("cpud.frontend")
 Handler = Callable[[Request], Awaitable[Response]]
 OPEN_PATHS = frozenset({"/health", "/version"})
 NEED_ENGINE = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(
@@ -44,10 +46,10 @@ async def read_body(request: Request, limit: int) -> bytes:
             None,
             "request_too_large",
         )
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        body += chunk
+        if len(body) > limit:
             raise APIError(
                 413,
                 f"request body over {limit} bytes",
@@ -55,22 +57,47 @@ async def read_body(request: Request, limit: int) -> bytes:
                 None,
                 "request_too_large",
             )
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return body
+
+
+def check_json_content_type(request: Request) -> None:
+    """JSON routes take application/json only: a web page can send text/plain or form bodies
+    to a local daemon cross-site without a CORS preflight, but not this."""
+    declared = request.headers.get("content-type", "")
+    if declared.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(
+            415,
+            f"the request body must be JSON sent as Content-Type: application/json, "
+            f"not {declared or 'no content type'}",
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
 
 
 async def decode(request: Request, state: ServerState, kind: type) -> object:
+    check_json_content_type(request)
     raw = await read_body(request, state.config.max_body_bytes)
     try:
-        raw.decode("utf-8")
+        return msgspec.json.decode(raw, type=kind)
     except UnicodeDecodeError:
         raise bad_request("the request body is not valid UTF-8") from None
-    try:
-        return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def answered(
+    state: ServerState, method: str, endpoint: str, error: APIError, detail: str | None = None
+) -> None:
+    """Count an error answer and log it in one line (never a traceback)."""
+    state.metrics.requests.labels(endpoint, str(error.status)).inc()
+    message = " ".join((detail or error.message).split())[:300]
+    level = logging.ERROR if error.status == 500 else logging.INFO
+    log.log(level, "%s %s -> %d %s: %s", method, endpoint, error.status, error.code, message)
 
 
 def guarded(
@@ -81,6 +108,8 @@ def guarded(
     """Errors become OpenAI-shaped responses; every answer is counted."""
 
     async def run(request: Request) -> Response:
+        error: APIError | None = None
+        detail = None
         try:
             if state.phase is not Phase.READY and endpoint in NEED_ENGINE:
                 raise APIError(
@@ -93,11 +122,25 @@ def guarded(
                 )
             response = await handler(request, state)
         except APIError as exc:
-            response = exc.response()
+            error = exc
         except RequestError as exc:
-            response = bad_request(str(exc), exc.param, exc.code).response()
-        state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+            error = bad_request(str(exc), exc.param, exc.code)
+        except ClientDisconnect:
+            error = APIError(499, "client disconnected", "client_closed_request")
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            error = APIError(
+                500,
+                f"internal error ({type(exc).__name__}); the server logged it",
+                "internal_error",
+                None,
+                "internal_error",
+            )
+        if error is None:
+            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+        answered(state, request.method, endpoint, error, detail)
+        return error.response()
 
     return run
 
@@ -105,13 +148,13 @@ def guarded(
 async def completions(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, CompletionRequest)
     check_model(state, body.model)
-    return await respond(state, request, completion_job(state, body))
+    return await respond(state, request, await state.off_loop(completion_job, state, body))
 
 
 async def chat_completions(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, ChatCompletionRequest)
     check_model(state, body.model)
-    return await respond(state, request, chat_job(state, body))
+    return await respond(state, request, await state.off_loop(chat_job, state, body))
 
 
 async def models(request: Request, state: ServerState) -> Response:
@@ -134,14 +177,17 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
-    if body.prompt is not None:
-        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    else:
-        chat = ChatCompletionRequest(messages=body.messages)
-        tokens = chat_prompt(state, chat).token_ids
+    tokens = await state.off_loop(tokenized, state, body)
     return JSONResponse(
         {"tokens": tokens, "count": len(tokens), "max_model_len": state.config.max_model_len}
     )
+
+
+def tokenized(state: ServerState, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        check_text_size(state, len(body.prompt), "prompt")
+        return state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return chat_prompt(state, ChatCompletionRequest(messages=body.messages)).token_ids
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
@@ -151,14 +197,20 @@ async def detokenize(request: Request, state: ServerState) -> Response:
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+    text = await state.off_loop(state.tokenizer.decode, body.tokens)
+    return JSONResponse({"prompt": text})
 
 
 async def health(request: Request, state: ServerState) -> Response:
+    stalled = state.stalled_seconds
     if state.phase is Phase.READY and state.engine_alive:
-        return JSONResponse({"status": "ok"})
-    failed = state.phase is Phase.READY and not state.engine_alive
-    status = "engine failed" if failed else state.phase.value
+        if stalled < state.config.stall_seconds:
+            return JSONResponse({"status": "ok"})
+        status = f"stalled: no step finished for {stalled:.0f} s"
+    elif state.phase is Phase.READY:
+        status = "engine failed"
+    else:
+        status = state.phase.value
     return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "5"})
 
 
@@ -178,10 +230,17 @@ class ApiKeyGate:
     """Deny by default: every path but the open ones needs `Authorization: Bearer <key>`.
     The decision uses the raw request path, so encoded or dotted variants cannot slip by."""
 
-    def __init__(self, app: ASGIApp, key: str, open_paths: frozenset[str]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        key: str,
+        open_paths: frozenset[str],
+        on_denied: Callable[[str, APIError], None],
+    ):
         self.app = app
         self.key = key.encode()
         self.open_paths = open_paths
+        self.on_denied = on_denied
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -193,14 +252,15 @@ class ApiKeyGate:
         token = header[7:] if header[:7].lower() == b"bearer " else b""
         if hmac.compare_digest(token, self.key):
             return await self.app(scope, receive, send)
-        response = APIError(
+        error = APIError(
             401,
             "a valid API key is required: send Authorization: Bearer <key>",
             "authentication_error",
             None,
             "invalid_api_key",
-        ).response()
-        await response(scope, receive, send)
+        )
+        self.on_denied(scope.get("method", ""), error)
+        await error.response()(scope, receive, send)
 
 
 def create_app(state: ServerState) -> ASGIApp:
@@ -215,20 +275,36 @@ def create_app(state: ServerState) -> ASGIApp:
         ("/metrics", metrics, ["GET"]),
         ("/openapi.json", openapi, ["GET"]),
     ]
+    known = {path for path, _, _ in routes}
+
+    def unrouted(request: Request, error: APIError) -> Response:
+        # Unknown paths share one label: a client must not grow the metric series.
+        path = request.url.path if request.url.path in known else "unrouted"
+        answered(state, request.method, path, error)
+        return error.response()
+
     app: ASGIApp = Starlette(
         routes=[Route(path, guarded(state, path, fn), methods=m) for path, fn, m in routes],
         exception_handlers={
-            404: lambda request, exc: APIError(
-                404, f"no route {request.url.path}", "not_found_error"
-            ).response(),
-            405: lambda request, exc: APIError(
-                405,
-                f"{request.method} is not allowed on {request.url.path}",
-                "invalid_request_error",
-            ).response(),
+            404: lambda request, exc: unrouted(
+                request, APIError(404, f"no route {request.url.path}", "not_found_error")
+            ),
+            405: lambda request, exc: unrouted(
+                request,
+                APIError(
+                    405,
+                    f"{request.method} is not allowed on {request.url.path}",
+                    "invalid_request_error",
+                ),
+            ),
         },
     )
     if state.config.api_key:
         open_paths = OPEN_PATHS if state.config.metrics_need_key else OPEN_PATHS | {"/metrics"}
-        app = ApiKeyGate(app, state.config.api_key, open_paths)
+        app = ApiKeyGate(
+            app,
+            state.config.api_key,
+            open_paths,
+            lambda method, error: answered(state, method, "unauthenticated", error),
+        )
     return app

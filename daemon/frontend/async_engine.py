@@ -2,8 +2,9 @@
 
 Only the engine thread touches the LLMEngine. Callers submit commands (add, abort) through a
 thread-safe queue; each request gets an asyncio queue that receives RequestOutputs (or the
-exception that ended it). A failure of the step itself ends every in-flight request with that
-error, never a hang.
+exception that ended it). A failure that belongs to one request (adding it, planning, its text)
+ends that request only; a failure of the step itself (the executor, a rank) ends every
+in-flight request with that error, never a hang.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cpud.engine.llm_engine import LLMEngine
+from cpud.engine.llm_engine import LLMEngine, RequestFailedError, describe
 from cpud.engine.outputs import RequestOutput
 from cpud.errors import CpudError, RequestError
 from cpud.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class EngineStats:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 1024):
         self.engine = engine
+        engine.isolate_requests = True
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -72,6 +74,9 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._steps = 0
         self._step_seconds = 0.0
+        # Set by the engine thread only: None while idle, else when the last step ended (or
+        # work arrived, if no step has ended since).
+        self._last_progress: float | None = None
         self._thread = threading.Thread(target=self._run, name="cpud-engine", daemon=True)
         self._thread.start()
 
@@ -85,6 +90,12 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         with self._lock:
             return self._pending
+
+    def seconds_without_progress(self) -> float:
+        """0.0 while there is nothing to do; else seconds since a step last completed (or since
+        work arrived, if none has completed since). Grows while a rank's step hangs."""
+        since = self._last_progress
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def stats(self) -> EngineStats:
         sched = self.engine.scheduler
@@ -146,15 +157,40 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        entry = self._sinks.get(request_id)
-        if entry is None:
-            return
-        sink, loop = entry
+    @staticmethod
+    def _post(
+        sink: asyncio.Queue, loop: asyncio.AbstractEventLoop, item: RequestOutput | BaseException
+    ) -> bool:
+        """False when the caller's loop is closed: nobody is listening any more."""
         try:
             loop.call_soon_threadsafe(sink.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        except RuntimeError:
+            return False
+        return True
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        entry = self._sinks.get(request_id)
+        if entry is not None and not self._post(*entry, item):
             self._sinks.pop(request_id, None)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt_token_ids, command.params, command.prompt
+            )
+        except RequestError as exc:
+            self._post(command.sink, command.loop, exc)
+            return
+        except Exception as exc:
+            log.error("request %s could not be added: %s", command.request_id, describe(exc))
+            log.debug("request %s failure", command.request_id, exc_info=exc)
+            error = RequestFailedError(
+                f"the request could not be added to the engine ({type(exc).__name__}); "
+                "the server logged it"
+            )
+            self._post(command.sink, command.loop, error)
+            return
+        self._sinks[command.request_id] = (command.sink, command.loop)
 
     def _drain_commands(self) -> None:
         while True:
@@ -165,40 +201,42 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
                 self._sinks.pop(command.request_id, None)
-                continue
-            self._sinks[command.request_id] = (command.sink, command.loop)
-            try:
-                self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params, command.prompt
-                )
-            except RequestError as exc:
-                self._deliver(command.request_id, exc)
-                self._sinks.pop(command.request_id, None)
+            else:
+                self._add(command)
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished():
+                    self._last_progress = None
                     self.engine.executor.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                if self._last_progress is None:
+                    self._last_progress = time.monotonic()
                 started = time.perf_counter()
                 outputs = self.engine.step()
                 self._steps += 1
                 self._step_seconds += time.perf_counter() - started
+                self._last_progress = time.monotonic()
                 for output in outputs:
                     self._deliver(output.request_id, output)
                     if output.finished:
                         self._sinks.pop(output.request_id, None)
+                for request_id, error in self.engine.take_failures():
+                    self._deliver(request_id, error)
+                    self._sinks.pop(request_id, None)
         except BaseException as exc:
             if isinstance(exc, CpudError):
                 log.error("engine loop stopped: %s", exc)
             else:
                 log.exception("engine loop failed")
             self.error = exc
-            dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            dead = EngineDeadError(f"the engine failed: {describe(exc)}")
             for request_id in list(self._sinks):
                 self._deliver(request_id, dead)
             self._sinks.clear()
+        finally:
+            self._last_progress = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cpud.engine.llm_engine import RequestFailedError
 from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cpud.errors import RequestError
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError
@@ -21,6 +23,9 @@ from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, samp
 from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from cpud.frontend.state import ServerState
 from cpud.sampling_params import SamplingParams
+
+log = logging.getLogger("cpud.frontend")
+ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError)
 
 
 @dataclass
@@ -57,6 +62,8 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), "internal_error", None, "request_failed")
     raise exc
 
 
@@ -154,7 +161,7 @@ async def collect_or_abort(
             raise APIError(499, "client disconnected", "client_closed_request")
     try:
         task.result()
-    except (RequestError, QueueFullError, EngineDeadError) as exc:
+    except ENGINE_ERRORS as exc:
         raise engine_error(exc) from None
     return [finals[i] for i in range(len(streams))]
 
@@ -381,9 +388,14 @@ async def stream_events(
                     "usage": usage.as_dict(),
                 }
             )
-    except (RequestError, QueueFullError, EngineDeadError) as exc:
+    except ENGINE_ERRORS as exc:
         error = engine_error(exc)
         yield sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
+    except Exception as exc:
+        log.error("stream %s failed: %s: %s", job.request_id, type(exc).__name__, exc)
+        message = f"internal error ({type(exc).__name__}); the server logged it"
+        error = {"message": message, "type": "internal_error", "code": "internal_error"}
+        yield sse({"error": error})
     yield sse("[DONE]")
 
 

@@ -29,32 +29,49 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "self"})
+
+
+def check_text_size(state: ServerState, chars: int, param: str) -> None:
+    """Refuse, before tokenizing, a text that cannot fit in the context whatever its tokens."""
+    if chars > state.max_prompt_chars:
+        raise bad_request(
+            f"the {param} has {chars} characters, more than the {state.config.max_model_len} "
+            f"tokens of this model's context can hold (at most {state.max_prompt_chars}): "
+            "shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def completion_prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
     """prompt as a string, a list of strings, a list of token ids or a list of those."""
     raw = body.prompt
-    encode = state.tokenizer.encode
+
+    def encode(text: str) -> list[int]:
+        check_text_size(state, len(text), "prompt")
+        return state.tokenizer.encode(text)
+
     if isinstance(raw, str):
         return [Prompt(encode(raw), raw)]
     if not raw:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in raw):
         return [Prompt(list(raw), None)]
+    if len(raw) > state.config.max_prompts:
+        raise bad_request(
+            f"at most {state.config.max_prompts} prompts per request, got {len(raw)}",
+            param="prompt",
+        )
     if all(isinstance(p, str) for p in raw):
-        prompts = [Prompt(encode(p), p) for p in raw]
-    elif all(isinstance(p, list) for p in raw):
-        prompts = [Prompt(list(p), None) for p in raw]
-    else:
-        raise bad_request(
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
-            "token id lists, not a mixture",
-            param="prompt",
-        )
-    if len(prompts) > state.config.max_prompts:
-        raise bad_request(
-            f"at most {state.config.max_prompts} prompts per request, got {len(prompts)}",
-            param="prompt",
-        )
-    return prompts
+        return [Prompt(encode(p), p) for p in raw]
+    if all(isinstance(p, list) for p in raw):
+        return [Prompt(list(p), None) for p in raw]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token id lists, not a mixture",
+        param="prompt",
+    )
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -81,16 +98,21 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
     extra = dict(body.chat_template_kwargs or {})
-    if "messages" in extra:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if reserved:
         raise RequestError(
-            "chat_template_kwargs may not set 'messages': send them as messages",
+            f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: send the "
+            "conversation as messages",
             param="chat_template_kwargs",
         )
+    messages = message_dicts(body.messages)
+    check_text_size(state, sum(len(m["content"]) for m in messages), "messages")
     text = state.tokenizer.apply_chat_template(
-        message_dicts(body.messages),
+        messages,
         add_generation_prompt=extra.pop("add_generation_prompt", body.add_generation_prompt),
         **extra,
     )
+    check_text_size(state, len(text), "messages")
     return Prompt(state.tokenizer.encode(text, add_special_tokens=False), text)
 
 

@@ -4,34 +4,30 @@ served. SIGTERM/SIGINT drain: no new requests, in-flight ones finish up to the d
 then the process exits 0. When a rank is lost the engine fails every in-flight request with an
 error and the process exits EXIT_CHILD_LOST for the supervisor.
 
-    python -m cpud.frontend.server SPEC_JSON
+    python -m cpud.frontend.server SPEC_JSON PARENT_PID  < FrontendSecrets as JSON
+
+It dies with PARENT_PID, the supervisor, armed before any heavy import (this module imports
+only light ones at its top). Secrets (the API key) come on stdin: never in the spec file, the
+command line or the environment.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import signal
 import sys
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
-import zmq
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
 
-from cpud.config import EngineArgs, ServeArgs, resolve_config
-from cpud.engine.llm_engine import LLMEngine
-from cpud.engine.rank_client import RankClient
-from cpud.frontend.app import create_app
-from cpud.frontend.async_engine import AsyncEngine
-from cpud.frontend.state import Phase, ServerConfig, ServerState
-from cpud.frontend.supervisor_link import SupervisorLink
-from cpud.llm import resolve_model_dir
-from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
-from cpud.tokenizer import Tokenizer
+from cpud.ranks.binding import die_with_parent
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config as HypercornConfig
+
+    from cpud.config import EngineArgs, ServeArgs
 
 log = logging.getLogger("cpud.frontend")
 EXIT_CONFIG = 2
@@ -39,18 +35,38 @@ EXIT_CHILD_LOST = 3
 
 
 class FrontendSpec(msgspec.Struct, frozen=True):
+    """What the frontend needs, in a file of the runtime directory: nothing secret."""
+
     runtime_dir: str
     engine_args: dict
     serve_args: dict
 
 
+class FrontendSecrets(msgspec.Struct, frozen=True):
+    """What the supervisor writes to the frontend's stdin."""
+
+    api_key: str | None = None
+
+
 def frontend_spec(runtime_dir: str, engine_args: EngineArgs, serve_args: ServeArgs) -> FrontendSpec:
     engine = dataclasses.asdict(engine_args)
     engine["model"] = None if engine_args.model is None else str(engine_args.model)
-    return FrontendSpec(runtime_dir, engine, dataclasses.asdict(serve_args))
+    public = dataclasses.replace(serve_args, api_key=None)
+    return FrontendSpec(runtime_dir, engine, dataclasses.asdict(public))
+
+
+def send_secrets(stdin: BinaryIO, serve_args: ServeArgs) -> None:
+    """Hands the frontend its secrets through the pipe on its stdin, then closes it."""
+    try:
+        stdin.write(msgspec.json.encode(FrontendSecrets(serve_args.api_key)))
+        stdin.close()
+    except BrokenPipeError:
+        pass  # it exited already; its exit code tells why
 
 
 def hypercorn_config(serve_args: ServeArgs) -> HypercornConfig:
+    from hypercorn.config import Config as HypercornConfig
+
     hyper = HypercornConfig()
     hyper.bind = [f"{serve_args.host}:{serve_args.port}"]
     hyper.accesslog = None
@@ -61,10 +77,31 @@ def hypercorn_config(serve_args: ServeArgs) -> HypercornConfig:
     return hyper
 
 
-async def run_frontend(spec: FrontendSpec) -> int:
+async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
+    import asyncio
+    import time
+
+    import zmq
+    from hypercorn.asyncio import serve as hypercorn_serve
+
+    from cpud.config import EngineArgs, ServeArgs, resolve_config
+    from cpud.engine.llm_engine import LLMEngine
+    from cpud.engine.rank_client import RankClient
+    from cpud.frontend.app import create_app
+    from cpud.frontend.async_engine import AsyncEngine
+    from cpud.frontend.state import Phase, ServerConfig, ServerState
+    from cpud.frontend.supervisor_link import SupervisorLink
+    from cpud.llm import resolve_model_dir
+    from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
+    from cpud.tokenizer import Tokenizer
+
     engine_args = EngineArgs(**spec.engine_args)
     serve_args = ServeArgs(
-        **{**spec.serve_args, "served_model_names": tuple(spec.serve_args["served_model_names"])}
+        **{
+            **spec.serve_args,
+            "served_model_names": tuple(spec.serve_args["served_model_names"]),
+            "api_key": secrets.api_key,
+        }
     )
     model_dir = resolve_model_dir(engine_args.model)
     config = resolve_config(engine_args, model_dir)
@@ -76,6 +113,7 @@ async def run_frontend(spec: FrontendSpec) -> int:
             max_model_len=config.max_model_len,
             api_key=serve_args.api_key,
             metrics_need_key=serve_args.metrics_need_key,
+            stall_seconds=serve_args.stall_timeout,
         ),
         tokenizer,
     )
@@ -156,20 +194,20 @@ async def run_frontend(spec: FrontendSpec) -> int:
             engine.shutdown()
         link.close()
         ctx.term()
+        state.close()
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(args[1]))
+    secrets = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSecrets)
     import torch
     import uvloop
 
-    from cpud.ranks.binding import die_with_parent
-
-    die_with_parent()
     torch.set_num_threads(1)  # the frontend schedules and detokenizes; ranks compute
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec)
-    code = uvloop.run(run_frontend(spec))
+    code = uvloop.run(run_frontend(spec, secrets))
     # The loop has restored SIGTERM's default action; the supervisor may still forward the
     # drain signal it got, and that must not turn this exit into a death by signal.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

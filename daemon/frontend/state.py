@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.metrics import FrontendMetrics
 from cpud.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class Phase(enum.Enum):
@@ -24,6 +30,9 @@ class ServerConfig:
     metrics_need_key: bool = False
     max_body_bytes: int = 4 << 20
     max_prompts: int = 64
+    # /health answers 503 once work has waited this long for a step to finish
+    stall_seconds: float = 10.0
+    tokenize_threads: int = 2
 
 
 class ServerState:
@@ -35,6 +44,20 @@ class ServerState:
         self.metrics = FrontendMetrics()
         self.phase = Phase.LOADING
         self._engine: AsyncEngine | None = None
+        # A text of more characters needs more tokens than the context holds: no token of the
+        # vocabulary decodes to more than max_token_bytes bytes, nor a character to fewer than 1.
+        self.max_prompt_chars = config.max_model_len * tokenizer.max_token_bytes()
+        self._blocking = ThreadPoolExecutor(
+            config.tokenize_threads, thread_name_prefix="cpud-tokenize"
+        )
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """Run tokenizing and templating on the frontend's worker threads, so that one large
+        prompt delays its own request, not the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
+
+    def close(self) -> None:
+        self._blocking.shutdown(wait=False, cancel_futures=True)
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -55,6 +78,11 @@ class ServerState:
     @property
     def engine_alive(self) -> bool:
         return self._engine is not None and self._engine.alive
+
+    @property
+    def stalled_seconds(self) -> float:
+        """How long queued work has waited for a step to finish (0 while idle or loading)."""
+        return 0.0 if self._engine is None else self._engine.seconds_without_progress()
 
     @property
     def model_name(self) -> str:
