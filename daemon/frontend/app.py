@@ -21,6 +21,7 @@ from cpud.errors import RequestError
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.openai_api import chat_job, completion_job, respond
 from cpud.frontend.openapi import openapi_document
+from cpud.frontend.pacing import BodyPacer
 from cpud.frontend.requests import chat_prompt, check_model, check_text_size
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
@@ -36,7 +37,7 @@ OPEN_PATHS = frozenset({"/health", "/version"})
 NEED_ENGINE = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int, pacer: BodyPacer) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(
@@ -47,16 +48,18 @@ async def read_body(request: Request, limit: int) -> bytearray:
             "request_too_large",
         )
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(
-                413,
-                f"request body over {limit} bytes",
-                "invalid_request_error",
-                None,
-                "request_too_large",
-            )
+    async with pacer.body() as paced:
+        async for chunk in request.stream():
+            await paced.admit(len(chunk))
+            body += chunk
+            if len(body) > limit:
+                raise APIError(
+                    413,
+                    f"request body over {limit} bytes",
+                    "invalid_request_error",
+                    None,
+                    "request_too_large",
+                )
     return body
 
 
@@ -77,7 +80,7 @@ def check_json_content_type(request: Request) -> None:
 
 async def decode(request: Request, state: ServerState, kind: type) -> object:
     check_json_content_type(request)
-    raw = await read_body(request, state.config.max_body_bytes)
+    raw = await read_body(request, state.config.max_body_bytes, state.body_pacer)
     try:
         return msgspec.json.decode(raw, type=kind)
     except UnicodeDecodeError:

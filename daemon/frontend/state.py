@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -11,9 +13,20 @@ from typing import TypeVar
 
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.metrics import FrontendMetrics
+from cpud.frontend.pacing import BodyPacer
 from cpud.tokenizer import Tokenizer
 
 T = TypeVar("T")
+WORKER_NICE = 10
+
+
+def yield_cpu() -> None:
+    """Tokenizer threads run below the ranks' priority (Linux nice is per thread): a burst
+    of long prompts slows its own senders, not the steps of running streams."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+    except OSError:
+        pass
 
 
 class Phase(enum.Enum):
@@ -33,6 +46,11 @@ class ServerConfig:
     # /health answers 503 once work has waited this long for a step to finish
     stall_seconds: float = 10.0
     tokenize_threads: int = 2
+    # Bodies are read at full speed up to paced_body_bytes; beyond, at this rate for all
+    # clients together (a lone 1 MiB prompt waits ~12 ms) and at most paced_bodies at once.
+    paced_body_bytes: int = 256 << 10
+    body_bytes_per_s: float = 64 << 20
+    paced_bodies: int = 2
 
 
 class ServerState:
@@ -48,7 +66,10 @@ class ServerState:
         # vocabulary decodes to more than max_token_bytes bytes, nor a character to fewer than 1.
         self.max_prompt_chars = config.max_model_len * tokenizer.max_token_bytes()
         self._blocking = ThreadPoolExecutor(
-            config.tokenize_threads, thread_name_prefix="cpud-tokenize"
+            config.tokenize_threads, thread_name_prefix="cpud-tokenize", initializer=yield_cpu
+        )
+        self.body_pacer = BodyPacer(
+            config.body_bytes_per_s, config.paced_body_bytes, config.paced_bodies
         )
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
