@@ -131,7 +131,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         raise ConfigError(f"kernels must be one of {', '.join(KERNEL_KINDS)}, got {args.kernels!r}")
     if args.collective not in ("shm", "gloo"):
         raise ConfigError(f"collective must be shm or gloo, got {args.collective!r}")
-    dtype = resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype, checkpoint_dtype=model.checkpoint_dtype, kernels=args.kernels)
     max_model_len = args.max_model_len or min(model.max_position_embeddings, 8192)
     if max_model_len > model.max_position_embeddings:
         raise ConfigError(

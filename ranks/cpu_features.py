@@ -52,11 +52,22 @@ def parse_dtype(name: str) -> str:
     return DTYPES[key]
 
 
-def resolve_dtype(requested: str, flags: frozenset[str] | None = None) -> str:
-    """'auto' picks bf16 where the CPU computes it natively, else fp32."""
+def resolve_dtype(
+    requested: str,
+    flags: frozenset[str] | None = None,
+    checkpoint_dtype: str | None = None,
+    kernels: str = "auto",
+) -> str:
+    """'auto' keeps the checkpoint's own dtype: fp32 stays fp32; bf16, fp16 and quantized or
+    unlabelled weights run in bf16 wherever cpud computes it (natively, or emulated by the
+    native kernels on AVX-512 and AVX2), else in fp32."""
     flags = cpu_flags() if flags is None else flags
     if str(requested).lower() == "auto":
-        return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+        if checkpoint_dtype is not None and DTYPES.get(checkpoint_dtype.lower()) == "float32":
+            return "float32"
+        native = {"avx512_bf16", "amx_bf16"} & flags
+        emulated = kernels != "torch" and _DTYPE_NEEDS["bfloat16"][0] & flags
+        return "bfloat16" if native or emulated else "float32"
     dtype = parse_dtype(requested)
     check_dtype_supported(dtype, flags)
     return dtype

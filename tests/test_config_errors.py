@@ -106,7 +106,16 @@ def test_dtype_the_cpu_cannot_do():
         resolve_dtype("bfloat16", flags=frozenset({"sse4_2", "avx"}))
     with pytest.raises(ConfigError, match="float16 needs"):
         resolve_dtype("float16", flags=frozenset({"avx2", "f16c"}))
-    assert resolve_dtype("auto", flags=frozenset({"avx2"})) == "float32"
+    # auto keeps the checkpoint's dtype: bf16 (emulated by the native kernels on AVX2) for bf16,
+    # fp16 and unlabelled weights; fp32 checkpoints stay fp32; no bf16 without native kernels
+    # below AVX512-BF16 or below AVX2.
+    assert resolve_dtype("auto", flags=frozenset({"avx2", "fma"})) == "bfloat16"
+    assert resolve_dtype("auto", frozenset({"avx2", "fma"}), "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", frozenset({"avx512f"}), "float16") == "bfloat16"
+    assert resolve_dtype("auto", frozenset({"amx_bf16", "avx512_bf16"}), "float32") == "float32"
+    assert resolve_dtype("auto", frozenset({"avx2", "fma"}), kernels="torch") == "float32"
+    assert resolve_dtype("auto", frozenset({"amx_bf16"}), "bfloat16", kernels="torch") == "bfloat16"
+    assert resolve_dtype("auto", frozenset({"sse4_2", "avx"}), "bfloat16") == "float32"
     assert resolve_dtype("bfloat16", flags=frozenset({"avx2", "fma"})) == "bfloat16"
     assert resolve_dtype("auto", flags=frozenset({"avx512_bf16"})) == "bfloat16"
 

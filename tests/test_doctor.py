@@ -389,8 +389,9 @@ def test_this_process_maps_exactly_one_openmp_runtime():
     ("flags", "requested", "status", "chosen"),
     [
         ("avx2 avx512f avx512_bf16", "auto", "ok", "bfloat16"),
-        ("avx2 avx512f", "auto", "warn", "float32"),
-        ("avx2", "auto", "warn", "float32"),
+        ("avx2 avx512f", "auto", "ok", "bfloat16"),
+        ("avx2", "auto", "ok", "bfloat16"),
+        ("avx2", "float32", "warn", "float32"),
         ("avx2", "bfloat16", "ok", "bfloat16"),
         ("sse4_2", "auto", "ok", "float32"),
         ("avx2", "float16", "fail", None),

@@ -128,7 +128,7 @@ _BF16_EMULATION = (("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 def dtype_check(inputs: DoctorInputs) -> Check:
     flags = cpu_flags(str(inputs.proc_root / "cpuinfo"))
-    auto = str(resolve_dtype("auto", flags)).removeprefix("torch.")
+    auto = str(resolve_dtype("auto", flags, kernels=inputs.engine.kernels)).removeprefix("torch.")
     requested = inputs.engine.dtype
     value: dict[str, object] = {
         "auto": auto,
@@ -138,7 +138,9 @@ def dtype_check(inputs: DoctorInputs) -> Check:
         "avx512_fp16": "avx512_fp16" in flags,
     }
     try:
-        chosen = str(resolve_dtype(requested, flags)).removeprefix("torch.")
+        chosen = str(resolve_dtype(requested, flags, kernels=inputs.engine.kernels)).removeprefix(
+            "torch."
+        )
     except CpudError as exc:
         value["error"] = str(exc)
         return Check("dtype", "fail", f"--dtype {requested}: {exc}", value, (str(exc),))
