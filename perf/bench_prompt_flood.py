@@ -99,7 +99,7 @@ async def flood(
         statuses.append(response.status_code)
 
 
-async def measure(base_url: str, args: argparse.Namespace) -> dict:
+async def measure(base_url: str, args: argparse.Namespace, supervisor_pid: int) -> dict:
     text = ("All work and no play makes Jack a dull boy. " * (1 << 20))[: int(args.prompt_mb * 1e6)]
     payload = json.dumps({"prompt": text, "max_tokens": 1}).encode()
     idle: list[float] = []
@@ -108,6 +108,7 @@ async def measure(base_url: str, args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.flooders + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
         await stream_gaps(client, 8)  # warm-up
+        rss_before = frontend_rss_bytes(supervisor_pid)
         for _ in range(args.rounds):
             idle += await stream_gaps(client, args.tokens)
             stop = asyncio.Event()
@@ -119,7 +120,8 @@ async def measure(base_url: str, args: argparse.Namespace) -> dict:
             flooded += await stream_gaps(client, args.tokens)
             stop.set()
             await asyncio.gather(*flooders)
-    return {"idle": idle, "flood": flooded, "statuses": statuses}
+    growth = frontend_rss_bytes(supervisor_pid) - rss_before
+    return {"idle": idle, "flood": flooded, "statuses": statuses, "rss_growth": growth}
 
 
 def p(values: list[float], q: float) -> float:
@@ -150,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         proc = start(model, port, args, Path(tmp) / "serve.log")
         try:
-            rss_before = frontend_rss_bytes(proc.pid)
-            result = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
-            rss_after = frontend_rss_bytes(proc.pid)
+            result = asyncio.run(measure(f"http://127.0.0.1:{port}", args, proc.pid))
             healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
         finally:
             proc.terminate()
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "p99_ratio": p(flooded, 0.99) / p(idle, 0.99),
         "flood_requests": len(result["statuses"]),
         "flood_statuses": sorted(set(result["statuses"])),
-        "frontend_rss_growth_mb": (rss_after - rss_before) / 1e6,
+        "frontend_rss_growth_mb": result["rss_growth"] / 1e6,
         "health_after": healthy,
     }
     if args.json:
