@@ -37,29 +37,23 @@ OPEN_PATHS = frozenset({"/health", "/version"})
 NEED_ENGINE = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"request body over {limit} bytes", "invalid_request_error", None, "request_too_large"
+    )
+
+
 async def read_body(request: Request, limit: int, pacer: BodyPacer) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(
-            413,
-            f"request body over {limit} bytes",
-            "invalid_request_error",
-            None,
-            "request_too_large",
-        )
+        raise body_too_large(limit)
     body = bytearray()
     async with pacer.body() as paced:
         async for chunk in request.stream():
             await paced.admit(len(chunk))
             body += chunk
             if len(body) > limit:
-                raise APIError(
-                    413,
-                    f"request body over {limit} bytes",
-                    "invalid_request_error",
-                    None,
-                    "request_too_large",
-                )
+                raise body_too_large(limit)
     return body
 
 
