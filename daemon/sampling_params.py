@@ -47,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -85,7 +86,7 @@ class SamplingParams:
 
         for name in ("n", "top_k", "min_tokens"):
             object.__setattr__(self, name, integer(name, getattr(self, name)))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, integer(name, getattr(self, name)))
         ids = tuple(integer("stop_token_ids", t) for t in self.stop_token_ids)
@@ -123,6 +124,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            fail("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         if len(self.stop) > MAX_STOP_STRINGS:
             fail("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

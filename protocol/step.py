@@ -30,6 +30,17 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
     num_logprobs: Int32 = -1  # -1: none; 0: only the sampled token's logprob
 
 
+class PromptScoring(msgspec.Struct, frozen=True, array_like=True):
+    """Prompt logprobs wanted from this step: rows [first, first + count) of the work's
+    token_ids are scored on the token that follows each (token_ids[row + 1], or next_token for
+    the chunk's last row)."""
+
+    first: Int32
+    count: Int32
+    num_top: Int32  # alternatives per position besides the scored token
+    next_token: TokenId | None = None
+
+
 class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     seq_id: int
     token_ids: list[int]  # tokens computed this step
@@ -41,6 +52,7 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     banned_token_ids: list[TokenId] = []  # e.g. EOS while min_tokens is not reached
     prompt_token_ids: list[int] = []  # only sent when penalties need the history
     output_token_ids: list[int] = []
+    prompt_scoring: PromptScoring | None = None
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):
@@ -57,10 +69,23 @@ class SampledToken(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float] = []
 
 
-class StepResult(msgspec.Struct, frozen=True, tag="result"):
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's scored prompt positions of a step, in order. Logprobs travel as native
+    float32 bytes (ranks and frontend share the machine); alternatives are flattened, num_top
+    per position."""
+
+    seq_id: int
+    logprobs: bytes
+    ranks: list[int]  # 1-based rank of each scored token among the raw logprobs
+    top_token_ids: list[int] = []
+    top_logprobs: bytes = b""
+
+
+class StepResult(msgspec.Struct, frozen=True, tag="result", omit_defaults=True):
     step_id: int
     tokens: list[SampledToken]
     forward_seconds: float = 0.0
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -26,7 +26,7 @@ from cpud.ranks.models import (
 )
 from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
-from cpud.ranks.sampler import sample
+from cpud.ranks.sampler import sample, score_prompts
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger("cpud.rank")
@@ -147,12 +147,20 @@ class ModelRunner:
         tokens = []
         if inputs.sampling_works:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            if logits is None:
-                return None
-            tokens = sample(logits, inputs.sampling_works, self.generator, self.ops.argmax)
-        elif self.group.rank != 0:
+            if logits is not None:
+                tokens = sample(logits, inputs.sampling_works, self.generator, self.ops.argmax)
+        scored = []
+        if inputs.scoring_works:
+            scored = score_prompts(
+                self.model.compute_logits,
+                hidden,
+                inputs.prompt_rows,
+                inputs.prompt_targets,
+                inputs.scoring_works,
+            )
+        if self.group.rank != 0:
             return None
-        return StepResult(plan.step_id, tokens, time.perf_counter() - started)
+        return StepResult(plan.step_id, tokens, time.perf_counter() - started, scored)
 
     @torch.inference_mode()
     def prompt_logits(self, plan: StepPlan) -> torch.Tensor | None:

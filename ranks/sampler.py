@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpud.protocol.step import SampledToken, SeqWork
+from cpud.protocol.step import PromptLogprobs, SampledToken, SeqWork
 from cpud.ranks.ops import TorchOps
 
 
@@ -221,3 +221,58 @@ def _sampled(work: SeqWork, token: int, logprobs: torch.Tensor | None) -> Sample
         values, ids = logprobs.topk(min(num, logprobs.numel()))
         top_ids, top_values = ids.tolist(), values.tolist()
     return SampledToken(work.seq_id, token, chosen, rank, top_ids, top_values)
+
+
+PROMPT_ROWS_PER_PASS = 128  # prompt positions per LM-head pass: bounds the [rows, vocab] logits
+
+
+def score_prompts(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    works: list[SeqWork],
+) -> list[PromptLogprobs]:
+    """Prompt logprobs of the hidden `rows` [R] (works' scoring rows, in order), scored on
+    `targets` [R]. Every rank calls it (the LM head gathers across ranks); rank 0 gets the
+    results, the others an empty list."""
+    num_top = max(w.prompt_scoring.num_top for w in works)
+    parts = []
+    for start in range(0, rows.numel(), PROMPT_ROWS_PER_PASS):
+        logits = compute_logits(hidden[rows[start : start + PROMPT_ROWS_PER_PASS]])
+        if logits is not None:
+            parts.append(
+                prompt_logprobs(logits, targets[start : start + PROMPT_ROWS_PER_PASS], num_top)
+            )
+    if not parts:
+        return []
+    chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
+    results = []
+    start = 0
+    for work in works:
+        count, top = work.prompt_scoring.count, work.prompt_scoring.num_top
+        end = start + count
+        results.append(
+            PromptLogprobs(
+                work.seq_id,
+                chosen[start:end].numpy().tobytes(),
+                ranks[start:end].tolist(),
+                top_ids[start:end, :top].reshape(-1).tolist(),
+                top_values[start:end, :top].contiguous().numpy().tobytes(),
+            )
+        )
+        start = end
+    return results
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw logprobs of prompt positions: logits [R, V] scored on targets [R]. Returns the
+    targets' logprobs [R] and 1-based ranks [R], and the num_top best logprobs and token ids
+    [R, num_top] of each row, all float32 / int64."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    return chosen.squeeze(1), ranks, top_values, top_ids

@@ -17,6 +17,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S_sample] last token of each sampling sequence
     sampling_works: list[SeqWork]
+    prompt_rows: torch.Tensor  # [R] rows scored for prompt logprobs, by work in scoring_works
+    prompt_targets: torch.Tensor  # [R] the token each of those rows is scored on
+    scoring_works: list[SeqWork]
 
 
 def build_step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
@@ -27,11 +30,25 @@ def build_step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
     lens: list[int] = []
     seq_lens: list[int] = []
     logits_indices: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
     for work in plan.seqs:
         count = len(work.token_ids)
         starts.append(len(input_ids))
         lens.append(count)
         seq_lens.append(work.start_pos + count)
+        scoring = work.prompt_scoring
+        if scoring is not None:
+            if scoring.first < 0 or scoring.count < 1 or scoring.first + scoring.count > count:
+                raise ValueError(f"seq {work.seq_id}: prompt scoring rows outside its tokens")
+            base = len(input_ids) + scoring.first
+            prompt_rows.extend(range(base, base + scoring.count))
+            targets = work.token_ids[scoring.first + 1 : scoring.first + scoring.count + 1]
+            if len(targets) < scoring.count and scoring.next_token is not None:
+                targets.append(scoring.next_token)
+            if len(targets) != scoring.count:
+                raise ValueError(f"seq {work.seq_id}: prompt scoring runs past its tokens")
+            prompt_targets.extend(targets)
         input_ids.extend(work.token_ids)
         table = work.block_table
         for pos in range(work.start_pos, work.start_pos + count):
@@ -60,4 +77,7 @@ def build_step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
         meta=meta,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         sampling_works=[w for w in plan.seqs if w.sample],
+        prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
+        prompt_targets=torch.tensor(prompt_targets, dtype=torch.long),
+        scoring_works=[w for w in plan.seqs if w.prompt_scoring is not None],
     )

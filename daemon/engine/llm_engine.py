@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from cpud.config import EngineConfig
@@ -21,7 +22,16 @@ from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence, TokenLogprobs
 from cpud.errors import CpudError, RequestError
-from cpud.protocol.step import SampledToken, SamplingSpec, SeqWork, StepPlan, StepResult, wire_error
+from cpud.protocol.step import (
+    PromptLogprobs,
+    PromptScoring,
+    SampledToken,
+    SamplingSpec,
+    SeqWork,
+    StepPlan,
+    StepResult,
+    wire_error,
+)
 from cpud.sampling_params import SamplingParams
 from cpud.tokenizer import Tokenizer
 
@@ -68,10 +78,16 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # built once, when complete
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are not all computed yet (its outputs wait for them)."""
+        return self.seqs[0].needs_prompt_logprobs
 
 
 class LLMEngine:
@@ -220,6 +236,14 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens += item.num_tokens
             self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+        for scored in result.prompt_logprobs:
+            seq = self.seqs.get(scored.seq_id)
+            if seq is None or seq.finished:
+                continue
+            try:
+                add_prompt_logprobs(seq, scored)
+            except Exception as exc:
+                self._fail(seq.request_id, exc, "reading its prompt logprobs")
         for sampled in result.tokens:
             seq = self.seqs.get(sampled.seq_id)
             if seq is None or seq.finished:
@@ -233,6 +257,8 @@ class LLMEngine:
         outputs = []
         for request in touched.values():
             if request.request_id not in self.requests:  # failed after another choice advanced
+                continue
+            if request.awaits_prompt_logprobs:  # outputs are cumulative: the next one has all
                 continue
             try:
                 outputs.append(self._output(request))
@@ -286,8 +312,9 @@ class LLMEngine:
     def _work(self, seq: Sequence, start: int, num_tokens: int, samples: bool) -> SeqWork:
         tokens = seq.token_ids[start : start + num_tokens]
         blocks = list(seq.blocks.block_ids)
+        scoring = prompt_scoring(seq, start, num_tokens)
         if not samples:
-            return SeqWork(seq.seq_id, tokens, start, blocks, False)
+            return SeqWork(seq.seq_id, tokens, start, blocks, False, prompt_scoring=scoring)
         params = seq.params
         seed = None
         if seq.seed is not None:
@@ -307,6 +334,7 @@ class LLMEngine:
             banned,
             seq.prompt_token_ids if needs_history else [],
             seq.output_token_ids if needs_history else [],
+            scoring,
         )
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
@@ -362,17 +390,68 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                 )
             )
+        scorer = request.seqs[0]
+        if scorer.scores_prompt and request.prompt_logprobs is None:
+            names: dict[int, str] = {}
+            request.prompt_logprobs = [None]
+            request.prompt_logprobs += [
+                self._logprob_dict(e, names) for e in scorer.prompt_logprobs
+            ]
         return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            request.finished,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
-    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        decode = self.tokenizer.decode
-        result = {
-            token: Logprob(value, rank + 1, decode([token], skip_special_tokens=False))
-            for rank, (token, value) in enumerate(entry.top.items())
-        }
-        result[entry.token_id] = Logprob(
-            entry.logprob, entry.rank, decode([entry.token_id], skip_special_tokens=False)
-        )
+    def _logprob_dict(
+        self, entry: TokenLogprobs, names: dict[int, str] | None = None
+    ) -> dict[int, Logprob]:
+        """The entry's token first, then its alternatives by rank, as vLLM; `names` memoizes
+        decoded tokens across calls."""
+        names = {} if names is None else names
+
+        def name(token: int) -> str:
+            if token not in names:
+                names[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+            return names[token]
+
+        result = {entry.token_id: Logprob(entry.logprob, entry.rank, name(entry.token_id))}
+        for rank, (token, value) in enumerate(entry.top.items(), start=1):
+            result.setdefault(token, Logprob(value, rank, name(token)))
         return result
+
+
+def prompt_scoring(seq: Sequence, start: int, num_tokens: int) -> PromptScoring | None:
+    """Which of the positions [start, start + num_tokens) the step scores for the sequence's
+    prompt logprobs: each prompt position but the last, once (a recompute skips those done)."""
+    if not seq.needs_prompt_logprobs:
+        return None
+    done = len(seq.prompt_logprobs)
+    if done < start:
+        raise RuntimeError(f"prompt positions {done}..{start - 1} were never scored")
+    first = max(start, done)
+    end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    next_token = seq.token_ids[end] if end == start + num_tokens else None
+    return PromptScoring(first - start, end - first, seq.params.prompt_logprobs, next_token)
+
+
+def add_prompt_logprobs(seq: Sequence, scored: PromptLogprobs) -> None:
+    """Append a step's scored prompt positions (they continue where the last step ended)."""
+    values, tops = array("f"), array("f")
+    values.frombytes(scored.logprobs)
+    tops.frombytes(scored.top_logprobs)
+    count = len(values)
+    done = len(seq.prompt_logprobs)
+    targets = seq.prompt_token_ids[done + 1 : done + 1 + count]
+    ids = scored.top_token_ids
+    if len(targets) != count or len(scored.ranks) != count or len(tops) != len(ids):
+        raise ValueError(f"{count} prompt logprobs do not fit the prompt's unscored positions")
+    width = len(ids) // count if count else 0
+    for row, token in enumerate(targets):
+        top = dict(zip(ids[row * width : (row + 1) * width], tops[row * width : (row + 1) * width]))
+        seq.prompt_logprobs.append(TokenLogprobs(token, values[row], scored.ranks[row], top))

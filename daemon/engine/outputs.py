@@ -34,3 +34,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # None at the first token (nothing precedes it), then the prompt token's logprob and the
+    # top alternatives at each position; set when the request asked for prompt_logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -5,7 +5,9 @@ Every sequence is "tokens computed so far" vs "tokens known"; a step gives each 
 sequence a number of tokens to compute. Running sequences come first (decodes and unfinished
 prefill chunks, oldest first); waiting ones are admitted in arrival order while budget,
 sequence slots and KV blocks last. When a running sequence cannot get a block, the newest
-running sequence is preempted: its blocks are freed and it recomputes later.
+running sequence is preempted: its blocks are freed and it recomputes later. A sequence that
+still owes prompt logprobs skips the prefix cache (cached blocks have no logits to score);
+its own blocks are cached for others as usual.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cpud.engine.block_manager import BlockManager
+from cpud.engine.block_manager import BlockManager, PrefixHit
 from cpud.engine.sequence import SeqStatus, Sequence
+
+NO_HIT = PrefixHit([], [])
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.blocks.find_prefix(seq.token_ids)
+            hit = NO_HIT if seq.needs_prompt_logprobs else self.blocks.find_prefix(seq.token_ids)
             cached = hit.num_blocks * self.blocks.block_size
             count = min(seq.num_tokens - cached, budget)
             if not self.blocks.can_allocate(seq.blocks, cached + count, hit):

@@ -44,6 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1..
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -70,6 +71,16 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this sequence computes its request's prompt logprobs (the first choice does)."""
+        return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: the prefix cache is bypassed until they are done."""
+        return self.scores_prompt and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def text(self) -> str:

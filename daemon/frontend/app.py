@@ -34,7 +34,9 @@ from cpud.frontend.state import Phase, ServerState
 log = logging.getLogger("cpud.frontend")
 Handler = Callable[[Request], Awaitable[Response]]
 OPEN_PATHS = frozenset({"/health", "/version"})
-NEED_ENGINE = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+NEED_ENGINE = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info"}
+)
 
 
 def body_too_large(limit: int) -> APIError:
@@ -198,6 +200,21 @@ async def detokenize(request: Request, state: ServerState) -> Response:
     return JSONResponse({"prompt": text})
 
 
+async def tokenizer_info(request: Request, state: ServerState) -> Response:
+    """The tokenizer's configuration as vLLM's /tokenizer_info gives it (lm-eval's remote
+    tokenizer reads the special tokens and the chat template from it)."""
+    tokenizer = state.tokenizer
+    info = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "model_max_length": state.config.max_model_len,
+    }
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return JSONResponse(info)
+
+
 async def health(request: Request, state: ServerState) -> Response:
     stalled = state.stalled_seconds
     if state.phase is Phase.READY and state.engine_alive:
@@ -267,6 +284,7 @@ def create_app(state: ServerState) -> ASGIApp:
         ("/v1/models", models, ["GET"]),
         ("/tokenize", tokenize, ["POST"]),
         ("/detokenize", detokenize, ["POST"]),
+        ("/tokenizer_info", tokenizer_info, ["GET"]),
         ("/health", health, ["GET"]),
         ("/version", version, ["GET"]),
         ("/metrics", metrics, ["GET"]),

@@ -8,17 +8,24 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cpud.engine.llm_engine import RequestFailedError
-from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cpud.engine.outputs import CompletionOutput, RequestOutput
 from cpud.errors import RequestError
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError
 from cpud.frontend.errors import APIError, bad_request
+from cpud.frontend.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    legacy_logprobs,
+    prompt_logprobs_json,
+)
 from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, sampling_params
 from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from cpud.frontend.state import ServerState
@@ -178,49 +185,6 @@ def finish_reason(output: CompletionOutput) -> str | None:
     return None if reason is None else ("stop" if reason == "abort" else reason)
 
 
-# ---- logprobs in the two OpenAI shapes ------------------------------------------------------
-
-
-def ranked(entry: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
-    items = sorted(entry.items(), key=lambda kv: kv[1].rank or 1 << 30)
-    return [(t, lp) for t, lp in items if (lp.rank or 1 << 30) <= limit]
-
-
-def completion_logprobs(out: CompletionOutput, start: int, text_offset: int, top: int) -> dict:
-    tokens, values, tops, offsets = [], [], [], []
-    offset = text_offset
-    for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-        chosen = entry[token_id]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        values.append(chosen.logprob)
-        # the legacy format lists the sampled token among the top ones, as OpenAI does
-        best = {lp.decoded_token or "": lp.logprob for _, lp in ranked(entry, top)}
-        best.setdefault(text, chosen.logprob)
-        tops.append(best)
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": values,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(out: CompletionOutput, start: int, top: int) -> dict:
-    def item(lp: Logprob) -> dict:
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    content = []
-    for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-        row = item(entry[token_id])
-        row["top_logprobs"] = [item(lp) for _, lp in ranked(entry, top)]
-        content.append(row)
-    return {"content": content}
-
-
 # ---- the two endpoints ----------------------------------------------------------------------
 
 
@@ -236,15 +200,27 @@ class Job:
     include_usage: bool
     echo: bool = False
     top_logprobs: int = 0
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone is answered
+
+
+def check_prompt_logprobs_stream(body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not available with stream=true", "prompt_logprobs")
 
 
 def completion_job(state: ServerState, body: CompletionRequest) -> Job:
-    if body.echo and body.logprobs is not None:
+    if body.max_tokens == 0 and not body.echo:
         raise bad_request(
-            "echo with logprobs needs prompt logprobs, which cpud does not return yet", "echo"
+            "max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens"
         )
+    check_prompt_logprobs_stream(body)
     prompts = completion_prompts(state, body)
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo and body.logprobs is not None:
+        prompt_logprobs = body.logprobs
+    # As vLLM: max_tokens 0 with echo generates one token and answers without it.
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
     return Job(
         "completion",
         f"cmpl-{uuid.uuid4().hex}",
@@ -256,6 +232,7 @@ def completion_job(state: ServerState, body: CompletionRequest) -> Job:
         bool(body.stream_options and body.stream_options.include_usage),
         echo=body.echo,
         top_logprobs=body.logprobs or 0,
+        prompt_only=body.echo and body.max_tokens == 0,
     )
 
 
@@ -264,10 +241,11 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    check_prompt_logprobs_stream(body)
     prompt = chat_prompt(state, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens, logprobs)
+    params = sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
     return Job(
         "chat",
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -302,34 +280,62 @@ async def respond(state: ServerState, request: Request, job: Job) -> Response:
         for out in final.outputs:
             usage.completion_tokens += len(out.token_ids)
             index = p_index * job.params.n + out.index
-            choices.append(full_choice(state, job, prompt, index, out))
-    return JSONResponse(
-        {
-            "id": job.request_id,
-            "object": "text_completion" if job.kind == "completion" else "chat.completion",
-            "created": job.created,
-            "model": job.model,
-            "choices": choices,
-            "usage": usage.as_dict(),
-        }
+            choices.append(full_choice(state, job, prompt, final, index, out))
+    body = {
+        "id": job.request_id,
+        "object": "text_completion" if job.kind == "completion" else "chat.completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": usage.as_dict(),
+    }
+    if job.kind == "chat" and job.params.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
+    return JSONResponse(body)
+
+
+def decoder(state: ServerState) -> Callable[[int], str]:
+    return lambda token: state.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def echoed_logprobs(state: ServerState, job: Job, prompt: Prompt, output: RequestOutput) -> dict:
+    """The legacy logprobs of the echoed prompt (the first token has none)."""
+    if output.prompt_logprobs is None:
+        raise RuntimeError("the engine returned no prompt logprobs for an echo with logprobs")
+    return legacy_logprobs(
+        prompt.token_ids, output.prompt_logprobs, 0, job.top_logprobs, decoder(state)
     )
 
 
 def full_choice(
-    state: ServerState, job: Job, prompt: Prompt, index: int, out: CompletionOutput
+    state: ServerState,
+    job: Job,
+    prompt: Prompt,
+    final: RequestOutput,
+    index: int,
+    out: CompletionOutput,
 ) -> dict:
     wants_logprobs = job.params.logprobs is not None
     if job.kind == "completion":
         prefix = prompt_text(state, prompt) if job.echo else ""
-        return {
+        logprobs = None
+        if wants_logprobs:
+            if job.prompt_only:
+                logprobs = echoed_logprobs(state, job, prompt, final)
+            else:
+                logprobs = completion_logprobs(out, 0, len(prefix), job.top_logprobs)
+                if job.echo:
+                    logprobs = joined(echoed_logprobs(state, job, prompt, final), logprobs)
+        choice = {
             "index": index,
-            "text": prefix + out.text,
-            "logprobs": completion_logprobs(out, 0, len(prefix), job.top_logprobs)
-            if wants_logprobs
-            else None,
+            "text": prefix if job.prompt_only else prefix + out.text,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(out),
             "stop_reason": out.stop_reason,
         }
+        if job.params.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return choice
     return {
         "index": index,
         "message": {"role": "assistant", "content": out.text},
@@ -359,9 +365,11 @@ async def stream_events(
             body["usage"] = None
         return sse(body)
 
-    def make_row(choice: Choice, p_index: int, out: CompletionOutput) -> dict | None:
+    def make_row(
+        choice: Choice, p_index: int, output: RequestOutput, out: CompletionOutput
+    ) -> dict | None:
         if job.kind == "completion":
-            return completion_delta(state, job, choice, job.prompts[p_index], out)
+            return completion_delta(state, job, choice, job.prompts[p_index], output, out)
         return chat_delta(job, choice, out)
 
     try:
@@ -371,7 +379,7 @@ async def stream_events(
                 choice = choices[(p_index, out.index)]
                 if choice.finished:
                     continue
-                row = make_row(choice, p_index, out)
+                row = make_row(choice, p_index, output, out)
                 if row is not None:
                     rows.append(row)
             if rows:
@@ -417,13 +425,18 @@ def _advance(
 
 
 def completion_delta(
-    state: ServerState, job: Job, choice: Choice, prompt: Prompt, out: CompletionOutput
+    state: ServerState,
+    job: Job,
+    choice: Choice,
+    prompt: Prompt,
+    output: RequestOutput,
+    out: CompletionOutput,
 ) -> dict | None:
-    prefix = ""
-    if job.echo and not choice.started:
-        prefix = prompt_text(state, prompt)
+    echoing = job.echo and not choice.started
+    prefix = prompt_text(state, prompt) if echoing else ""
+    if echoing:
         choice.offset = len(prefix)
-    advanced = _advance(choice, out, send_anyway=bool(prefix))
+    advanced = _advance(choice, out, send_anyway=echoing)
     if advanced is None:
         return None
     text, start, reason = advanced
@@ -432,6 +445,12 @@ def completion_delta(
     if job.params.logprobs is not None:
         logprobs = completion_logprobs(out, start, choice.offset, job.top_logprobs)
         choice.offset += sum(len(token) for token in logprobs["tokens"])
+        if job.prompt_only:
+            logprobs = echoed_logprobs(state, job, prompt, output) if echoing else None
+        elif echoing:
+            logprobs = joined(echoed_logprobs(state, job, prompt, output), logprobs)
+    if job.prompt_only:
+        text = ""
     return {
         "index": choice.index,
         "text": prefix + text,

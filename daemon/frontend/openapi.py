@@ -109,6 +109,7 @@ def openapi_document() -> dict:
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion"),
             "/tokenize": _post("TokenizeRequest", "Prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Token ids to text"),
+            "/tokenizer_info": _get("Tokenizer configuration: special tokens, chat template"),
             "/v1/models": _get("Served models"),
             "/health": _get("200 when serving, 503 while loading or draining"),
             "/version": _get("cpud version"),

@@ -117,7 +117,10 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
 
 
 def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop = body.stop
     if isinstance(stop, str):
@@ -144,6 +147,7 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
         )
     except RequestError as exc:

@@ -61,12 +61,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0, le=MAX_COUNT)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: (
+        Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="top alternatives per prompt token")]
+        | None
+    ) = None
     user: Name | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(max_length=MAX_TOKEN_LIST)]
-    max_tokens: Count | None = 16
+    max_tokens: Annotated[int, Meta(ge=0, le=MAX_COUNT, description="0 only with echo")] | None = 16
     logprobs: Logprobs | None = None
     echo: bool = False
 
