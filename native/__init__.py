@@ -31,6 +31,7 @@ from .kernels import (
     pin_threads,
     thread_cpus,
 )
+from .quant import QuantWeight, pack_quantized, quant_gemm, quant_kernel
 from .shm_allreduce import (
     CollectiveError,
     CollectiveMismatch,
@@ -47,6 +48,7 @@ __all__ = [
     "CollectiveTimeout",
     "GroupAborted",
     "PeerDied",
+    "QuantWeight",
     "ShmGroup",
     "Kernels",
     "PackedWeight",
@@ -61,8 +63,11 @@ __all__ = [
     "pack_rows",
     "pack_weight",
     "packed_shape",
+    "pack_quantized",
     "packed_with_bias",
     "pin_threads",
+    "quant_gemm",
+    "quant_kernel",
     "supported_isas",
     "thread_cpus",
 ]

@@ -39,6 +39,12 @@ SOURCES = [
     "shm_tier_scalar.c",
     "shm_tier_avx2.c",
     "shm_tier_avx512.c",
+    "quant_api.c",
+    "quant_scalar.c",
+    "quant_avx2.c",
+    "quant_avx2vnni.c",
+    "quant_avx512.c",
+    "quant_avx512vnni.c",
 ]
 CFLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wextra"]
 
@@ -99,7 +105,12 @@ if __name__ == "__main__":
     dest = os.path.join(HERE, "_cpud_native.abi3.so")
     with tempfile.TemporaryDirectory() as tmp:
         built = ffibuilder.compile(tmpdir=tmp, verbose=False)
+        # Processes that have the old module loaded keep their mapping: copy next to it, then
+        # rename over it atomically (never write the loaded file in place).
+        staged = os.path.join(HERE, f".{os.path.basename(dest)}.{os.getpid()}.tmp")
+        shutil.copy(built, staged)
+        os.replace(staged, dest)
         for old in glob.glob(os.path.join(HERE, "_cpud_native*.so")):
-            os.remove(old)
-        shutil.copy(built, dest)
+            if old != dest:
+                os.remove(old)
     print(dest)

@@ -258,4 +258,41 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
                         int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
                         int64_t timeout_ns, int *peer);
 
+/* ---------------------------------------------------------------------------
+ * GEMM on GGUF-quantized weights (quant_*.c).  Rows of W[N][K] are repacked
+ * once (cpud.native.quant.pack_quantized) into groups of CPUD_QROWS rows:
+ *   qs: [ceil(N/16)][K/bs][qbytes] u8, sc: [ceil(N/16)][K/bs][sbytes] u8
+ * (bs, qbytes, sbytes per type below; rows past N are zero).  Every quant is
+ * an unsigned byte; the 4 consecutive k of one row share a dword and 16 rows'
+ * dwords form one 64-byte dot operand.  x is quantized per row to int8 blocks
+ * of 32 (scale amax/127, round to nearest even) and dotted in int32.
+ * ------------------------------------------------------------------------- */
+#define CPUD_QROWS 16
+enum cpud_qtype {
+    CPUD_Q8_0 = 0, /* bs 32:  qbytes 512,  sbytes 32  */
+    CPUD_Q4_0 = 1, /* bs 32:  qbytes 256,  sbytes 32  */
+    CPUD_Q4_1 = 2, /* bs 32:  qbytes 256,  sbytes 64  */
+    CPUD_Q4_K = 3, /* bs 256: qbytes 2048, sbytes 320 */
+    CPUD_Q5_K = 4, /* bs 256: qbytes 2560, sbytes 320 */
+    CPUD_Q6_K = 5  /* bs 256: qbytes 3072, sbytes 288 */
+};
+/* flags for cpud_quant_gemm */
+#define CPUD_QUANT_NO_VNNI 1
+
+/* out[M][N] = x[M][K] @ W^T (+ bias); W as packed above. */
+int cpud_quant_gemm(int isa, int flags, int qtype,
+                    intptr_t x,    /* [M][K], row stride x_stride, x_dtype          */
+                    int x_dtype, int64_t x_stride,
+                    intptr_t qs,   /* [ceil(N/16)][K/bs][qbytes] u8, 64-byte aligned */
+                    intptr_t sc,   /* [ceil(N/16)][K/bs][sbytes] u8                  */
+                    intptr_t bias, /* [N] f32, or 0                                  */
+                    intptr_t out,  /* [M][N], row stride out_stride, out_dtype      */
+                    int out_dtype, int64_t out_stride, int64_t M, int64_t N, int64_t K);
+/* Name of the kernel cpud_quant_gemm runs for (isa, flags), e.g. "avx512-vnni". */
+const char *cpud_quant_kernel(int isa, int flags);
+/* Every thread runs iters rounds of independent 16-row int8 dots of that kernel in registers
+ * (12 chains of zmm vpdpbusd or vpmaddubsw + vpmaddwd; avx2: 6 of ymm pairs; scalar: 1);
+ * returns the int8 ops (2 per multiply-add) done, -1 on a bad isa. */
+double cpud_quant_compute_probe(int isa, int flags, int64_t iters);
+
 #endif

@@ -48,9 +48,30 @@ static int detect_isa(void) {
     return amx_usable(edx7, xcr0) ? CPUD_ISA_AMX : CPUD_ISA_AVX512BF16;
 }
 
-static int g_max_isa = CPUD_ISA_SCALAR; /* set once, at load */
+/* bit 0: AVX-VNNI (cpuid 7.1 EAX 4), bit 1: AVX512-VNNI (cpuid 7.0 ECX 11); each only where
+ * the tier it extends is usable. */
+static int detect_vnni(int isa) {
+    unsigned a, b, c, d;
+    if (isa < CPUD_ISA_AVX2) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    const int v512 = isa >= CPUD_ISA_AVX512 && bit(c, 11);
+    int avx = 0;
+    if (a >= 1) {
+        __cpuid_count(7, 1, a, b, c, d);
+        avx = bit(a, 4);
+    }
+    return avx | v512 << 1;
+}
 
-__attribute__((constructor)) static void cpud_dispatch_init(void) { g_max_isa = detect_isa(); }
+static int g_max_isa = CPUD_ISA_SCALAR; /* set once, at load */
+static int g_vnni = 0;
+
+__attribute__((constructor)) static void cpud_dispatch_init(void) {
+    g_max_isa = detect_isa();
+    g_vnni = detect_vnni(g_max_isa);
+}
+
+int cpud_vnni_bits(void) { return g_vnni; }
 
 int cpud_detect_isa(void) { return g_max_isa; }
 

@@ -1,0 +1,280 @@
+"""GEMM straight on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+
+    packed = pack_quantized(raw, "Q4_K", n, k)   # once, at load: raw = [n, bytes per row] u8
+    quant_gemm(x, packed, out)                   # out [M, n] = x [M, k] @ W^T, any tier
+
+``pack_quantized`` reorders the file's blocks (no dequantized copy): 16 output rows per group,
+the 4 consecutive quants of each row in one dword so that one 64-byte operand feeds an int8
+dot for 16 rows, every quant unsigned (Q8_0 + 128), K-quant 6-bit scales unpacked to bytes.
+Packed bytes are the file's bytes plus 0 % (Q8_0, Q4_0, Q4_1, Q6_K), 2.3 % (Q5_K), 2.8 % (Q4_K)
+and the rows that pad N to 16.  ``quant_gemm`` quantizes x per row to int8 blocks of 32 (scale
+amax / 127, round to nearest even) and runs int8 dot products: vpdpbusd (AVX512-VNNI,
+AVX-VNNI) where the CPU has it, else vpmaddubsw + vpmaddwd, or the scalar reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _loader
+from .hugepages import huge_empty
+from .kernels import _dtype, _require, _tokens, check_rc
+
+ROWS = 16  # CPUD_QROWS
+NO_VNNI = 1  # CPUD_QUANT_NO_VNNI
+
+# name: (cpud_qtype, values per block, bytes per GGUF block, packed quant bytes, scale bytes),
+# the last two per block of ROWS rows (cpud_native.h).
+QTYPES: dict[str, tuple[int, int, int, int, int]] = {
+    "Q8_0": (0, 32, 34, 512, 32),
+    "Q4_0": (1, 32, 18, 256, 32),
+    "Q4_1": (2, 32, 20, 256, 64),
+    "Q4_K": (3, 256, 144, 2048, 320),
+    "Q5_K": (4, 256, 176, 2560, 320),
+    "Q6_K": (5, 256, 210, 3072, 288),
+}
+_CHUNK_GROUPS = 64  # row groups repacked per numpy pass (bounds the scratch)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A W[n, k] in GGUF type ``qtype``, repacked for ``quant_gemm``.
+
+    qs: [ceil(n/16), k/bs, qbytes] u8 quants; sc: [ceil(n/16), k/bs, sbytes] u8 scales;
+    bias: [n] fp32 or None.
+    """
+
+    qtype: str
+    n: int
+    k: int
+    qs: torch.Tensor
+    sc: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes streamed per call (packed, padding rows included)."""
+        return self.qs.numel() + self.sc.numel()
+
+    @property
+    def gguf_bytes(self) -> int:
+        """Bytes of the same rows in the GGUF file."""
+        _, bs, tsize, _, _ = QTYPES[self.qtype]
+        return self.n * (self.k // bs) * tsize
+
+
+def qtype_name(qtype: Any) -> str:
+    """ "Q4_K" for "Q4_K", "q4_k" or gguf's GGMLQuantizationType.Q4_K; ValueError otherwise."""
+    name = str(getattr(qtype, "name", qtype)).upper()
+    if name not in QTYPES:
+        raise ValueError(f"qtype {qtype!r} not supported; one of {', '.join(QTYPES)}")
+    return name
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] u8 -> [...] fp16 bits as uint16."""
+    return np.ascontiguousarray(b).view(np.uint16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """[..., nbytes] u8 whose low nibbles hold values 0..run-1 of each 2*run and high nibbles
+    the next run -> [..., 2 * nbytes] values."""
+    q = qs.reshape(*qs.shape[:-1], -1, 1, run)
+    return np.concatenate([q & 0x0F, q >> 4], axis=-2).reshape(*qs.shape[:-1], -1)
+
+
+def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 12] packed 6-bit scales and mins -> ([..., 8], [..., 8]) u8."""
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _decode(name: str, blk: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """[rows, nb, type bytes] GGUF blocks -> (unsigned quants [rows, nb * bs], scale arrays
+    [rows, nb, ...] in their packed order)."""
+    rows = blk.shape[0]
+    if name == "Q8_0":
+        return (blk[..., 2:] ^ 0x80).reshape(rows, -1), [_f16(blk[..., 0:2])]
+    if name in ("Q4_0", "Q4_1"):
+        off = 2 if name == "Q4_0" else 4
+        scales = [_f16(blk[..., 0:2])] + ([_f16(blk[..., 2:4])] if name == "Q4_1" else [])
+        return _nibbles(blk[..., off:], 16).reshape(rows, -1), scales
+    if name in ("Q4_K", "Q5_K"):
+        sc, mn = _scale_min_k4(blk[..., 4:16])
+        q = _nibbles(blk[..., -128:].reshape(rows, -1, 4, 32), 32).reshape(rows, -1)
+        if name == "Q5_K":
+            qh = blk[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]
+            q = q | ((qh & 1) << 4).reshape(rows, -1)
+        return q, [_f16(blk[..., 0:2]), _f16(blk[..., 2:4]), sc, mn]
+    ql = _nibbles(blk[..., 0:128].reshape(rows, -1, 2, 64), 64)
+    qh = blk[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = (ql.reshape(rows, -1) | ((qh & 3) << 4).reshape(rows, -1)).astype(np.uint8)
+    return q, [_f16(blk[..., 208:210]), blk[..., 192:208]]
+
+
+def _dwords(q: np.ndarray) -> np.ndarray:
+    """[g, 16, nb32, 32] values -> [g, nb32, 8, 16, 4]: dword t of every row (k = 4t + i)."""
+    g, _, nb32, _ = q.shape
+    return q.reshape(g, ROWS, nb32, 8, 4).transpose(0, 2, 3, 1, 4)
+
+
+def _pack_quants(name: str, q: np.ndarray) -> np.ndarray:
+    """[g, 16, k] unsigned quants -> [g, nb, qbytes]."""
+    g, _, k = q.shape
+    d = _dwords(q.reshape(g, ROWS, k // 32, 32))  # [g, nb32, t, r, i]
+    if name == "Q8_0":
+        return d.reshape(g, k // 32, -1)
+    lo = (d & 0x0F).reshape(g, k // 32, 4, 2, ROWS, 4)
+    parts = [lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)]  # [g, nb32, chunk, r, i]
+    hi = d >> 4
+    if name == "Q5_K":
+        parts.append(
+            (hi << np.arange(8, dtype=np.uint8)[:, None, None]).sum(axis=2, dtype=np.uint8)[
+                :, :, None
+            ]
+        )
+    elif name == "Q6_K":
+        h = (
+            hi.reshape(g, k // 32, 2, 4, ROWS, 4)
+            << (2 * np.arange(4, dtype=np.uint8))[:, None, None]
+        )
+        parts.append(h.sum(axis=3, dtype=np.uint8))
+    return np.concatenate(parts, axis=2).reshape(g, k // QTYPES[name][1], -1)
+
+
+def _pack_scales(name: str, scales: list[np.ndarray], g: int) -> np.ndarray:
+    """Scale arrays [g * 16, nb, ...] -> [g, nb, sbytes], rows innermost."""
+    out = []
+    for s in scales:
+        s = s.reshape(g, ROWS, s.shape[1], -1).transpose(0, 2, 3, 1)  # [g, nb, j, r]
+        out.append(np.ascontiguousarray(s).view(np.uint8).reshape(g, s.shape[1], -1))
+    return np.concatenate(out, axis=2)
+
+
+def pack_quantized(
+    raw: np.ndarray | torch.Tensor,
+    qtype: Any,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+    huge_pages: bool = True,
+) -> QuantWeight:
+    """Repacks the GGUF blocks of W[n, k] (raw: [n, bytes per row] u8, numpy or torch, e.g. a
+    view of the mapped file) for ``quant_gemm``; qtype: name or gguf GGMLQuantizationType.
+    Works through 1024 rows at a time; memory: the packed result plus a few MB."""
+    name = qtype_name(qtype)
+    _, bs, tsize, qbytes, sbytes = QTYPES[name]
+    if n < 1 or k < 1 or k % bs:
+        raise ValueError(f"{name}: k={k} must be a positive multiple of {bs} (n={n})")
+    arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+    if arr.dtype != np.uint8 or arr.size != n * k // bs * tsize:
+        raise ValueError(
+            f"raw: expected {n} x {k // bs * tsize} uint8, got {arr.dtype} {arr.shape}"
+        )
+    blocks = arr.reshape(n, k // bs, tsize)
+    groups, nb = -(-n // ROWS), k // bs
+    new = huge_empty if huge_pages else torch.empty
+    qs, sc = new((groups, nb, qbytes), torch.uint8), new((groups, nb, sbytes), torch.uint8)
+    qs_np, sc_np = qs.numpy(), sc.numpy()
+    for g0 in range(0, groups, _CHUNK_GROUPS):
+        g1 = min(groups, g0 + _CHUNK_GROUPS)
+        blk = np.zeros(((g1 - g0) * ROWS, nb, tsize), np.uint8)
+        part = blocks[g0 * ROWS : g1 * ROWS]
+        blk[: part.shape[0]] = part
+        q, scales = _decode(name, blk)
+        qs_np[g0:g1] = _pack_quants(name, q.reshape(g1 - g0, ROWS, k))
+        sc_np[g0:g1] = _pack_scales(name, scales, g1 - g0)
+    b = None
+    if bias is not None:
+        if bias.shape != (n,) or not bias.is_floating_point():
+            raise ValueError(f"bias: expected a float [{n}] tensor, got {tuple(bias.shape)}")
+        b = bias.detach().to(torch.float32).contiguous()
+    return QuantWeight(name, n, k, qs, sc, b)
+
+
+def _isa_code(isa: str | None) -> int:
+    _require()
+    name = _loader.default_isa() if isa is None else isa
+    if name not in _loader.supported_isas():
+        raise ValueError(
+            f"ISA tier {name!r} cannot run here; supported: {_loader.supported_isas()}"
+        )
+    return _loader.ISAS.index(name)
+
+
+def quant_gemm(
+    x: torch.Tensor,
+    packed: QuantWeight,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+    vnni: bool = True,
+) -> torch.Tensor:
+    """out [M, n] = x [M, k] @ W^T (+ bias) for W packed by ``pack_quantized``; x, out fp32
+    or bf16 (out defaults to x's dtype), rows of any stride with dense columns.  isa: the tier
+    (default ``cpud.native.isa()``); vnni=False keeps to vpmaddubsw where VNNI exists."""
+    code = _isa_code(isa)
+    xdt = _dtype(x, "x")
+    xs = _tokens(x, "x", 2)
+    if x.shape[1] != packed.k:
+        raise ValueError(f"x: K={x.shape[1]} but the weight has K={packed.k}")
+    if out is None:
+        out = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
+    elif out.shape != (x.shape[0], packed.n):
+        raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], packed.n)}")
+    odt = _dtype(out, "out")
+    os_ = _tokens(out, "out", 2)
+    if packed.qs.data_ptr() % 64 or not packed.qs.is_contiguous():
+        raise ValueError("packed.qs: must be contiguous and 64-byte aligned")
+    bias = packed.bias
+    rc = _loader.lib.cpud_quant_gemm(
+        code,
+        0 if vnni else NO_VNNI,
+        QTYPES[packed.qtype][0],
+        x.data_ptr(),
+        xdt,
+        xs,
+        packed.qs.data_ptr(),
+        packed.sc.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        odt,
+        os_,
+        x.shape[0],
+        packed.n,
+        packed.k,
+    )
+    check_rc(rc, f"quant_gemm {packed.qtype}")
+    return out
+
+
+def quant_kernel(isa: str | None = None, vnni: bool = True) -> str:
+    """Name of the int8 kernel quant_gemm runs at this tier, e.g. "avx512 avx512-vnni"."""
+    name = _loader.lib.cpud_quant_kernel(_isa_code(isa), 0 if vnni else NO_VNNI)
+    return _loader.ffi.string(name).decode()
+
+
+def quant_compute_probe(iters: int, isa: str | None = None, vnni: bool = True) -> float:
+    """Int8 ops (2 per multiply-add) of iters rounds of independent dot instructions of that
+    kernel on every thread; timed by the caller, the int8 instruction peak."""
+    if iters < 0:
+        raise ValueError(f"iters must be >= 0, got {iters}")
+    ops = float(_loader.lib.cpud_quant_compute_probe(_isa_code(isa), 0 if vnni else NO_VNNI, iters))
+    check_rc(0 if ops >= 0 else -1, "quant_compute_probe")
+    return ops
+
+
+__all__ = [
+    "QTYPES",
+    "QuantWeight",
+    "pack_quantized",
+    "qtype_name",
+    "quant_compute_probe",
+    "quant_gemm",
+    "quant_kernel",
+]

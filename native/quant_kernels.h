@@ -1,0 +1,196 @@
+/* Quantized GEMM kernels, written once over the int8 primitives of quant_simd_*.h and
+ * instantiated by each quant_*.c.  A tile is 16 weight rows (one packed group) times MR rows of
+ * x over all of K: per block, integer dots of the unpacked quants against x's int8 blocks,
+ * then one fp32 multiply-add with the block scales; type offsets (Q8_0's 128, Q4_0's 8, Q6_K's
+ * 32) and mins come off through x's block sums. */
+#include <omp.h>
+
+/* Below this many multiply-adds a GEMM runs on the calling thread. */
+#define QPAR_MIN (1 << 16)
+
+typedef struct qtile {
+    const uint8_t *q; /* [nb][qbytes]: this group's quants   */
+    const uint8_t *s; /* [nb][sbytes]: this group's scales   */
+    const qact *a;
+    int64_t m0, nb;   /* first row of x; blocks along K      */
+    float *res;       /* [MR][16]                            */
+} qtile;
+
+/* x row m0 + m, from k = 0: [K] i8 */
+#define XQ(t, m) ((t)->a->q + ((t)->m0 + (m)) * (t)->a->K)
+/* scale of x row m0 + m, 32-block i */
+#define XD(t, m, i) ((t)->a->d[((t)->m0 + (m)) * ((t)->a->K / 32) + (i)])
+/* sum of x row m0 + m, 16-block i */
+#define XS(t, m, i) ((t)->a->s[((t)->m0 + (m)) * ((t)->a->K / 16) + (i)])
+#define XS32(t, m, i) (XS(t, m, 2 * (i)) + XS(t, m, 2 * (i) + 1))
+
+static ALWAYS_INLINE QTGT void tile_out(const qtile *t, const fv *acc, const int MR) {
+    for (int m = 0; m < MR; m++) fv_st(t->res + m * QR, acc[m]);
+}
+
+/* Q8_0 / Q4_0 / Q4_1: one scale (and min) per 32-block; wide: Q8_0's byte quants. */
+static ALWAYS_INLINE QTGT void tile_b32(const qtile *t, const int MR, const int qt) {
+    const int wide = qt == CPUD_Q8_0, sb = q_sbytes[qt], off = wide ? Q8_OFF : qt == CPUD_Q4_0 ? 8 : 0;
+    fv acc[4];
+    for (int m = 0; m < MR; m++) acc[m] = fv_zero();
+    for (int64_t b = 0; b < t->nb; b++) {
+        const uint8_t *q = t->q + b * (wide ? 512 : 256);
+        const fv dw = fv_h16((const uint16_t *)(t->s + b * sb));
+        iv dot[4];
+        for (int m = 0; m < MR; m++) dot[m] = iv_zero();
+        for (int c = 0; c < (wide ? 8 : 4); c++) {
+            const qv w = qv_ld(q + c * 64);
+            if (wide) {
+                for (int m = 0; m < MR; m++) dot[m] = iv_dot8(dot[m], w, XQ(t, m) + b * 32 + c * 4);
+                continue;
+            }
+            const qv lo = qv_lo(w), hi = qv_hi(w);
+            for (int m = 0; m < MR; m++) {
+                dot[m] = iv_dot(dot[m], lo, XQ(t, m) + b * 32 + c * 8);
+                dot[m] = iv_dot(dot[m], hi, XQ(t, m) + b * 32 + c * 8 + 4);
+            }
+        }
+        for (int m = 0; m < MR; m++) {
+            const float dx = XD(t, m, b);
+            const int32_t sx = XS32(t, m, b);
+            acc[m] = fv_fma(fv_cvt(iv_subs(dot[m], off * sx)), fv_mul(dw, fv_set1(dx)), acc[m]);
+            if (qt == CPUD_Q4_1)
+                acc[m] = fv_fma(fv_h16((const uint16_t *)(t->s + b * sb + 32)), fv_set1(dx * (float)sx), acc[m]);
+        }
+    }
+    tile_out(t, acc, MR);
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high bits. */
+static ALWAYS_INLINE QTGT void tile_k45(const qtile *t, const int MR, const int five) {
+    const int sub = five ? 320 : 256;
+    fv acc[4];
+    for (int m = 0; m < MR; m++) acc[m] = fv_zero();
+    for (int64_t b = 0; b < t->nb; b++) {
+        const uint8_t *s = t->s + b * 320, *q = t->q + b * 8 * sub;
+        const fv d = fv_h16((const uint16_t *)s), dmin = fv_h16((const uint16_t *)(s + 32));
+        for (int j = 0; j < 8; j++) {
+            const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
+            const uint8_t *qj = q + j * sub;
+            const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
+            iv dot[4];
+            for (int m = 0; m < MR; m++) dot[m] = iv_zero();
+            for (int c = 0; c < 4; c++) {
+                const qv w = qv_ld(qj + c * 64);
+                qv lo = qv_lo(w), hi = qv_hi(w);
+                if (five) {
+                    lo = qv_or(lo, qv_b4(hb, 2 * c));
+                    hi = qv_or(hi, qv_b4(hb, 2 * c + 1));
+                }
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
+                    dot[m] = iv_dot(iv_dot(dot[m], lo, x), hi, x + 4);
+                }
+            }
+            for (int m = 0; m < MR; m++) {
+                const float dx = XD(t, m, b * 8 + j);
+                acc[m] = fv_fma(fv_cvt(dot[m]), fv_mul(sc, fv_set1(dx)), acc[m]);
+                acc[m] = fv_fnma(mn, fv_set1(dx * (float)XS32(t, m, b * 8 + j)), acc[m]);
+            }
+        }
+    }
+    tile_out(t, acc, MR);
+}
+
+/* Q6_K: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
+static ALWAYS_INLINE QTGT void tile_q6k(const qtile *t, const int MR) {
+    fv acc[4];
+    for (int m = 0; m < MR; m++) acc[m] = fv_zero();
+    for (int64_t b = 0; b < t->nb; b++) {
+        const uint8_t *s = t->s + b * 288, *q = t->q + b * 3072;
+        const fv d = fv_h16((const uint16_t *)s);
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *qj = q + j * 384;
+                const qv hb = qv_ld(qj + 256 + h * 64);
+                const fv sc = fv_mul(d, fv_i8((const int8_t *)s + 32 + (2 * j + h) * 16));
+                iv dot[4];
+                for (int m = 0; m < MR; m++) dot[m] = iv_zero();
+                for (int cc = 0; cc < 2; cc++) {
+                    const int c = 2 * h + cc;
+                    const qv w = qv_ld(qj + c * 64);
+                    const qv lo = qv_or(qv_lo(w), qv_b6(hb, 2 * cc));
+                    const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
+                    for (int m = 0; m < MR; m++) {
+                        const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
+                        dot[m] = iv_dot(iv_dot(dot[m], lo, x), hi, x + 4);
+                    }
+                }
+                for (int m = 0; m < MR; m++) {
+                    const iv v = iv_subs(dot[m], 32 * XS(t, m, b * 16 + 2 * j + h));
+                    acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(t, m, b * 8 + j))), acc[m]);
+                }
+            }
+    }
+    tile_out(t, acc, MR);
+}
+
+typedef void (*tile_fn)(const qtile *t);
+
+#define TILE_MR(name, call)                                                                        \
+    static QTGT void name##_1(const qtile *t) { call(t, 1); }                                     \
+    static QTGT void name##_2(const qtile *t) { call(t, 2); }                                     \
+    static QTGT void name##_4(const qtile *t) { call(t, 4); }
+
+#define T_Q8_0(t, mr) tile_b32(t, mr, CPUD_Q8_0)
+#define T_Q4_0(t, mr) tile_b32(t, mr, CPUD_Q4_0)
+#define T_Q4_1(t, mr) tile_b32(t, mr, CPUD_Q4_1)
+#define T_Q4_K(t, mr) tile_k45(t, mr, 0)
+#define T_Q5_K(t, mr) tile_k45(t, mr, 1)
+#define T_Q6_K(t, mr) tile_q6k(t, mr)
+TILE_MR(q8_0, T_Q8_0)
+TILE_MR(q4_0, T_Q4_0)
+TILE_MR(q4_1, T_Q4_1)
+TILE_MR(q4_k, T_Q4_K)
+TILE_MR(q5_k, T_Q5_K)
+TILE_MR(q6_k, T_Q6_K)
+
+/* [qtype][MR 1, 2, 4] */
+static const tile_fn q_tiles[6][3] = {
+    {q8_0_1, q8_0_2, q8_0_4}, {q4_0_1, q4_0_2, q4_0_4}, {q4_1_1, q4_1_2, q4_1_4},
+    {q4_k_1, q4_k_2, q4_k_4}, {q5_k_1, q5_k_2, q5_k_4}, {q6_k_1, q6_k_2, q6_k_4},
+};
+
+static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,
+                         const float *bias, void *out, int odt, int64_t os, int64_t M, int64_t N) {
+    const int64_t nb = a->K / q_bs[qt], groups = (N + QR - 1) / QR, nmc = (M + QMC - 1) / QMC;
+    const int64_t qstride = nb * q_qbytes[qt], sstride = nb * q_sbytes[qt], tasks = groups * nmc;
+#pragma omp parallel for schedule(static) if (tasks > 1 && M * N * a->K >= QPAR_MIN)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t g = task / nmc, mc = task % nmc, m1 = (mc + 1) * QMC < M ? (mc + 1) * QMC : M;
+        float res[4 * QR];
+        qtile t = {qs + g * qstride, sc + g * sstride, a, mc * QMC, nb, res};
+        while (t.m0 < m1) {
+            const int64_t left = m1 - t.m0;
+            const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
+            q_tiles[qt][mr == 1 ? 0 : mr == 2 ? 1 : 2](&t);
+            q_store(res, mr, t.m0, g, N, bias, out, odt, os);
+            t.m0 += mr;
+        }
+    }
+}
+
+static QTGT void quantize_k(const void *x, int dt, int64_t xs, int64_t M, int64_t K, int8_t *q,
+                            float *d, int32_t *s) {
+    const int es = dtype_size(dt);
+#pragma omp parallel for schedule(static) if (M * K >= CPUD_PAR_MIN && M > 1)
+    for (int64_t m = 0; m < M; m++)
+        q_quant_row((const char *)x + m * xs * es, dt, K, q + m * K, d + m * (K / 32), s + m * (K / 16));
+}
+
+static QTGT double probe_k(int64_t iters, float *sink) {
+    double macs = 0.0;
+    float total = 0.0f;
+#pragma omp parallel reduction(+ : macs, total)
+    macs += q_probe(iters, &total);
+    *sink = total;
+    return 2.0 * macs;
+}
+
+#define QUANT_OPS(sym, label)                                                                      \
+    const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k, .probe = probe_k}
