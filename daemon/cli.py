@@ -11,26 +11,12 @@ import time
 from collections.abc import Sequence
 
 from cpud.errors import CpudError
+from cpud.serve_flags import add_serve_flags
 
 SUPPRESS = argparse.SUPPRESS
 
 EXIT_CONFIG = 2
 MAX_API_KEY_BYTES = 4096
-
-
-class _StoreGiven(argparse.Action):
-    """Stores the value and notes that the flag came on the command line (in `given`), which
-    an environment default does not."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.given = {*namespace.given, self.dest}
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -267,7 +253,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cpud.supervisor import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
+    engine_args = EngineArgs(
+        model=args.model, chat_template=args.chat_template, **_engine_kwargs(args)
+    )
     serve_args = ServeArgs(
         host=args.host,
         port=args.port,
@@ -314,64 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
     _add_engine_flags(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    srv.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI API")
-    srv.add_argument(
-        "--api-key",
-        action=_StoreGiven,
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY`; on the command line every user sees it in the "
-        "process list: prefer --api-key-file or the environment",
-    )
-    srv.add_argument(
-        "--api-key-file",
-        action=_StoreGiven,
-        metavar="PATH",
-        help="read the API key from PATH (one line; keep the file 0600 or 0640)",
-    )
-    srv.add_argument(
-        "--served-model-name", nargs="+", help="model names clients use (default: --model)"
-    )
-    srv.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests may take to finish after SIGTERM",
-    )
-    srv.add_argument(
-        "--metrics-need-key", action="store_true", help="also require the API key for /metrics"
-    )
-    srv.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=1024,
-        help="requests admitted at once (running + queued); more get 429 with Retry-After",
-    )
-    srv.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=600.0,
-        help="seconds the ranks may take to bind, pin and load their weights",
-    )
-    srv.add_argument(
-        "--rank-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a rank or the frontend may go without a heartbeat before the daemon "
-        "counts it as lost and exits 3 for a restart",
-    )
-    srv.add_argument(
-        "--step-timeout",
-        type=float,
-        default=300.0,
-        help="seconds one model step may run before its rank counts as hung",
-    )
-    srv.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=10.0,
-        help="seconds queued work may wait for a step to finish before /health answers 503",
-    )
+    add_serve_flags(srv)
     srv.set_defaults(func=cmd_serve, given=frozenset())
     _document_env(srv)
 

@@ -43,6 +43,7 @@ class EngineArgs:
     collective: str = "shm"  # "shm" | "gloo"
     weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
     kv_pretouch: bool = True  # map the KV cache pages while the ranks idle after the load
+    chat_template: str | None = None  # --chat-template: a file or the template itself
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,12 @@ def _positive(name: str, value: int | float | None) -> None:
 def check_model_files(model_dir: Path) -> ModelConfig:
     """config.json parsed, safetensors headers checked against their files and the index, and
     the tokenizer's JSON side files readable: a corrupt model is a ConfigError naming the file
-    before any rank starts. Reads headers only: milliseconds for any model size."""
+    before any rank starts. Reads headers only: milliseconds for any model size. A GGUF file:
+    its metadata and tensor headers checked (about 0.5 s for a 50k-token vocabulary)."""
+    if model_dir.is_file():
+        from cpud.ranks.gguf_model import gguf_model_config
+
+        return gguf_model_config(model_dir)
     model = load_model_config(model_dir)
     check_weights(model_dir)
     for name in ("tokenizer_config.json", "generation_config.json"):
@@ -121,10 +127,17 @@ def check_model_files(model_dir: Path) -> ModelConfig:
 
 def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     model = check_model_files(Path(model_dir))
+    from cpud.tokenizer import check_tokenizer
+
+    check_tokenizer(Path(model_dir), args.chat_template)
     for name in ("tp", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
         _positive(name, getattr(args, name))
     _positive("kv_cache_space_gib", args.kv_cache_space_gib)
     _positive("num_kv_blocks", args.num_kv_blocks)
+    if Path(model_dir).is_file():
+        from cpud.ranks.gguf_model import check_gguf_split, read_gguf_model
+
+        check_gguf_split(read_gguf_model(model_dir), args.tp)
     if args.block_size % 16:
         raise ConfigError(f"block_size must be a multiple of 16, got {args.block_size}")
     if args.kernels not in KERNEL_KINDS:

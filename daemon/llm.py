@@ -19,17 +19,34 @@ Prompt = str | list[int]
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """The given directory, or the embedded fixture model when none is given."""
+    """The given directory, or the GGUF file given or alone in a directory without a
+    config.json; the embedded fixture model when none is given."""
     if model is None:
         from cpud.fixtures import default_model_dir
 
         return default_model_dir()
     path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(
+                f"model {path} is a file but not a .gguf file: pass a GGUF file or a Hugging "
+                f"Face directory"
+            )
+        return path
     if not path.is_dir():
         raise ConfigError(
             f"model directory {path} does not exist (cpud loads local Hugging Face "
-            f"directories; it never downloads)"
+            f"directories and GGUF files; it never downloads)"
         )
+    if not (path / "config.json").exists():
+        found = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(found) == 1:
+            return found[0]
+        if found:
+            names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+            raise ConfigError(
+                f"{path} holds {len(found)} GGUF files ({names}): pass the one to load as the model"
+            )
     return path
 
 
@@ -48,7 +65,7 @@ class LLM:
         model_dir = resolve_model_dir(model)
         args = size_kv_from_fraction(args, model_dir)
         self.config = resolve_config(args, model_dir)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(model_dir, args.chat_template)
         executor = make_executor(self.config, args.bind, args.reserved_cpus)
         self.engine = LLMEngine(self.config, self.tokenizer, executor)
         self._request_ids = 0

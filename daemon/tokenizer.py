@@ -1,15 +1,15 @@
-"""The model's tokenizer (tokenizer.json), its special tokens and its chat template."""
+"""The model's tokenizer, its special tokens and its chat templates: from a Hugging Face
+directory (tokenizer.json) or from a GGUF file's metadata."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from cpud.errors import ConfigError, RequestError
+from cpud.chat_template import ChatTemplates, hf_chat_templates, load_chat_template
+from cpud.errors import ConfigError
 from cpud.ranks.model_config import read_json_object
 
 
@@ -29,9 +29,59 @@ def _ids(value: Any) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names: a file itself, or the only .gguf of a directory that has no
+    tokenizer.json."""
+    if path.is_file() or (path.suffix == ".gguf" and not path.exists()):
+        return path
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
+def chat_template_override(value: str) -> ChatTemplates:
+    """--chat-template (a file or the template itself), loaded and parsed: ConfigError if not."""
+    return ChatTemplates({"default": load_chat_template(value)}, "--chat-template", strict=True)
+
+
+def check_tokenizer(model: Path, chat_template: str | None = None) -> None:
+    """ConfigError (one line) for what Tokenizer(model, chat_template) would refuse, found
+    before any rank starts: a GGUF tokenizer cpud cannot build (its metadata read, about 0.1 s),
+    a model's chat template file that cannot be read, a --chat-template that cannot be read or
+    does not parse."""
+    found = gguf_file(model)
+    if found is not None:
+        from cpud.gguf_tokenizer import check_gguf_tokenizer
+
+        check_gguf_tokenizer(found)
+    elif chat_template is None:
+        hf_chat_templates(model, _read_json(model / "tokenizer_config.json"))
+    if chat_template is not None:
+        chat_template_override(chat_template)
+
+
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
+    """path: a model directory or a .gguf file. chat_template: --chat-template, which replaces
+    the model's templates."""
+
+    def __init__(self, path: str | Path, chat_template: str | None = None):
+        path = Path(path)
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.bos_token: str | None = None
+        self.eos_token: str | None = None
+        self.specials: dict[str, str | None] = {}
+        found = gguf_file(path)
+        if found is not None:
+            self._from_gguf(found)
+        else:
+            self._from_hf(path)
+        if chat_template is not None:
+            self.chat_templates = chat_template_override(chat_template)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _from_hf(self, model_dir: Path) -> None:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ConfigError(
@@ -43,16 +93,47 @@ class Tokenizer:
             raise ConfigError(f"{path} cannot be loaded: {str(exc).splitlines()[0]}") from None
         tok_cfg = _read_json(model_dir / "tokenizer_config.json")
         gen_cfg = _read_json(model_dir / "generation_config.json")
-        self.chat_template: str | None = tok_cfg.get("chat_template")
-        self.bos_token = _token_text(tok_cfg.get("bos_token"))
-        self.eos_token = _token_text(tok_cfg.get("eos_token"))
+        self.chat_templates = ChatTemplates(
+            hf_chat_templates(model_dir, tok_cfg),
+            "none in chat_template.jinja, tokenizer_config.json or chat_template.json",
+        )
+        self.specials = {
+            name: _token_text(tok_cfg.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        self.bos_token = self.specials["bos_token"]
+        self.eos_token = self.specials["eos_token"]
         eos_ids = _ids(gen_cfg.get("eos_token_id"))
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             eos_ids.insert(0, self._tok.token_to_id(self.eos_token))
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._env.globals["raise_exception"] = _raise_template_error
+        self.eos_token_ids = tuple(dict.fromkeys(eos_ids))
+
+    def _from_gguf(self, path: Path) -> None:
+        from cpud.gguf_tokenizer import build_tokenizer, read_vocab
+
+        vocab = read_vocab(path)
+        self._tok = build_tokenizer(vocab)
+        self.chat_templates = ChatTemplates(
+            vocab.chat_templates, f"no tokenizer.chat_template in {path.name}"
+        )
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else vocab.tokens[token_id]
+
+        self.specials = {
+            "bos_token": text(vocab.bos_id),
+            "eos_token": text(vocab.eos_id),
+            "unk_token": text(vocab.unk_id),
+            "pad_token": text(vocab.pad_id),
+        }
+        self.bos_token = self.specials["bos_token"]
+        self.eos_token = self.specials["eos_token"]
+        self.eos_token_ids = vocab.eog_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template used when a request passes no tools."""
+        return self.chat_templates.default
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -72,24 +153,6 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
-        if not self.chat_template:
-            raise RequestError(
-                "this model has no chat_template in tokenizer_config.json: use completions",
-                param="messages",
-            )
-        context = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            **extra,  # chat_template_kwargs override the special tokens, as in transformers
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
-        }
-        try:
-            return self._env.from_string(self.chat_template).render(context)
-        except Exception as exc:  # the template runs on request data: any failure is a 400
-            detail = exc if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
-            raise RequestError(f"chat template failed: {detail}", param="messages") from None
-
-
-def _raise_template_error(message: str) -> None:
-    raise TemplateError(message)
+        """The conversation rendered as transformers renders it; `extra` (tools,
+        chat_template_kwargs) reaches the template and overrides the special tokens."""
+        return self.chat_templates.render(messages, add_generation_prompt, self.specials, extra)

@@ -1,4 +1,5 @@
-"""Read this rank's slices of the weights from safetensors files (single or sharded)."""
+"""Read this rank's slices of the weights from safetensors files (single or sharded) or a GGUF
+file."""
 
 from __future__ import annotations
 
@@ -12,19 +13,31 @@ from cpud.errors import ConfigError
 from cpud.ranks.safetensors_check import weight_files
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, object]:
+def stacked_target(model: nn.Module, name: str) -> tuple[str, object]:
     for param_part, ckpt_part, shard_id in model.stacked_params:
         if f".{ckpt_part}." in name:
             return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
     return name, None
 
 
-def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+def check_complete(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    loaded: set[tuple[str, object]],
+    source: str,
+) -> None:
+    """ConfigError when a parameter (or a part of a fused one) was not in the checkpoint."""
     expected = set()
     for name in params:
         shards = [s for p, _, s in model.stacked_params if f".{p}." in name]
         expected.update((name, s) for s in shards or [None])
-    return expected
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        name, shard = missing[0]
+        what = name if shard is None else f"{name} (part {shard})"
+        raise ConfigError(
+            f"checkpoint in {source} lacks {what} and {len(missing) - 1} more tensor(s)"
+        )
 
 
 def _open(path: Path):
@@ -43,6 +56,10 @@ def load_weights(
     """Fill every parameter of `model` from the checkpoint, reading only this rank's slices;
     `progress(done, total)` hears after each tensor. Parameters named in `skip` are filled
     already (packed weights from the weight cache): their tensors are not read."""
+    if Path(model_dir).is_file():
+        from cpud.ranks.gguf_loader import load_gguf_weights
+
+        return load_gguf_weights(model, model_dir, progress, skip)
     params = dict(model.named_parameters())
     tied = model.cfg.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
@@ -63,7 +80,7 @@ def load_weights(
                     continue
                 if tied and ckpt_name == "lm_head.weight":
                     continue
-                target, shard_id = _target(model, ckpt_name)
+                target, shard_id = stacked_target(model, ckpt_name)
                 param = params.get(target)
                 if param is None:
                     raise ConfigError(
@@ -73,10 +90,4 @@ def load_weights(
                 if target not in skip:
                     param.weight_loader(param, f.get_slice(name), shard_id)
                 loaded.add((target, shard_id))
-    missing = sorted(_expected(model, params) - loaded, key=str)
-    if missing:
-        name, shard = missing[0]
-        what = name if shard is None else f"{name} (part {shard})"
-        raise ConfigError(
-            f"checkpoint in {model_dir} lacks {what} and {len(missing) - 1} more tensor(s)"
-        )
+    check_complete(model, params, loaded, str(model_dir))

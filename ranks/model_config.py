@@ -108,6 +108,11 @@ def read_json_object(path: str | Path, finite: bool = True) -> dict[str, Any]:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """From a Hugging Face directory's config.json, or from a GGUF file's metadata."""
+    if Path(model_dir).is_file():
+        from cpud.ranks.gguf_model import gguf_model_config
+
+        return gguf_model_config(model_dir)
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ConfigError(f"model directory {model_dir} does not exist")

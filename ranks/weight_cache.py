@@ -35,8 +35,12 @@ ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
 
 
 def checkpoint_fingerprint(model_dir: Path) -> list[tuple[str, int, int]]:
-    """(name, size, mtime_ns) of every file the weights and their shapes come from."""
-    files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
+    """(name, size, mtime_ns) of every file the weights and their shapes come from (a GGUF
+    model is one file)."""
+    if model_dir.is_file():
+        files = [model_dir]
+    else:
+        files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
     stats = [(f.name, f.stat()) for f in files if f.is_file()]
     return [(name, st.st_size, st.st_mtime_ns) for name, st in stats]
 
@@ -156,7 +160,7 @@ class WeightCache:
                 shard = json.loads(index_path.read_text())["shard"]
             except (OSError, ValueError, KeyError):
                 continue
-            if shard == self.identity.__dict__ or not Path(shard.get("model_dir", "")).is_dir():
+            if shard == self.identity.__dict__ or not Path(shard.get("model_dir", "")).exists():
                 index_path.unlink(missing_ok=True)
                 index_path.with_suffix(".bin").unlink(missing_ok=True)
 

@@ -106,7 +106,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
     model_dir = resolve_model_dir(engine_args.model)
     config = resolve_config(engine_args, model_dir)
     names = serve_args.served_model_names or (str(engine_args.model or "cpud-default"),)
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = Tokenizer(model_dir, engine_args.chat_template)
     state = ServerState(
         ServerConfig(
             served_model_names=names,

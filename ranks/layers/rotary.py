@@ -83,10 +83,12 @@ def rope_inv_freq(
         return inv_freq / float(scaling["factor"]), 1.0
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "factors":  # per-frequency divisors, as GGUF files store llama3 scaling
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(rotary_dim, base, scaling, max_position)
     raise ConfigError(
-        f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)"
+        f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn, factors)"
     )
 
 

@@ -1,0 +1,87 @@
+"""The flags of `cpud serve` beyond the engine's: listening, keys, names, timeouts, templates."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class _StoreGiven(argparse.Action):
+    """Stores the value and notes that the flag came on the command line (in `given`), which
+    an environment default does not."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*namespace.given, self.dest}
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI API")
+    parser.add_argument(
+        "--api-key",
+        action=_StoreGiven,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY`; on the command line every user sees it in the "
+        "process list: prefer --api-key-file or the environment",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        action=_StoreGiven,
+        metavar="PATH",
+        help="read the API key from PATH (one line; keep the file 0600 or 0640)",
+    )
+    parser.add_argument(
+        "--served-model-name", nargs="+", help="model names clients use (default: --model)"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    parser.add_argument(
+        "--metrics-need-key", action="store_true", help="also require the API key for /metrics"
+    )
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests admitted at once (running + queued); more get 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the ranks may take to bind, pin and load their weights",
+    )
+    parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a rank or the frontend may go without a heartbeat before the daemon "
+        "counts it as lost and exits 3 for a restart",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one model step may run before its rank counts as hung",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds queued work may wait for a step to finish before /health answers 503",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_STRING",
+        help="chat template (jinja) replacing the model's, or for a model without one: a file, "
+        "else the template itself (backslash escapes decoded), as vLLM's flag",
+    )
