@@ -11,8 +11,6 @@ of the file, by gguf's own type codes; the weights' reader stays gguf.GGUFReader
 
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,23 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from cpud.errors import ConfigError
-
-_T = gguf.GGUFValueType
-_SCALARS: dict[int, struct.Struct] = {
-    _T.UINT8: struct.Struct("<B"),
-    _T.INT8: struct.Struct("<b"),
-    _T.UINT16: struct.Struct("<H"),
-    _T.INT16: struct.Struct("<h"),
-    _T.UINT32: struct.Struct("<I"),
-    _T.INT32: struct.Struct("<i"),
-    _T.FLOAT32: struct.Struct("<f"),
-    _T.BOOL: struct.Struct("<?"),
-    _T.UINT64: struct.Struct("<Q"),
-    _T.INT64: struct.Struct("<q"),
-    _T.FLOAT64: struct.Struct("<d"),
-}
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
+from cpud.ranks.gguf_file import field_value, open_gguf
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2 = (
@@ -124,84 +106,12 @@ _SPELLING = _byte_spelling()
 _ALPHABET = frozenset(_SPELLING.values())
 
 
-class _Metadata:
-    """The tokenizer keys (and general.architecture) of a GGUF file's key/value section."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                self.values = self._read(buf)
-        except ConfigError:
-            raise
-        except (ValueError, OSError) as exc:
-            raise ConfigError(f"{path}: cannot map the GGUF file: {exc}") from None
-        except (struct.error, IndexError, UnicodeDecodeError):
-            raise ConfigError(f"{path}: GGUF metadata is truncated or corrupt") from None
-
-    def _read(self, buf: mmap.mmap) -> dict[str, Any]:
-        if len(buf) < 24 or _U32.unpack_from(buf, 0)[0] != gguf.GGUF_MAGIC:
-            raise ConfigError(f"{self.path} is not a GGUF file (bad magic)")
-        version = _U32.unpack_from(buf, 4)[0]
-        if version not in gguf.READER_SUPPORTED_VERSIONS:
-            raise ConfigError(f"{self.path}: GGUF version {version} is not supported")
-        kv_count = _U64.unpack_from(buf, 16)[0]
-        pos, out = 24, {}
-        for _ in range(kv_count):
-            key, pos = self._string(buf, pos)
-            kind = _U32.unpack_from(buf, pos)[0]
-            keep = key.startswith("tokenizer.") or key == "general.architecture"
-            out[key], pos = self._value(buf, pos + 4, kind, keep)
-        return out
-
-    @staticmethod
-    def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-        n = _U64.unpack_from(buf, pos)[0]
-        end = pos + 8 + n
-        if end > len(buf):
-            raise IndexError(pos)
-        return buf[pos + 8 : end].decode("utf-8"), end
-
-    def _value(self, buf: mmap.mmap, pos: int, kind: int, keep: bool) -> tuple[Any, int]:
-        if kind in _SCALARS:
-            fmt = _SCALARS[kind]
-            return fmt.unpack_from(buf, pos)[0], pos + fmt.size
-        if kind == _T.STRING:
-            return self._string(buf, pos)
-        if kind != _T.ARRAY:
-            raise ConfigError(f"{self.path}: GGUF metadata value of unknown type {kind}")
-        item, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if item in _SCALARS:
-            fmt = _SCALARS[item]
-            end = pos + count * fmt.size
-            if end > len(buf):
-                raise IndexError(pos)
-            values = (
-                list(struct.unpack_from(f"<{count}{fmt.format[-1]}", buf, pos)) if keep else None
-            )
-            return values, end
-        if item != _T.STRING:
-            values = []
-            for _ in range(count):
-                value, pos = self._value(buf, pos, item, keep)
-                values.append(value)
-            return values if keep else None, pos
-        if not keep:
-            for _ in range(count):
-                pos += 8 + _U64.unpack_from(buf, pos)[0]
-            return None, pos
-        strings = []
-        append = strings.append
-        unpack = _U64.unpack_from
-        for _ in range(count):
-            n = unpack(buf, pos)[0]
-            end = pos + 8 + n
-            append(buf[pos + 8 : end].decode("utf-8"))
-            pos = end
-        if pos > len(buf):
-            raise IndexError(pos)
-        return strings, pos
+def _tokenizer_metadata(path: Path) -> dict[str, Any]:
+    """The tokenizer keys (and general.architecture) of the file, read with the gguf package's
+    reader over its memory map."""
+    reader = open_gguf(path)
+    keys = [k for k in reader.fields if k.startswith("tokenizer.") or k == "general.architecture"]
+    return {key: field_value(reader, key) for key in keys}
 
 
 @dataclass
@@ -229,7 +139,7 @@ class GGUFVocab:
 def read_vocab(path: str | Path) -> GGUFVocab:
     """The tokenizer metadata of a GGUF file; ConfigError (one line) when cpud cannot use it."""
     path = Path(path)
-    meta = _Metadata(path).values
+    meta = _tokenizer_metadata(path)
 
     def get(name: str, default: Any = None) -> Any:
         return meta.get(_KEY + name, default)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cpud.config import EngineArgs, resolve_config
+from cpud.default_model import default_model_path
 from cpud.engine.executor import make_executor, size_kv_from_fraction
 from cpud.engine.llm_engine import LLMEngine
 from cpud.engine.outputs import RequestOutput
@@ -20,11 +21,9 @@ Prompt = str | list[int]
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """The given directory, or the GGUF file given or alone in a directory without a
-    config.json; the embedded fixture model when none is given."""
+    config.json; the default model (SmolLM2-135M-Instruct GGUF) when none is given."""
     if model is None:
-        from cpud.fixtures import default_model_dir
-
-        return default_model_dir()
+        return default_model_path()
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":

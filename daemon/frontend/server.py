@@ -85,6 +85,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
 
     from cpud.config import EngineArgs, ServeArgs, resolve_config
+    from cpud.default_model import DEFAULT_MODEL_NAME
     from cpud.engine.llm_engine import LLMEngine
     from cpud.engine.rank_client import RankClient
     from cpud.frontend.app import create_app
@@ -105,7 +106,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
     )
     model_dir = resolve_model_dir(engine_args.model)
     config = resolve_config(engine_args, model_dir)
-    names = serve_args.served_model_names or (str(engine_args.model or "cpud-default"),)
+    names = serve_args.served_model_names or (str(engine_args.model or DEFAULT_MODEL_NAME),)
     tokenizer = Tokenizer(model_dir, engine_args.chat_template)
     state = ServerState(
         ServerConfig(
