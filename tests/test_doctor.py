@@ -526,3 +526,30 @@ def test_fabricated_tree_through_the_cli_bad_spec_exits_1(tmp_path):
     assert checks["binding"]["status"] == "fail"
     assert "rank 1's CPU list is empty" in checks["binding"]["advice"]
     assert checks["numa"]["value"]["nodes"][1]["id"] == 1
+
+
+def test_model_check_lists_a_gguf_files_tensor_types(model_factory, tmp_path):
+    from gguf import GGMLQuantizationType as T
+    from gguf_writer import write_gguf
+
+    from cpud.doctor.model_check import model_check
+    from cpud.doctor.planning import plan
+
+    path = write_gguf(model_factory("qwen3"), tmp_path / "m.gguf", T.Q8_0)
+    check = model_check(plan(DoctorInputs(engine=EngineArgs(model=path, num_kv_blocks=64))))
+    assert check.status == "ok", check
+    assert check.value["format"] == "gguf" and check.value["gguf_architecture"] == "qwen3"
+    types = check.value["tensor_types"]
+    assert set(types) == {"Q8_0", "F32"}
+    assert sum(t["bytes"] for t in types.values()) <= check.value["file_bytes"]
+    assert any(line.startswith("Q8_0: ") for line in check.details)
+
+
+def test_model_check_fails_with_the_reason_for_a_broken_model(tmp_path):
+    from cpud.doctor.model_check import model_check
+    from cpud.doctor.planning import plan
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(10))
+    check = model_check(plan(DoctorInputs(engine=EngineArgs(model=bad))))
+    assert check.status == "fail" and "bad.gguf" in check.summary

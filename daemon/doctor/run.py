@@ -12,6 +12,7 @@ from cpud.doctor.binding_check import binding_check
 from cpud.doctor.inputs import DoctorInputs
 from cpud.doctor.machine import cpu_check, dtype_check, native_check, smt_check
 from cpud.doctor.memory_check import memory_check
+from cpud.doctor.model_check import model_check
 from cpud.doctor.planning import plan
 from cpud.doctor.report import Check, exit_code, render, report
 from cpud.doctor.runtime import openmp_check, threads_check
@@ -52,6 +53,7 @@ def collect(inputs: DoctorInputs) -> list[Check]:
         ("cpu", lambda: cpu_check(inputs)),
         ("native kernels", lambda: native_check(inputs)),
         ("dtype", lambda: dtype_check(inputs)),
+        ("model", lambda: model_check(planning)),
         ("smt", lambda: smt_check(inputs, planning)),
         ("numa", lambda: numa_check(planning)),
         ("cgroup", lambda: cgroup_check(inputs, planning)),

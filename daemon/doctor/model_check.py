@@ -1,0 +1,58 @@
+"""What the model is: architecture, shape, and for a GGUF file its tensor types with their bytes
+(the file's real sizes), so an operator sees what `--model` will load before it loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cpud.doctor.planning import Failed, Planning
+from cpud.doctor.report import Check, gib
+
+
+def _gguf_details(path: Path) -> tuple[dict[str, object], tuple[str, ...]]:
+    from cpud.ranks.gguf_model import read_gguf_model
+
+    model = read_gguf_model(path)
+    counts: dict[str, int] = {}
+    for info in model.tensors.values():
+        counts[info.type] = counts.get(info.type, 0) + 1
+    by_type = sorted(model.bytes_by_type().items(), key=lambda item: -item[1])
+    value = {
+        "format": "gguf",
+        "gguf_architecture": model.architecture,
+        "file_bytes": path.stat().st_size,
+        "tensor_types": {name: {"tensors": counts[name], "bytes": n} for name, n in by_type},
+    }
+    details = tuple(
+        f"{name}: {counts[name]} tensor{'s' * (counts[name] != 1)}, {gib(n)}" for name, n in by_type
+    )
+    return value, details
+
+
+def model_check(planning: Planning) -> Check:
+    config = planning.config
+    if isinstance(config, Failed):
+        return Check("model", "fail", config.reason, {"error": config.reason}, (config.reason,))
+    model = config.model
+    path = Path(config.model_dir)
+    shape = (
+        f"{model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_heads} heads / {model.num_kv_heads} KV heads, vocab {model.vocab_size}"
+    )
+    value: dict[str, object] = {
+        "path": str(path),
+        "architecture": model.architecture,
+        "layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "vocab_size": model.vocab_size,
+        "checkpoint_dtype": model.checkpoint_dtype,
+        "dtype": config.dtype,
+    }
+    details: tuple[str, ...] = ()
+    if path.suffix.lower() == ".gguf":
+        gguf_value, details = _gguf_details(path)
+        value |= gguf_value
+        summary = f"{path.name} (GGUF, {gib(value['file_bytes'])}): {shape}; runs in {config.dtype}"
+    else:
+        summary = f"{path.name}: {shape}; runs in {config.dtype}"
+    return Check("model", "ok", summary, value, (), details)
