@@ -22,6 +22,7 @@ from cpud.doctor.machine import dtype_check, native_check
 from cpud.doctor.report import EXIT_FAIL, EXIT_OK, Check, exit_code, render, report
 from cpud.doctor.run import collect
 from cpud.doctor.runtime import openmp_check, openmp_runtimes
+from cpud.fixtures import default_model_dir
 from cpud.placement.binding import BIND_ENV, RESERVED_ENV, VISIBLE_NODES_ENV
 from cpud.placement.cpulist import parse_cpulist
 
@@ -30,6 +31,7 @@ ITEMS = (
     "cpu",
     "native kernels",
     "dtype",
+    "model",
     "smt",
     "numa",
     "cgroup",
@@ -87,6 +89,7 @@ def run_doctor(
     sys_root, proc_root = write_machine(tmp_path, machine)
     if cgroup is not None:
         write_cgroup_v2(sys_root, proc_root, "/svc", cgroup)
+    engine.setdefault("model", default_model_dir())  # a fixture that splits for any --tp here
     inputs = DoctorInputs(
         engine=EngineArgs(**engine),
         sysfs_root=sys_root,
@@ -281,7 +284,7 @@ def test_node_outside_cpuset_mems_warns(tmp_path):
     sys_root, proc_root = write_machine(tmp_path, machine)
     (proc_root / "self" / "status").write_text("Name:\tpython\nMems_allowed_list:\t0\n")
     inputs = DoctorInputs(
-        engine=EngineArgs(tp=2),
+        engine=EngineArgs(model=default_model_dir(), tp=2),
         sysfs_root=sys_root,
         proc_root=proc_root,
         syscalls=FakeSyscalls(frozenset(machine.cpus)),
