@@ -105,6 +105,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "for 0.25 s, so requests do not pay for fresh pages; --no-kv-cache-pretouch leaves "
         "them to fault on use",
     )
+    parser.add_argument(
+        "--int8-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears in their blocks and run "
+        "the int8 kernels on them (less memory, faster single-stream decode; activations are "
+        "rounded to int8) instead of dequantizing them at load",
+    )
 
 
 def _kv_fraction(args: argparse.Namespace) -> float | None:
@@ -142,6 +150,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         collective=args.collective,
         weight_cache=args.weight_cache,
         kv_pretouch=args.kv_cache_pretouch,
+        int8_kernels=args.int8_kernels,
     )
 
 

@@ -43,6 +43,7 @@ class EngineArgs:
     collective: str = "shm"  # "shm" | "gloo"
     weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
     kv_pretouch: bool = True  # map the KV cache pages while the ranks idle after the load
+    int8_kernels: bool = False  # GGUF linears stay in their blocks and run the int8 kernels
     chat_template: str | None = None  # --chat-template: a file or the template itself
 
 
@@ -93,6 +94,7 @@ class EngineConfig:
     collective: str = "shm"
     weight_cache: str | None = None  # directory of packed weight shards; None: off
     kv_pretouch: bool = True
+    int8_kernels: bool = False
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -183,6 +185,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         collective=args.collective,
         weight_cache=resolve_weight_cache(args.weight_cache),
         kv_pretouch=args.kv_pretouch,
+        int8_kernels=args.int8_kernels,
     )
 
 

@@ -219,10 +219,21 @@ int cpud_shm_barrier(cpud_shm *h, int64_t timeout_ns, int *peer);
  *   x = silu_and_mul(x W_gate_up^T) W_down^T; all-reduce(x) (tp)
  * with the same kernels and the same rounding as the per-op entry points.
  * Index data (positions, slots, block tables) is checked once, before the
- * first layer.  Weights are packed (cpud_pack_rows).  Before the first layer
+ * first layer.  Weights are packed (cpud_pack_rows) or quantized (cpud_qlinear,
+ * cpud_quant_gemm, qkv_bias then in the parts).  Before the first layer
  * x holds the embeddings and residual zeros; after the last, x holds the last
  * MLP output and residual the sum it is added to.
  * ------------------------------------------------------------------------- */
+/* A linear kept quantized (cpud_quant_gemm's layout): parts[i] computes output columns
+ * [n[0] + .. + n[i-1], + n[i]) in type qtype[i], with an optional [n[i]] f32 bias.
+ * parts 0: the linear is bf16, packed for cpud_gemm_packed. */
+typedef struct cpud_qlinear {
+    int64_t parts; /* 0 .. 3 */
+    int qtype[3];
+    int64_t n[3];
+    intptr_t qs[3], sc[3], bias[3];
+} cpud_qlinear;
+
 typedef struct cpud_decoder_layer {
     intptr_t input_norm, post_norm; /* [H] dtype                                   */
     intptr_t q_norm, k_norm;        /* [hd] dtype, or both 0                        */
@@ -230,6 +241,7 @@ typedef struct cpud_decoder_layer {
     intptr_t o, o_bias;             /* packed [H, nh hd]; [H] dtype or 0            */
     intptr_t gate_up, down;         /* packed [2 I, H], [H, I]                      */
     intptr_t key_cache, value_cache; /* [num_blocks][nkv][bs][hd] dtype              */
+    cpud_qlinear q_qkv, q_o, q_gate_up, q_down; /* used instead where parts > 0     */
 } cpud_decoder_layer;
 
 typedef struct cpud_decoder_dims {
@@ -238,6 +250,7 @@ typedef struct cpud_decoder_dims {
     int64_t max_pos, num_blocks, block_size, window; /* window 0: none */
     float eps, scale;
     intptr_t cos_sin; /* [max_pos][rot_dim] f32, cos | sin halves */
+    int quant_flags;  /* cpud_quant_gemm's flags for quantized linears */
 } cpud_decoder_dims;
 
 typedef struct cpud_decoder_step {

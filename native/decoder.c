@@ -13,9 +13,44 @@ static int dims_ok(const cpud_decoder_dims *d) {
            d->num_blocks >= 0 && d->block_size > 0 && d->window >= 0 && d->cos_sin;
 }
 
-static int layer_ok(const cpud_decoder_layer *l) {
-    return l->input_norm && l->post_norm && !l->q_norm == !l->k_norm && l->qkv && l->o &&
-           l->gate_up && l->down && l->key_cache && l->value_cache;
+static int qlinear_ok(const cpud_qlinear *q, intptr_t packed, int64_t N) {
+    if (q->parts == 0) return packed != 0;
+    if (q->parts < 0 || q->parts > 3) return 0;
+    int64_t n = 0;
+    for (int64_t p = 0; p < q->parts; p++) {
+        if (q->n[p] < 1 || !q->qs[p] || !q->sc[p]) return 0;
+        n += q->n[p];
+    }
+    return n == N;
+}
+
+static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
+    const int64_t qn = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    return l->input_norm && l->post_norm && !l->q_norm == !l->k_norm &&
+           qlinear_ok(&l->q_qkv, l->qkv, qn) && qlinear_ok(&l->q_o, l->o, d->hidden) &&
+           qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
+           qlinear_ok(&l->q_down, l->down, d->hidden) && l->key_cache && l->value_cache;
+}
+
+/* out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias): the packed bf16 GEMM,
+ * or the quantized one part by part. */
+static int linear(int isa, const cpud_ops *ops, const cpud_decoder_dims *d, const cpud_qlinear *q,
+                  intptr_t packed, intptr_t bias, const char *x, int64_t xs, char *out,
+                  int64_t os, int64_t T, int64_t N, int64_t K) {
+    const int dt = d->dtype;
+    if (q->parts == 0)
+        return ops->gemm_packed(x, dt, xs, (const uint16_t *)packed, (const void *)bias,
+                                CPUD_F32, out, dt, os, T, N, K);
+    int64_t col = 0;
+    for (int64_t p = 0; p < q->parts; p++) {
+        const int rc = cpud_quant_gemm(isa, d->quant_flags, q->qtype[p], (intptr_t)x, dt, xs,
+                                       q->qs[p], q->sc[p], q->bias[p],
+                                       (intptr_t)(out + col * dtype_size(dt)), dt, os, T, q->n[p],
+                                       K);
+        if (rc) return rc;
+        col += q->n[p];
+    }
+    return CPUD_OK;
 }
 
 static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {
@@ -62,7 +97,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     s->failed_collective = 0;
     if (!step_ok(d, s)) return CPUD_EARG;
     for (int64_t i = 0; i < n_layers; i++)
-        if (!layer_ok(&layers[i])) return CPUD_EARG;
+        if (!layer_ok(d, &layers[i])) return CPUD_EARG;
     if (s->T == 0) return CPUD_OK;
 
     const int dt = d->dtype, es = dtype_size(dt);
@@ -79,8 +114,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         const cpud_decoder_layer *l = &layers[i];
         int rc;
         ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, T, H, d->eps);
-        rc = ops->gemm_packed(x, dt, H, (const uint16_t *)l->qkv, (const void *)l->qkv_bias,
-                              CPUD_F32, qkv, dt, qn, T, qn, H);
+        rc = linear(isa, ops, d, &l->q_qkv, l->qkv, l->qkv_bias, x, H, qkv, qn, T, qn, H);
         if (rc) return rc;
         if (l->q_norm) {
             ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, T, nh, hd, d->eps);
@@ -94,18 +128,15 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
                                   (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
                                   qd, s->S, nh, nkv, hd, d->block_size, d->scale, d->window);
         if (rc) return rc;
-        rc = ops->gemm_packed(attn, dt, qd, (const uint16_t *)l->o, NULL, CPUD_F32, x, dt, H, T,
-                              H, qd);
+        rc = linear(isa, ops, d, &l->q_o, l->o, 0, attn, qd, x, H, T, H, qd);
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
         if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
         ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, T, H, d->eps);
-        rc = ops->gemm_packed(x, dt, H, (const uint16_t *)l->gate_up, NULL, CPUD_F32, gu, dt,
-                              2 * I, T, 2 * I, H);
+        rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H);
         if (rc) return rc;
         ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
-        rc = ops->gemm_packed(act, dt, I, (const uint16_t *)l->down, NULL, CPUD_F32, x, dt, H, T,
-                              H, I);
+        rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I);
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
     }

@@ -6,9 +6,10 @@ a 49 ms decode-1 step on qwen3-0.6b. Here the layer stack runs as one call over 
 weight and cache addresses built once; embedding, final norm, LM head and sampling stay in
 Python. Same kernels in the same order as ranks/models/llama.py, so the same tokens.
 
-Used where the model is a LlamaForCausalLM with packed (native bf16) weights and the TP group is
-a single rank or the shared-memory group; otherwise (torch kernels, fp32, OPT, gloo) the
-per-op path runs and `unsupported_reason` says why.
+Used where the model is a LlamaForCausalLM whose linears are each packed (native bf16) or kept
+quantized (ranks/quant_linear.py: the quantized GEMM, bf16 or fp32 activations) and the TP
+group is a single rank or the shared-memory group; otherwise (torch kernels, dense fp32, OPT,
+gloo) the per-op path runs and `unsupported_reason` says why.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.packed is None for lin in linears):
-            return "weights are not packed for the native GEMM (dtype is not bfloat16)"
+        if any(lin.packed is None and lin.quant is None for lin in linears):
+            return "weights are not packed for the native GEMM (bf16) nor kept quantized"
     inner = _inner_group(group)
     if group.size > 1 and not isinstance(inner, ShmGroup):
         return f"tensor-parallel group is {type(inner).__name__}, not the shared-memory group"
@@ -79,8 +80,8 @@ class FusedDecoder:
         self.dtype = dtype
         self.hidden = model.cfg.hidden_size
         self.q_dim = first.heads * first.head_dim
-        self.qkv_dim = first.qkv_proj.packed.n
-        self.intermediate = model.model.layers[0].mlp.down_proj.packed.k
+        self.qkv_dim = first.qkv_proj.q_size + 2 * first.qkv_proj.kv_size
+        self.intermediate = model.model.layers[0].mlp.gate_up_proj.local_sizes[0]
         num_blocks, _, block_size, _ = kv_caches[0][0].shape
         dims = self._ffi.new("cpud_decoder_dims *")
         dims.dtype = DTYPE_CODE[dtype]
@@ -97,6 +98,7 @@ class FusedDecoder:
         dims.eps = model.model.layers[0].input_layernorm.eps
         dims.scale = first.attn.scale
         dims.cos_sin = cos_sin.data_ptr()
+        dims.quant_flags = 0
         self._dims = dims
         self._keep = [cos_sin]  # everything whose address the tables hold
         self._layers = self._layer_table(kv_caches)
@@ -120,15 +122,32 @@ class FusedDecoder:
             if attn.q_norm is not None:
                 entry.q_norm = self._addr(attn.q_norm.weight, self.dtype)
                 entry.k_norm = self._addr(attn.k_norm.weight, self.dtype)
-            entry.qkv = self._addr(attn.qkv_proj.packed.data)
-            entry.qkv_bias = self._addr(attn.qkv_proj.packed.bias, torch.float32)
-            entry.o = self._addr(attn.o_proj.packed.data)
+            self._linear(entry, "qkv", attn.qkv_proj)
             entry.o_bias = self._addr(attn.o_proj.bias, self.dtype)
-            entry.gate_up = self._addr(mlp.gate_up_proj.packed.data)
-            entry.down = self._addr(mlp.down_proj.packed.data)
+            self._linear(entry, "o", attn.o_proj)
+            self._linear(entry, "gate_up", mlp.gate_up_proj)
+            self._linear(entry, "down", mlp.down_proj)
             entry.key_cache = self._addr(key_cache, self.dtype)
             entry.value_cache = self._addr(value_cache, self.dtype)
         return table
+
+    def _linear(self, entry: Any, name: str, layer: Any) -> None:
+        """The layer's weight in `entry`: packed bf16 address, or its quantized parts."""
+        if layer.quant is None:
+            setattr(entry, name, self._addr(layer.packed.data))
+            if name == "qkv":
+                entry.qkv_bias = self._addr(layer.packed.bias, torch.float32)
+            return
+        from cpud.native.quant import QTYPES
+
+        q = getattr(entry, f"q_{name}")
+        q.parts = len(layer.quant)
+        for i, (_, weight) in enumerate(layer.quant):
+            q.qtype[i] = QTYPES[weight.qtype][0]
+            q.n[i] = weight.n
+            q.qs[i] = self._addr(weight.qs)
+            q.sc[i] = self._addr(weight.sc)
+            q.bias[i] = self._addr(weight.bias, torch.float32)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -43,6 +43,7 @@ class RunnerConfig:
     kernels: str = "auto"  # "auto" | "native" | "torch"
     weight_cache: Path | None = None  # directory of packed shards kept between starts
     kv_pretouch: bool = True  # map the KV cache pages while the runner idles (kv_pretouch)
+    quantize_gguf: bool = False  # native kernels: keep a GGUF file's quantized linears in blocks
 
 
 class ModelRunner:
@@ -57,8 +58,9 @@ class ModelRunner:
         self.group = group
         self.ops = make_ops(config.kernels)
         self.model = build_model(model_cfg, config.max_model_len, config.dtype, group, self.ops)
-        if self.ops.name == "native" and config.dtype == torch.bfloat16:
-            self._load_packed(progress)
+        plan, embedding_blocks = self._quant_plan()
+        if self.ops.name == "native" and (config.dtype == torch.bfloat16 or plan):
+            self._load_packed(progress, plan, embedding_blocks)
         else:
             load_weights(self.model, config.model_dir, progress)
         self.model.eval()
@@ -86,10 +88,34 @@ class ModelRunner:
         )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
 
-    def _load_packed(self, progress: Callable[[int, int], None] | None) -> None:
-        """Load with every matmul weight packed for the native GEMM: mapped from the weight cache
-        when this shard is there, else packed while it loads and then written to the cache."""
+    def _quant_plan(self) -> tuple[dict, bool]:
+        """The linears kept quantized (GGUF files on the native kernels, bf16 or fp32)."""
         config = self.config
+        if (
+            self.ops.name != "native"
+            or not config.quantize_gguf
+            or config.dtype not in (torch.bfloat16, torch.float32)
+            or not config.model_dir.is_file()
+        ):
+            return {}, False
+        from cpud.ranks.quant_plan import gguf_quant_plan
+
+        return gguf_quant_plan(self.model, config.model_dir)
+
+    def _load_packed(
+        self,
+        progress: Callable[[int, int], None] | None,
+        plan: dict | None = None,
+        embedding_blocks: bool = False,
+    ) -> None:
+        """Load with every matmul weight packed for the native GEMM (bf16 skinny GEMM, or the
+        quantized GEMM on the linears in `plan`): mapped from the weight cache when this shard
+        is there, else packed while it loads and then written to the cache."""
+        from cpud.ranks.quant_linear import begin_quant, cache_shapes, finish_quant
+
+        config = self.config
+        plan = plan or {}
+        bf16 = config.dtype == torch.bfloat16
         cache = None
         if config.weight_cache is not None:
             from cpud.native.kernels import GEMM_NB
@@ -101,16 +127,32 @@ class ModelRunner:
                 self.group.size,
                 self.group.rank,
                 GEMM_NB,
+                "gguf" if plan else "",
             )
             cache = WeightCache(config.weight_cache, identity)
-        cached = cache.load(packed_shapes(self.model)) if cache else None
-        skip = packed_weight_names(self.model) if cached else frozenset()
-        begin_native_pack(self.model, self.ops, cached)
+        qshapes = cache_shapes(plan)
+        begin_quant(self.model, plan, embedding_blocks, cached=False)
+        shapes = packed_shapes(self.model) if bf16 else {}
+        cached = None
+        if cache is not None:
+            cached = cache.load(shapes | qshapes, dict.fromkeys(qshapes, torch.uint8))
+        if cached is not None:
+            begin_quant(self.model, plan, embedding_blocks, cached=True)
+        skip = packed_weight_names(self.model) if cached and bf16 else frozenset()
+        if bf16:
+            begin_native_pack(self.model, self.ops, cached)
         load_weights(self.model, config.model_dir, progress, skip)
+        packed = finish_quant(self.model, cached)
         layers = packable_layers(self.model)  # now: once packed, a layer no longer counts
-        finish_native_pack(self.model)
+        if bf16:
+            finish_native_pack(self.model)
+        if plan:
+            from cpud.ranks.quant_plan import describe_weights
+
+            log.info("rank %d %s", self.group.rank, describe_weights(self.model, self.ops.k.isa))
         if cache is not None and cached is None:
-            cache.store({name: layer.packed.data for name, layer in layers.items()})
+            packed.update((name, layer.packed.data) for name, layer in layers.items())
+            cache.store(packed)
 
     def idle_seconds(self) -> float:
         """Seconds since the last step ended; 0 while one runs."""

@@ -30,7 +30,8 @@ from cpud.ranks.huge_file_map import map_file_readonly
 log = logging.getLogger("cpud.ranks")
 
 # Bump when the packed layout or this file format changes: older files are then never read.
-FORMAT = 1
+# 2: entries carry a dtype (uint8 for quantized parts); the identity names the quantization.
+FORMAT = 2
 ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
 
 
@@ -54,6 +55,7 @@ class ShardIdentity:
     tp_size: int
     tp_rank: int
     panel: int  # columns per packed panel (the native layout)
+    quantization: str = ""  # "gguf" (the file's blocks), a --quantization type, or ""
 
     def key(self) -> str:
         from cpud import __version__
@@ -71,9 +73,15 @@ class WeightCache:
         self.data_path = root / f"{self.key}.bin"
         self.index_path = root / f"{self.key}.json"
 
-    def load(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
-        """Read-only views of the cached tensors, one per name in `shapes` (bf16, those shapes),
-        or None when there is no usable cache file."""
+    def load(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        dtypes: dict[str, torch.dtype] | None = None,
+    ) -> dict[str, torch.Tensor] | None:
+        """Read-only views of the cached tensors, one per name in `shapes` (those shapes, bf16
+        unless `dtypes` names another), or None when there is no usable cache file."""
+        dtypes = dtypes or {}
+        wanted = {n: (tuple(s), str(dtypes.get(n, torch.bfloat16))) for n, s in shapes.items()}
         try:
             index = json.loads(self.index_path.read_text())
         except FileNotFoundError:
@@ -82,14 +90,17 @@ class WeightCache:
             log.warning("weight cache %s unreadable (%s): rebuilding it", self.index_path, exc)
             return None
         try:
-            entries = {e["name"]: (int(e["offset"]), tuple(e["shape"])) for e in index["tensors"]}
+            entries = {
+                e["name"]: (int(e["offset"]), tuple(e["shape"]), str(e["dtype"]))
+                for e in index["tensors"]
+            }
             total = int(index["bytes"])
         except (KeyError, TypeError, ValueError):
             log.warning("weight cache %s has a damaged index: rebuilding it", self.index_path)
             return None
-        if {name: shape for name, (_, shape) in entries.items()} != shapes or any(
-            offset < 0 or offset + 2 * math.prod(shape) > total
-            for offset, shape in entries.values()
+        if {name: (shape, dt) for name, (_, shape, dt) in entries.items()} != wanted or any(
+            offset < 0 or offset + _nbytes(shape, dt) > total
+            for offset, shape, dt in entries.values()
         ):
             log.warning("weight cache %s does not match this model: rebuilding it", self.key)
             return None
@@ -108,9 +119,9 @@ class WeightCache:
             return None
         raw = torch.frombuffer(region.buffer, dtype=torch.uint8)
         views = {}
-        for name, (offset, shape) in entries.items():
-            chunk = raw[offset : offset + 2 * math.prod(shape)]
-            views[name] = chunk.view(torch.bfloat16).view(shape)
+        for name, (offset, shape, dt) in entries.items():
+            chunk = raw[offset : offset + _nbytes(shape, dt)]
+            views[name] = chunk.view(_DTYPES[dt]).view(shape)
         log.info(
             "weight cache: packed weights mapped from %s, %.0f %% on 2 MiB pages%s",
             self.data_path,
@@ -120,7 +131,7 @@ class WeightCache:
         return views
 
     def store(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write tensors (bf16, contiguous) as this shard's cache; failures only warn."""
+        """Write tensors (bf16 or uint8) as this shard's cache; failures only warn."""
         tmp = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -132,7 +143,14 @@ class WeightCache:
                     offset = -(-offset // ALIGN) * ALIGN
                     f.seek(offset)
                     f.write(tensor.contiguous().view(torch.uint8).numpy().data)
-                    entries.append({"name": name, "offset": offset, "shape": list(tensor.shape)})
+                    entries.append(
+                        {
+                            "name": name,
+                            "offset": offset,
+                            "shape": list(tensor.shape),
+                            "dtype": str(tensor.dtype),
+                        }
+                    )
                     offset += tensor.numel() * tensor.element_size()
                 f.truncate(offset)
             os.replace(tmp, self.data_path)
@@ -163,6 +181,13 @@ class WeightCache:
             if shard == self.identity.__dict__ or not Path(shard.get("model_dir", "")).exists():
                 index_path.unlink(missing_ok=True)
                 index_path.with_suffix(".bin").unlink(missing_ok=True)
+
+
+_DTYPES = {str(t): t for t in (torch.bfloat16, torch.uint8)}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * _DTYPES[dtype].itemsize
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from cpud.fixtures import make_model
+
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +43,71 @@ def hf_models():
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=dtype, attn_implementation="eager"
             )
+            cache[key] = model.eval()
+        return cache[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def gguf_file(model_factory, tmp_path_factory):
+    """make(arch, qtype, **write_kw) -> a GGUF of the arch's fixture (its K-quant shape for
+    K-quant types) with every matrix in qtype; written once per arguments."""
+    import gguf_writer
+
+    root = tmp_path_factory.mktemp("gguf")
+    kquant_dirs: dict[str, Path] = {}
+    made: dict[tuple, Path] = {}
+
+    def source(arch: str, qtype: T) -> Path:
+        if qtype not in K_QUANTS:
+            return model_factory(arch)
+        if arch not in kquant_dirs:
+            kquant_dirs[arch] = gguf_writer.make_kquant_fixture(arch, root / f"{arch}-k-hf")
+        return kquant_dirs[arch]
+
+    def make(arch: str, qtype: T = T.F32, **kw) -> Path:
+        key = (arch, qtype, tuple(sorted(kw.items())))
+        if key not in made:
+            folder = root / f"{arch}-{qtype.name}-{len(made)}"
+            folder.mkdir()
+            made[key] = gguf_writer.write_gguf(
+                source(arch, qtype), folder / "model.gguf", qtype, **kw
+            )
+        return made[key]
+
+    make.source = source
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_gguf():
+    """transformers' model for a GGUF file (fp32, eager attention). transformers parses each
+    file twice with gguf.GGUFReader and rebuilds gguf's tensor-name map for every module; here
+    both read through cpud's faster reader and a cached map (same bytes, same maps). `config`:
+    the fixture's own config, where transformers' GGUF metadata mapping lacks a key the fixture
+    uses (Qwen3's attention.key_length; llama3 RoPE factors, which it ignores)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cpud.ranks.gguf_file import FastReader
+
+    cache: dict[tuple, torch.nn.Module] = {}
+    name_map = functools.lru_cache(gguf.get_tensor_name_map)
+
+    def load(path: Path, config_dir: Path | None = None) -> torch.nn.Module:
+        key = (str(path), str(config_dir))
+        if key not in cache:
+            kw = {"config": AutoConfig.from_pretrained(config_dir)} if config_dir else {}
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(gguf, "GGUFReader", FastReader)
+                mp.setattr(gguf, "get_tensor_name_map", name_map)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path.parent,
+                    gguf_file=path.name,
+                    dtype=torch.float32,
+                    attn_implementation="eager",
+                    **kw,
+                )
             cache[key] = model.eval()
         return cache[key]
 

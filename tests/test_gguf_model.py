@@ -5,7 +5,6 @@ the weight cache, bad files, and the real default model file."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import random
@@ -20,14 +19,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf_kquants import quantize_k
-from gguf_writer import make_kquant_fixture, write_gguf
+from gguf_writer import write_gguf
 
 from cpud import LLM, SamplingParams
 from cpud.config import EngineArgs, resolve_config
 from cpud.errors import ConfigError
 from cpud.llm import resolve_model_dir
 from cpud.protocol.step import SeqWork, StepPlan
-from cpud.ranks.gguf_file import FastReader
 from cpud.ranks.gguf_model import SUPPORTED_TYPES, read_gguf_model
 from cpud.ranks.layers.rotary import rope_inv_freq
 from cpud.ranks.model_config import load_model_config
@@ -50,65 +48,6 @@ def param_id(value: object) -> str:
 def prompt_of(length: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(4, 400) for _ in range(length)]
-
-
-@pytest.fixture(scope="session")
-def gguf_file(model_factory, tmp_path_factory):
-    """make(arch, qtype, **write_kw) -> a GGUF of the arch's fixture (its K-quant shape for
-    K-quant types) with every matrix in qtype; written once per arguments."""
-    root = tmp_path_factory.mktemp("gguf")
-    kquant_dirs: dict[str, Path] = {}
-    made: dict[tuple, Path] = {}
-
-    def source(arch: str, qtype: T) -> Path:
-        if qtype not in K_QUANTS:
-            return model_factory(arch)
-        if arch not in kquant_dirs:
-            kquant_dirs[arch] = make_kquant_fixture(arch, root / f"{arch}-k-hf")
-        return kquant_dirs[arch]
-
-    def make(arch: str, qtype: T = T.F32, **kw) -> Path:
-        key = (arch, qtype, tuple(sorted(kw.items())))
-        if key not in made:
-            folder = root / f"{arch}-{qtype.name}-{len(made)}"
-            folder.mkdir()
-            made[key] = write_gguf(source(arch, qtype), folder / "model.gguf", qtype, **kw)
-        return made[key]
-
-    make.source = source
-    return make
-
-
-@pytest.fixture(scope="session")
-def hf_gguf():
-    """transformers' model for a GGUF file (fp32, eager attention). transformers parses each
-    file twice with gguf.GGUFReader and rebuilds gguf's tensor-name map for every module; here
-    both read through cpud's faster reader and a cached map (same bytes, same maps). `config`:
-    the fixture's own config, where transformers' GGUF metadata mapping lacks a key the fixture
-    uses (Qwen3's attention.key_length; llama3 RoPE factors, which it ignores)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cache: dict[tuple, torch.nn.Module] = {}
-    name_map = functools.lru_cache(gguf.get_tensor_name_map)
-
-    def load(path: Path, config_dir: Path | None = None) -> torch.nn.Module:
-        key = (str(path), str(config_dir))
-        if key not in cache:
-            kw = {"config": AutoConfig.from_pretrained(config_dir)} if config_dir else {}
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(gguf, "GGUFReader", FastReader)
-                mp.setattr(gguf, "get_tensor_name_map", name_map)
-                model = AutoModelForCausalLM.from_pretrained(
-                    path.parent,
-                    gguf_file=path.name,
-                    dtype=torch.float32,
-                    attn_implementation="eager",
-                    **kw,
-                )
-            cache[key] = model.eval()
-        return cache[key]
-
-    return load
 
 
 def reference(hf_gguf, gguf_file, arch: str, qtype: T) -> torch.nn.Module:
@@ -244,7 +183,7 @@ def test_fp32_logits_match_transformers(arch, qtype, gguf_file, hf_gguf):
 def test_greedy_tokens_match_transformers(arch, qtype, gguf_file, hf_gguf):
     prompts = [prompt_of(5, seed=2), prompt_of(37, seed=3)]
     model = reference(hf_gguf, gguf_file, arch, qtype)
-    llm = LLM(gguf_file(arch, qtype), dtype="float32")
+    llm = LLM(gguf_file(arch, qtype), dtype="float32", kernels="torch")  # dequantized, exact
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
@@ -265,10 +204,9 @@ def test_bf16_logits_close_to_transformers_fp32(gguf_file, hf_gguf):
 def test_tp2_tokens_equal_tp1(arch, qtype, gguf_file):
     path = gguf_file(arch, qtype)
     prompts = [[5, 6, 7, 8, 9], list(range(10, 90)), [300, 12, 44]]
-    expected = [
-        o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, GREEDY)
-    ]
-    with LLM(path, dtype="float32", tp=2, bind="0|1") as llm:
+    kw = dict(dtype="float32", kernels="torch")  # dequantized (tests/test_gguf_quantized.py: kept)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, GREEDY)]
+    with LLM(path, tp=2, bind="0|1", **kw) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
@@ -394,7 +332,7 @@ def test_default_model_file_greedy_tokens_match_transformers(hf_gguf):
     checked = read_gguf_model(path)
     assert checked.architecture == "llama"
     assert set(checked.bytes_by_type()) == {"Q4_1", "Q8_0", "F32"}
-    llm = LLM(path, dtype="float32", weight_cache="off")
+    llm = LLM(path, dtype="float32", weight_cache="off", kernels="torch")
     prompt = llm.tokenizer.encode("The capital of France is")
     got = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert got == hf_greedy(hf_gguf(path), prompt, GREEDY.max_tokens)

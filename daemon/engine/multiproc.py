@@ -60,6 +60,7 @@ def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
         kernels=config.kernels,
         weight_cache=config.weight_cache,
         kv_pretouch=config.kv_pretouch,
+        int8_kernels=config.int8_kernels,
     )
 
 

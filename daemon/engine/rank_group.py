@@ -58,6 +58,7 @@ class RankEngineConfig(msgspec.Struct, frozen=True):
     kernels: str
     weight_cache: str | None = None
     kv_pretouch: bool = True
+    int8_kernels: bool = False
 
     def runner_config(self) -> RunnerConfig:
         """The runner's own config (torch dtypes, paths): built in the rank, never sent."""
@@ -75,6 +76,7 @@ class RankEngineConfig(msgspec.Struct, frozen=True):
             kernels=self.kernels,
             weight_cache=Path(self.weight_cache) if self.weight_cache else None,
             kv_pretouch=self.kv_pretouch,
+            quantize_gguf=self.int8_kernels,
         )
 
 

@@ -23,6 +23,8 @@ class VocabParallelEmbedding(Layer):
         self.start = group.rank * self.shard
         self.rows = max(0, min(self.shard, vocab_size - self.start))
         self.dim = dim
+        self.dtype = dtype
+        self.row_blocks: Any = None  # this rank's rows in their GGUF blocks (quant_linear.py)
         self.weight = new_param((self.shard, dim), dtype, self.load_rows)
         self.packed: Any = None
         self.packing: torch.Tensor | None = None  # the LM head's packed storage, while loading
@@ -32,7 +34,14 @@ class VocabParallelEmbedding(Layer):
         self.packed = packed
         self.weight = None
 
+    def block_region(self, shard_id: Any) -> tuple[int, slice, slice]:
+        return 0, slice(self.start, self.start + self.rows), slice(None)
+
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.row_blocks is not None:
+            from cpud.ranks.quant_linear import dequantize_rows
+
+            return dequantize_rows(self.row_blocks, local_ids, self.dtype)
         if self.packed is None:
             return F.embedding(local_ids, self.weight)
         # packed.data: [N/32, K/2, 32, 2]; row n lives at [n // 32, :, n % 32, :]
@@ -86,6 +95,9 @@ class ParallelLMHead(PackableLinear):
         self.weight = self.table[0].weight
 
     bias = None
+
+    def block_region(self, shard_id: Any) -> tuple[int, slice, slice]:
+        return self.table[0].block_region(shard_id)
 
     def begin_pack(self, kernels: Any, packed: torch.Tensor | None = None) -> None:
         super().begin_pack(kernels, packed)

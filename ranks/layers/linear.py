@@ -55,6 +55,17 @@ class PackableLinear(Layer):
     packed: Any = None
     _kernels: Any = None
     _packing: torch.Tensor | None = None  # packed storage being filled while loading
+    # Kept in GGUF blocks (ranks/quant_linear.py): the plan while loading, then the
+    # (first output row, QuantWeight) parts the GEMM runs.
+    quant_plan: Any = None
+    quant: Any = None
+    quant_blocks: Any = None  # {first local row: Blocks} while loading
+    out_rows = 0  # local output features of a quantized layer
+
+    def block_region(self, shard_id: Any) -> tuple[int, slice, slice]:
+        """(first local row, source rows, source columns) of the shard a checkpoint tensor
+        gives this rank."""
+        return 0, slice(None), slice(None)
 
     def begin_pack(self, kernels: Any, packed: torch.Tensor | None = None) -> None:
         """From here on the weight is packed; `packed`: its packed data, already filled (from the
@@ -87,6 +98,10 @@ class PackableLinear(Layer):
             self.bias = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            from cpud.ranks.quant_linear import quant_matmul
+
+            return quant_matmul(x, self.quant, self.out_rows)
         if self.packed is not None:
             return self._kernels.gemm_packed(x, self.packed)
         return F.linear(x, self.weight, bias)
@@ -129,6 +144,10 @@ class ColumnParallelLinear(PackableLinear):
         index = 0 if shard_id is None else int(shard_id)
         size = self.local_sizes[index]
         return self.offsets[index], self.group.rank * size, size
+
+    def block_region(self, shard_id: Any) -> tuple[int, slice, slice]:
+        offset, start, size = self.shard_rows(shard_id)
+        return offset, slice(start, start + size), slice(None)
 
     def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         offset, start, size = self.shard_rows(shard_id)
@@ -190,6 +209,10 @@ class RowParallelLinear(PackableLinear):
         self.in_local = divide(in_features, group.size, "input features")
         self.weight = new_param((out_features, self.in_local), dtype, self.load_columns)
         self.bias = new_param((out_features,), dtype, load_whole) if bias else None
+
+    def block_region(self, shard_id: Any) -> tuple[int, slice, slice]:
+        start = self.group.rank * self.in_local
+        return 0, slice(None), slice(start, start + self.in_local)
 
     def load_columns(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         start = self.group.rank * self.in_local

@@ -27,11 +27,11 @@ def build_model(
 
 
 def packable_layers(model: nn.Module) -> dict[str, PackableLinear]:
-    """Layers whose weight is not packed yet, by module name."""
+    """Layers whose weight is not packed yet and is not kept quantized, by module name."""
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, PackableLinear) and m.weight is not None
+        if isinstance(m, PackableLinear) and m.weight is not None and m.quant_plan is None
     }
 
 
