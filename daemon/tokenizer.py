@@ -48,7 +48,7 @@ def chat_template_override(value: str) -> ChatTemplates:
 
 def check_tokenizer(model: Path, chat_template: str | None = None) -> None:
     """ConfigError (one line) for what Tokenizer(model, chat_template) would refuse, found
-    before any rank starts: a GGUF tokenizer cpud cannot build (its metadata read, about 0.1 s),
+    before any rank starts: a GGUF tokenizer cpud cannot build (about 0.6 s for 49k tokens),
     a model's chat template file that cannot be read, a --chat-template that cannot be read or
     does not parse."""
     found = gguf_file(model)

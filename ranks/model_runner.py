@@ -151,7 +151,11 @@ class ModelRunner:
 
             log.info("rank %d %s", self.group.rank, describe_weights(self.model, self.ops.k.isa))
         if cache is not None and cached is None:
-            packed.update((name, layer.packed.data) for name, layer in layers.items())
+            packed.update(
+                (name, layer.packed.data)
+                for name, layer in layers.items()
+                if layer.packed is not None
+            )
             cache.store(packed)
 
     def idle_seconds(self) -> float:

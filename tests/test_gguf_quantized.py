@@ -173,6 +173,20 @@ def test_weight_cache_round_trip(gguf_file, tmp_path):
     assert any(e["name"] == "lm_head.q0.qs" for e in entries)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_cache_with_dense_and_quantized_linears(mixed_file, tmp_path, dtype):
+    """A file whose plan leaves some linears dense (Q5_0 here) loads, caches and reloads in
+    either activation dtype (fp32 keeps dense layers unpacked)."""
+    runs = []
+    for _ in range(2):
+        llm = LLM(
+            mixed_file, dtype=dtype, kernels="native", weight_cache=str(tmp_path), int8_kernels=True
+        )
+        runs.append([o.outputs[0].token_ids for o in llm.generate([prompt_of(20)], GREEDY)])
+        llm.shutdown()
+    assert runs[0] == runs[1]
+
+
 def test_weight_formats_of_a_file(mixed_file):
     rows = {fmt: (count, kernel) for fmt, count, kernel in weight_formats(mixed_file)}
     assert rows["Q5_0"] == (1, "dense GEMM (dequantized at load)")

@@ -200,8 +200,12 @@ def small_vocab(writer: gguf.GGUFWriter, model: str = "gpt2", pre: str | None = 
         (lambda w: small_vocab(w, pre="nonesuch"), "pre-tokenizer 'nonesuch' is not supported"),
         (lambda w: None, "has no tokenizer"),
         (lambda w: w.add_tokenizer_model("gpt2"), "tokenizer.ggml.tokens is missing"),
+        (
+            lambda w: (small_vocab(w), w.add_string("tokenizer.ggml.bos_token_id", "one")),
+            "tokenizer metadata of the wrong type",
+        ),
     ],
-    ids=["model", "pre", "none", "no-tokens"],
+    ids=["model", "pre", "none", "no-tokens", "bos-string"],
 )
 def test_bad_tokenizer_metadata_is_a_config_error(tmp_path, fill, message):
     path = write_gguf(tmp_path / "bad.gguf", "llama", fill)

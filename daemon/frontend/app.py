@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -46,9 +47,6 @@ def body_too_large(limit: int) -> APIError:
 
 
 async def read_body(request: Request, limit: int, pacer: BodyPacer) -> bytearray:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
     body = bytearray()
     async with pacer.body() as paced:
         async for chunk in request.stream():
@@ -76,7 +74,23 @@ def check_json_content_type(request: Request) -> None:
 
 async def decode(request: Request, state: ServerState, kind: type) -> object:
     check_json_content_type(request)
-    raw = await read_body(request, state.config.max_body_bytes, state.body_pacer)
+    limit = state.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    try:
+        raw = await asyncio.wait_for(
+            read_body(request, limit, state.body_pacer),
+            state.config.body_seconds,
+        )
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {state.config.body_seconds:g} s",
+            "invalid_request_error",
+            None,
+            "request_timeout",
+        ) from None
     try:
         return msgspec.json.decode(raw, type=kind)
     except UnicodeDecodeError:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
 
+from cpud.errors import CpudError
 from cpud.ranks.binding import die_with_parent
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class FrontendSecrets(msgspec.Struct, frozen=True):
     """What the supervisor writes to the frontend's stdin."""
 
     api_key: str | None = None
+
+    def __repr__(self) -> str:
+        return f"FrontendSecrets(api_key={'<set>' if self.api_key else None})"
 
 
 def frontend_spec(runtime_dir: str, engine_args: EngineArgs, serve_args: ServeArgs) -> FrontendSpec:
@@ -208,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the frontend schedules and detokenizes; ranks compute
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec)
-    code = uvloop.run(run_frontend(spec, secrets))
+    try:
+        code = uvloop.run(run_frontend(spec, secrets))
+    except CpudError as exc:  # the model or settings: a restart would fail the same way
+        log.error("not serving: %s", exc)
+        code = EXIT_CONFIG
     # The loop has restored SIGTERM's default action; the supervisor may still forward the
     # drain signal it got, and that must not turn this exit into a death by signal.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

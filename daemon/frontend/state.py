@@ -8,10 +8,11 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from cpud.frontend.async_engine import AsyncEngine
+from cpud.frontend.errors import APIError
 from cpud.frontend.metrics import FrontendMetrics
 from cpud.frontend.pacing import BodyPacer
 from cpud.tokenizer import Tokenizer
@@ -39,7 +40,7 @@ class Phase(enum.Enum):
 class ServerConfig:
     served_model_names: tuple[str, ...]
     max_model_len: int
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     metrics_need_key: bool = False
     max_body_bytes: int = 4 << 20
     max_prompts: int = 64
@@ -51,6 +52,8 @@ class ServerConfig:
     paced_body_bytes: int = 256 << 10
     body_bytes_per_s: float = 64 << 20
     paced_bodies: int = 2
+    body_seconds: float = 60.0  # a body still arriving after this is a 408
+    max_tokenizing: int = 256  # requests queued for the tokenizer threads before 429
 
 
 class ServerState:
@@ -68,14 +71,28 @@ class ServerState:
         self._blocking = ThreadPoolExecutor(
             config.tokenize_threads, thread_name_prefix="cpud-tokenize", initializer=yield_cpu
         )
+        self._tokenizing = 0
         self.body_pacer = BodyPacer(
             config.body_bytes_per_s, config.paced_body_bytes, config.paced_bodies
         )
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """Run tokenizing and templating on the frontend's worker threads, so that one large
-        prompt delays its own request, not the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
+        prompt delays its own request, not the event loop; 429 once too many wait for them."""
+        if self._tokenizing >= self.config.max_tokenizing:
+            raise APIError(
+                429,
+                f"{self._tokenizing} requests are waiting to be tokenized; retry shortly",
+                "rate_limit_error",
+                None,
+                "queue_full",
+                {"Retry-After": "1"},
+            )
+        self._tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
+        finally:
+            self._tokenizing -= 1
 
     def close(self) -> None:
         self._blocking.shutdown(wait=False, cancel_futures=True)

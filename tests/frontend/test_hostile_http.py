@@ -22,7 +22,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from cpud.frontend.app import guarded
+from cpud.frontend.app import create_app, guarded
+from cpud.frontend.errors import APIError
 from cpud.frontend.state import Phase, ServerConfig, ServerState
 from cpud.tokenizer import Tokenizer
 from cpud_server_helpers import rank_pids, start_server
@@ -264,3 +265,57 @@ def test_non_positive_timeouts_are_config_errors(model_factory, flag):
         result.stderr.strip()
         == f"cpud: error: {flag} must be a positive number of seconds, got 0.0"
     )
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_frees_its_slot(model_factory):
+    """A client that sends the start of a large body and then stalls gets 408 after
+    body_seconds; its pacing slot is released for the next body."""
+    state = ServerState(
+        ServerConfig(("tiny",), 256, body_seconds=0.3, paced_body_bytes=8, paced_bodies=1),
+        Tokenizer(model_factory("qwen3")),
+    )
+    state.phase = Phase.READY
+    app = create_app(state)
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if not sent:
+            sent.append({})
+            return {"type": "http.request", "body": b'{"prompt": "' + b"a" * 64, "more_body": True}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/tokenize",
+        "raw_path": b"/tokenize",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+
+    async def run() -> None:
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        await asyncio.wait_for(state.body_pacer.take_slot(), 1)  # the slot came back
+
+    try:
+        asyncio.run(run())
+    finally:
+        state.close()
+    start = next(m for m in sent if m.get("type") == "http.response.start")
+    assert start["status"] == 408
+
+
+def test_too_many_requests_waiting_for_the_tokenizer_is_a_429(model_factory):
+    state = ServerState(
+        ServerConfig(("tiny",), 256, max_tokenizing=0), Tokenizer(model_factory("qwen3"))
+    )
+    try:
+        with pytest.raises(APIError) as info:
+            asyncio.run(state.off_loop(state.tokenizer.encode, "hi"))
+    finally:
+        state.close()
+    assert info.value.status == 429 and info.value.code == "queue_full"
