@@ -70,6 +70,22 @@ def _tokens(t: torch.Tensor, name: str, ndim: int) -> int:
     return stride[0]
 
 
+def gemm_io(
+    x: torch.Tensor, n: int, k: int, out: torch.Tensor | None
+) -> tuple[int, int, torch.Tensor, int, int]:
+    """Checks a GEMM's x [M, k] and out [M, n] (made when None, in x's dtype); returns
+    (x dtype code, x row stride, out, out dtype code, out row stride)."""
+    xdt = _dtype(x, "x")
+    xs = _tokens(x, "x", 2)
+    if x.shape[1] != k:
+        raise ValueError(f"x: K={x.shape[1]} but the weight has K={k}")
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    elif out.shape != (x.shape[0], n):
+        raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], n)}")
+    return xdt, xs, out, _dtype(out, "out"), _tokens(out, "out", 2)
+
+
 def _shape_matches(dims: Sequence[int], shape: Sequence[int | None]) -> bool:
     """dims equals shape where shape names a size (None: any); a loop, not a generator, as
     the kernels check a few hundred tensors per decode step."""
@@ -501,16 +517,7 @@ class Kernels:
         x and out are bf16 or fp32 (out defaults to x's dtype).  The avx512bf16 tier
         rounds fp32 x to bf16 (vdpbf16ps); the other tiers keep it fp32.
         """
-        xdt = _dtype(x, "x")
-        xs = _tokens(x, "x", 2)
-        if x.shape[1] != packed.k:
-            raise ValueError(f"x: K={x.shape[1]} but the weight has K={packed.k}")
-        if out is None:
-            out = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
-        elif out.shape != (x.shape[0], packed.n):
-            raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], packed.n)}")
-        odt = _dtype(out, "out")
-        os_ = _tokens(out, "out", 2)
+        xdt, xs, out, odt, os_ = gemm_io(x, packed.n, packed.k, out)
         bias = packed.bias
         rc = _loader.lib.cpud_gemm_packed(
             self._code,

@@ -22,7 +22,7 @@ import torch
 
 from . import _loader
 from .hugepages import huge_empty
-from .kernels import _dtype, _require, _tokens, check_rc
+from .kernels import _require, check_rc, gemm_io
 
 ROWS = 16  # CPUD_QROWS
 NO_VNNI = 1  # CPUD_QUANT_NO_VNNI
@@ -219,16 +219,7 @@ def quant_gemm(
     or bf16 (out defaults to x's dtype), rows of any stride with dense columns.  isa: the tier
     (default ``cpud.native.isa()``); vnni=False keeps to vpmaddubsw where VNNI exists."""
     code = _isa_code(isa)
-    xdt = _dtype(x, "x")
-    xs = _tokens(x, "x", 2)
-    if x.shape[1] != packed.k:
-        raise ValueError(f"x: K={x.shape[1]} but the weight has K={packed.k}")
-    if out is None:
-        out = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
-    elif out.shape != (x.shape[0], packed.n):
-        raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], packed.n)}")
-    odt = _dtype(out, "out")
-    os_ = _tokens(out, "out", 2)
+    xdt, xs, out, odt, os_ = gemm_io(x, packed.n, packed.k, out)
     if packed.qs.data_ptr() % 64 or not packed.qs.is_contiguous():
         raise ValueError("packed.qs: must be contiguous and 64-byte aligned")
     bias = packed.bias
