@@ -15,7 +15,7 @@ import jinja2.ext
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from cpud.errors import ConfigError, RequestError
+from cpud.errors import ConfigError, RequestError, one_line
 
 JINJA_CHARS = "{}\n"
 
@@ -152,7 +152,7 @@ class ChatTemplates:
                     self._compile(name)
                 except TemplateError as exc:
                     raise ConfigError(
-                        f"{origin}: chat template does not parse: {_one_line(exc)}"
+                        f"{origin}: chat template does not parse: {one_line(str(exc))}"
                     ) from None
 
     @property
@@ -210,9 +210,5 @@ class ChatTemplates:
         except Exception as exc:  # the template runs on request data: any failure is a 400
             detail = exc if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
             raise RequestError(
-                f"chat template failed: {_one_line(detail)}", param="messages"
+                f"chat template failed: {one_line(str(detail))}", param="messages"
             ) from None
-
-
-def _one_line(detail: object) -> str:
-    return " ".join(str(detail).split())

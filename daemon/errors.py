@@ -1,6 +1,13 @@
 """Errors that carry a one-line reason a user can act on."""
 
 
+def one_line(text: str, limit: int | None = None) -> str:
+    """text with every run of whitespace (newlines included) as one space, cut to `limit`
+    characters with "..." at the end when longer."""
+    line = " ".join(text.split())
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
+
+
 class CpudError(Exception):
     """Base class: str(error) is a single line that says what to change."""
 

@@ -18,7 +18,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from cpud.errors import ConfigError
+from cpud.errors import ConfigError, one_line
 from cpud.ranks.gguf_file import field_value, open_gguf
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -145,7 +145,7 @@ def read_vocab(path: str | Path) -> GGUFVocab:
             raise
         raise ConfigError(
             f"{path}: tokenizer metadata of the wrong type or shape "
-            f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]}): convert the file again"
+            f"({type(exc).__name__}: {one_line(str(exc), 120)}): convert the file again"
         ) from None
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from cpud.errors import ConfigError
+from cpud.errors import ConfigError, one_line
 
 MAGIC = b"GGUF"
 _MISSING = object()
@@ -61,8 +61,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text if len(text) <= 120 else text[:117] + "..."
+    return one_line(str(exc).splitlines()[0], 120) if str(exc) else type(exc).__name__
 
 
 def field_value(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:

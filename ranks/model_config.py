@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpud.errors import ConfigError
+from cpud.errors import ConfigError, one_line
 
 # HF architectures -> the cpud model family that runs them.
 ARCHITECTURES = {
@@ -60,8 +60,7 @@ class ModelConfig:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return one_line(repr(value), 60)
 
 
 def _non_finite(value: Any, where: str = "") -> str | None:

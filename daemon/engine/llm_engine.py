@@ -21,7 +21,7 @@ from cpud.engine.executor import Executor
 from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence, TokenLogprobs
-from cpud.errors import CpudError, RequestError
+from cpud.errors import CpudError, RequestError, one_line
 from cpud.protocol.step import (
     PromptLogprobs,
     PromptScoring,
@@ -45,10 +45,9 @@ class RequestFailedError(CpudError):
 def describe(exc: BaseException) -> str:
     """`Type: message` on one short line, whatever the exception holds."""
     try:
-        text = " ".join(str(exc).split())
+        text = one_line(str(exc), 200)
     except Exception:
         text = ""
-    text = text if len(text) <= 200 else text[:197] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cpud import __version__
-from cpud.errors import RequestError
+from cpud.errors import RequestError, one_line
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.openai_api import chat_job, completion_job, respond
 from cpud.frontend.openapi import openapi_document
@@ -108,7 +108,7 @@ def answered(
 ) -> None:
     """Count an error answer and log it in one line (never a traceback)."""
     state.metrics.requests.labels(endpoint, str(error.status)).inc()
-    message = " ".join((detail or error.message).split())[:300]
+    message = one_line(detail or error.message, 300)
     level = logging.ERROR if error.status == 500 else logging.INFO
     log.log(level, "%s %s -> %d %s: %s", method, endpoint, error.status, error.code, message)
 
