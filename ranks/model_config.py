@@ -129,7 +129,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """A JSON integer: an int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -157,7 +158,7 @@ class _Fields:
         value = self.value(key, default)
         if isinstance(value, float) and value.is_integer():
             value = int(value)
-        if not (_is_int(value) and minimum <= value <= MAX_SIZE):
+        if not (is_int(value) and minimum <= value <= MAX_SIZE):
             wanted = "a positive integer" if minimum == 1 else "a non-negative integer"
             raise self.error(key, f"{wanted} (at most {MAX_SIZE})", value)
         return value
@@ -185,14 +186,14 @@ class _Fields:
 
     def token_id(self, key: str) -> int | None:
         value = self.value(key, None)
-        if value is not None and not _is_int(value):
+        if value is not None and not is_int(value):
             raise self.error(key, "a token id", value)
         return value
 
     def token_ids(self, key: str) -> tuple[int, ...]:
         value = self.value(key, None)
         ids = value if isinstance(value, list) else [] if value is None else [value]
-        if not all(_is_int(v) for v in ids):
+        if not all(is_int(v) for v in ids):
             raise self.error(key, "a token id or a list of token ids", value)
         return tuple(ids)
 

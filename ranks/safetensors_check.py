@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cpud.errors import ConfigError
-from cpud.ranks.model_config import read_json_object
+from cpud.ranks.model_config import is_int, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 # The safetensors reader refuses headers above 100 MB; real ones are well under 1 MB.
@@ -52,10 +52,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int
     end: int
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _no_constants(name: str) -> Any:
@@ -118,12 +114,12 @@ def _tensor(path: Path, name: str, entry: Any, data_len: int) -> TensorInfo:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ConfigError(f"{where} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise ConfigError(f"{where} has shape {shape!r}: not a list of non-negative integers")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(_is_int(o) for o in offsets)
+        or not all(is_int(o) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise ConfigError(f"{where} has data_offsets {offsets!r}: not [begin, end] with begin<=end")
