@@ -8,6 +8,7 @@ import operator
 from dataclasses import dataclass
 
 from cpud.errors import RequestError
+from cpud.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -49,6 +50,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Output constraint (response_format, guided_*, tool_choice); compiled by cpud.structured.
+    structured: StructuredSpec | None = None
+    # OpenAI logit_bias: token id -> bias added to its logit before sampling, in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 SDIST_VERSION = "0.3.36"
-TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-cli")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-cli", "llama-quantize")
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     "GGML_NATIVE": "ON",

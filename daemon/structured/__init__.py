@@ -1,0 +1,1 @@
+"""Constrained decoding: what a request's output must match, compiled by llguidance."""
