@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpud.errors import RequestError
@@ -17,6 +18,8 @@ MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 TOKEN_ID_LIMIT = 2**31  # token ids and token counts fit in int32
 MAX_COUNT = TOKEN_ID_LIMIT - 1
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI: -100 bans a token, +100 all but forces it
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch take seeds
 FLOAT_FIELDS = (
     "temperature",
@@ -52,7 +55,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Output constraint (response_format, guided_*, tool_choice); compiled by cpud.structured.
     structured: StructuredSpec | None = None
-    # OpenAI logit_bias: token id -> bias added to its logit before sampling, in [-100, 100].
+    # OpenAI logit_bias: token id -> bias added to its logit before sampling, in [-100, 100],
+    # at most 300 entries. A {token id: bias} dict is accepted (keys may be decimal strings, as
+    # in JSON) and kept as (id, bias) pairs sorted by id. Ids are checked against the model's
+    # vocabulary when the engine admits the request.
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -98,6 +104,57 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         for name in FLOAT_FIELDS:
             object.__setattr__(self, name, real(name, getattr(self, name)))
+        object.__setattr__(self, "logit_bias", self._coerce_logit_bias(integer, real))
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise RequestError(
+                f"structured must be a StructuredSpec, got {type(self.structured).__name__}",
+                param="structured",
+            )
+
+    def _coerce_logit_bias(
+        self, integer: Callable[[str, object], int], real: Callable[[str, object], float]
+    ) -> tuple[tuple[int, float], ...]:
+        param = "logit_bias"
+        entries = self.logit_bias
+        if entries is None:
+            return ()
+        if isinstance(entries, dict):
+            entries = tuple(entries.items())
+        elif isinstance(entries, (str, bytes)):
+            raise RequestError(f"{param} must map token ids to numbers", param=param)
+        try:
+            pairs = list(entries)
+        except TypeError:
+            raise RequestError(f"{param} must map token ids to numbers", param=param) from None
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"{param} allows at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}", param=param
+            )
+        biases: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise RequestError(f"{param} must map token ids to numbers", param=param)
+            key, value = pair
+            if isinstance(key, str):
+                text = key.strip()
+                if not text.isdigit() or not text.isascii():
+                    raise RequestError(
+                        f"{param} keys must be token ids (decimal integers)", param=param
+                    )
+                key = int(text)
+            token = integer(param, key)
+            if not 0 <= token < TOKEN_ID_LIMIT:
+                raise RequestError(f"{param} keys must be token ids, >= 0", param=param)
+            if token in biases:
+                raise RequestError(f"{param} names token {token} twice", param=param)
+            bias = real(param, value)
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise RequestError(
+                    f"{param} values must be between -100 and 100 (token {token}: {bias:g})",
+                    param=param,
+                )
+            biases[token] = bias
+        return tuple(sorted(biases.items()))
 
     def _validate(self) -> None:
         def fail(param: str, message: str) -> None:

@@ -144,6 +144,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` serializes it (tokenizer.json), for grammar engines."""
+        return self._tok.to_str()
+
     def max_token_bytes(self) -> int:
         """An upper bound on the bytes one token decodes to: the longest vocabulary entry in
         UTF-8 (byte-level and SentencePiece spellings are never shorter than their bytes)."""

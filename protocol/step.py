@@ -53,6 +53,12 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     prompt_token_ids: list[int] = []  # only sent when penalties need the history
     output_token_ids: list[int] = []
     prompt_scoring: PromptScoring | None = None
+    # Output grammar: bit t (LSB first, byte t // 8) set when token t may be sampled; tokens
+    # past the mask (the model's padded vocabulary) may not. Empty: unconstrained.
+    allowed_mask: bytes = b""
+    # OpenAI logit_bias as parallel lists: bias_values[i] is added to token bias_token_ids[i].
+    bias_token_ids: list[TokenId] = []
+    bias_values: list[Finite] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):

@@ -1,7 +1,10 @@
 """Turn the last-position logits of each sampling sequence into tokens (runs on rank 0).
 
-Order: banned tokens -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> sample. Logprobs are the raw model distribution (before any processing), as vLLM.
+Order: logit_bias -> the grammar's allowed-token mask -> banned tokens -> penalties -> greedy
+argmax, or temperature -> top-k -> top-p -> min-p -> sample. Bias and mask come first, as in
+vLLM, so greedy picks the best allowed token and penalties cannot revive a masked one.
+Logprobs are the raw model distribution (before any processing, logit_bias and the mask
+included), as vLLM's default: they say what the model thought, whatever was imposed on it.
 Seeded rows draw their noise from a generator seeded per step, so results do not depend on
 what else is in the batch.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from cpud.protocol.step import PromptLogprobs, SampledToken, SeqWork
@@ -33,6 +37,31 @@ def apply_penalties(logits: torch.Tensor, works: list[SeqWork]) -> None:
             counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
             logits[row] -= spec.frequency_penalty * counts
             logits[row] -= spec.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def allowed_tokens(mask: bytes, vocab: int) -> np.ndarray:
+    """The packed bitmask (bit t of byte t // 8, LSB first) as uint8 0/1 [vocab]; columns
+    past the mask's end are 0 (not allowed)."""
+    return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), count=vocab, bitorder="little")
+
+
+def apply_constraints(logits: torch.Tensor, works: list[SeqWork]) -> None:
+    """Add each row's logit_bias, then set the tokens its grammar forbids to -inf. In numpy on
+    logits' memory: one pass per row, none of torch's per-op thread fan-out."""
+    rows = [row for row, w in enumerate(works) if w.allowed_mask or w.bias_token_ids]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    view = logits.detach().numpy()
+    for row in rows:
+        work = works[row]
+        if work.bias_token_ids:
+            ids = np.asarray(work.bias_token_ids, dtype=np.int64)
+            values = np.asarray(work.bias_values, dtype=view.dtype)
+            inside = ids < vocab
+            np.add.at(view[row], ids[inside], values[inside])
+        if work.allowed_mask:
+            np.copyto(view[row], -np.inf, where=allowed_tokens(work.allowed_mask, vocab) == 0)
 
 
 NUCLEUS_CANDIDATES = 1024  # top logits per row searched for the top-k / top-p set first
@@ -172,6 +201,7 @@ def sample(
     processed = logits.float() if logits.dtype != torch.float32 else logits.clone()
     want_logprobs = any(w.sampling is not None and w.sampling.num_logprobs >= 0 for w in works)
     raw_logprobs = processed.log_softmax(dim=-1) if want_logprobs else None
+    apply_constraints(processed, works)
     for row, work in enumerate(works):
         if work.banned_token_ids:
             banned = [t for t in work.banned_token_ids if 0 <= t < processed.shape[-1]]
@@ -197,15 +227,14 @@ def sample(
 
 def _plain_greedy(work: SeqWork) -> bool:
     spec = work.sampling
-    return not work.banned_token_ids and (
-        spec is None
-        or (
-            spec.temperature == 0
-            and spec.num_logprobs < 0
-            and spec.repetition_penalty == 1.0
-            and spec.presence_penalty == 0.0
-            and spec.frequency_penalty == 0.0
-        )
+    if work.banned_token_ids or work.allowed_mask or work.bias_token_ids:
+        return False
+    return spec is None or (
+        spec.temperature == 0
+        and spec.num_logprobs < 0
+        and spec.repetition_penalty == 1.0
+        and spec.presence_penalty == 0.0
+        and spec.frequency_penalty == 0.0
     )
 
 

@@ -33,6 +33,8 @@ from cpud.protocol.step import (
     wire_error,
 )
 from cpud.sampling_params import SamplingParams
+from cpud.structured.compiler import GrammarCompiler
+from cpud.structured.matcher import SequenceConstraint
 from cpud.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.engine")
@@ -101,6 +103,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids)
+        self.grammars.prepare_in_background()
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
         # False (the offline API): step() raises a request's failure once it is cleaned up.
@@ -136,6 +140,14 @@ class LLMEngine:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"logit_bias names token {bad}, outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
+        if params.structured is not None:
+            self.grammars.check(params.structured)
         max_tokens = params.max_tokens or room
         needed = -(-(len(prompt_token_ids) + max_tokens) // self.config.block_size)
         if needed > self.config.num_kv_blocks:
@@ -171,6 +183,8 @@ class LLMEngine:
             seq = Sequence(
                 next(self._seq_ids), request_id, index, list(prompt_token_ids), params, detok, seed
             )
+            if params.structured is not None:
+                seq.constraint = SequenceConstraint(self.grammars.matcher(params.structured))
             why = wire_error(self._work(seq, 0, 0, True))
             if why is not None:
                 raise RequestError(
@@ -179,6 +193,8 @@ class LLMEngine:
                 )
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seqs)
+        if params.structured is not None:
+            self.grammars.count_request(params.structured.kind)
         for seq in seqs:
             self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
@@ -322,6 +338,7 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
         needs_history = params.needs_penalties
+        mask = seq.constraint.allowed_mask() if seq.constraint is not None else b""
         return SeqWork(
             seq.seq_id,
             tokens,
@@ -334,6 +351,9 @@ class LLMEngine:
             seq.prompt_token_ids if needs_history else [],
             seq.output_token_ids if needs_history else [],
             scoring,
+            mask,
+            [token for token, _ in params.logit_bias],
+            [bias for _, bias in params.logit_bias],
         )
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
@@ -348,6 +368,8 @@ class LLMEngine:
             seq.cumulative_logprob += sampled.logprob
             top = dict(zip(sampled.top_token_ids, sampled.top_logprobs))
             seq.logprobs.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0, top))
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
         params = seq.params
         may_stop = seq.num_output_tokens >= params.min_tokens
         eos = token in self._eos_for(params)
@@ -359,6 +381,8 @@ class LLMEngine:
         stop = seq.detokenizer.add(token, check_stop=may_stop)
         if stop is not None:
             self._finish(seq, "stop", stop)
+        elif seq.constraint is not None and seq.constraint.complete:
+            self._finish(seq, "stop", None)  # the grammar allows nothing but end of sequence
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.config.max_model_len:
@@ -403,6 +427,7 @@ class LLMEngine:
             outputs,
             request.finished,
             prompt_logprobs=request.prompt_logprobs,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
         )
 
     def _logprob_dict(

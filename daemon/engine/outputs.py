@@ -37,3 +37,6 @@ class RequestOutput:
     # None at the first token (nothing precedes it), then the prompt token's logprob and the
     # top alternatives at each position; set when the request asked for prompt_logprobs.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Prompt tokens served from the prefix cache when the request was admitted (its first
+    # choice's count with n > 1): usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int = 0

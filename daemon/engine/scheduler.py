@@ -80,6 +80,8 @@ class Scheduler:
             self.blocks.allocate(seq.blocks, cached + count, hit)
             self.waiting.popleft()
             seq.num_computed_tokens = cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, count))

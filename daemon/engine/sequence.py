@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from cpud.engine.block_manager import BlockTable
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.sampling_params import SamplingParams
+from cpud.structured.matcher import SequenceConstraint
 
 
 class SeqStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     first_token_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    constraint: SequenceConstraint | None = None  # the output grammar's state, if any
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cpud.frontend.async_engine import AsyncEngine
+from cpud.structured.metrics import structured_families
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -79,6 +80,7 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "cpud_engine_step_seconds", "Wall time spent in engine steps", stats.step_seconds
         )
+        yield from structured_families(self.engine.engine.grammars.stats())
 
 
 class FrontendMetrics:
