@@ -162,6 +162,14 @@ class ChatTemplates:
             return next(iter(self.templates.values()))
         return self.templates.get("default")
 
+    def tool_template(self) -> str | None:
+        """The template a request with tools renders through ("tool_use" when there is one),
+        None when there is none to pick."""
+        try:
+            return self.templates[self._pick(tools=[])] if self.templates else None
+        except RequestError:
+            return None
+
     def _compile(self, name: str) -> jinja2.Template:
         if name not in self._compiled:
             self._compiled[name] = self._env.from_string(self.templates[name])

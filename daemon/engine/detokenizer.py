@@ -1,7 +1,9 @@
 """Token ids -> text, one token at a time, with stop strings.
 
-Byte-level BPE tokens can split a UTF-8 character; text is only extended once the pending
-tokens decode without a replacement character, so no half character is ever emitted.
+Byte-level BPE tokens can split a UTF-8 character. Decoders replace an incomplete UTF-8 tail
+with one U+FFFD (the maximal-subpart rule), so only a final U+FFFD is held back: it is at most
+3 bytes that the next token may complete. Everything before it, invalid bytes included (as
+U+FFFD), is text at once; the held character comes out with the next token either way.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.hold_back = max((len(s) for s in stop), default=1) - 1
+        # Characters of `text` decoded from tokens after read_offset (a window still open
+        # because it ended in a possibly incomplete character).
+        self.pending_chars = 0
 
     def reset(self) -> None:
         self.token_ids.clear()
         self.text = ""
         self.prefix_offset = self.read_offset = 0
+        self.pending_chars = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.decoder.decode(ids, skip_special_tokens=self.skip_special)
@@ -46,12 +52,20 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset :])
-        if full.endswith(REPLACEMENT) or len(full) <= len(prefix):
+        if len(full) <= len(prefix):
             return None
         start = len(self.text)
-        self.text += full[len(prefix) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        new = full[len(prefix) :]
+        if new.endswith(REPLACEMENT):
+            # Possibly an incomplete tail: show what precedes it, keep the window open.
+            self.text = self.text[: len(self.text) - self.pending_chars] + new[:-1]
+            self.pending_chars = len(new) - 1
+        else:
+            self.text = self.text[: len(self.text) - self.pending_chars] + new
+            self.pending_chars = 0
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+        start = min(start, len(self.text))
         return self._find_stop(start) if check_stop else None
 
     def flush(self) -> None:
@@ -59,7 +73,8 @@ class IncrementalDetokenizer:
         rest = self._decode(self.token_ids[self.prefix_offset :])
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         if len(rest) > len(prefix):
-            self.text += rest[len(prefix) :]
+            self.text = self.text[: len(self.text) - self.pending_chars] + rest[len(prefix) :]
+        self.pending_chars = 0
         self.prefix_offset = self.read_offset = len(self.token_ids)
 
     def _find_stop(self, new_from: int) -> str | None:

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,14 +21,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cpud import __version__
 from cpud.errors import RequestError, one_line
 from cpud.frontend.errors import APIError, bad_request, from_validation
-from cpud.frontend.openai_api import chat_job, completion_job, respond
+from cpud.frontend.jobs import chat_job, completion_job
+from cpud.frontend.openai_api import respond
 from cpud.frontend.openapi import openapi_document
 from cpud.frontend.pacing import BodyPacer
 from cpud.frontend.requests import chat_prompt, check_model, check_text_size
+from cpud.frontend.responses_api import respond_responses
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from cpud.frontend.state import Phase, ServerState
@@ -36,7 +40,14 @@ log = logging.getLogger("cpud.frontend")
 Handler = Callable[[Request], Awaitable[Response]]
 OPEN_PATHS = frozenset({"/health", "/version"})
 NEED_ENGINE = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+    }
 )
 
 
@@ -96,11 +107,28 @@ async def decode(request: Request, state: ServerState, kind: type) -> object:
     except UnicodeDecodeError:
         raise bad_request("the request body is not valid UTF-8") from None
     except msgspec.ValidationError as exc:
-        raise from_validation(exc) from None
+        raise unsupported_field(exc) or from_validation(exc) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+
+
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
+
+
+def unsupported_field(exc: msgspec.ValidationError) -> APIError | None:
+    """A field the request types do not know: cpud does not implement it, say so by name."""
+    match = _UNKNOWN_FIELD.search(str(exc))
+    if match is None:
+        return None
+    name, where = match.group(1), match.group(2)
+    path = f"{where}.{name}" if where else name
+    return bad_request(
+        f"{path} is not supported by cpud; remove it from the request",
+        param=path,
+        code="unsupported_parameter",
+    )
 
 
 def answered(
@@ -168,6 +196,12 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, ChatCompletionRequest)
     check_model(state, body.model)
     return await respond(state, request, await state.off_loop(chat_job, state, body))
+
+
+async def responses(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, ResponsesRequest)
+    check_model(state, body.model)
+    return await respond_responses(state, request, body)
 
 
 async def models(request: Request, state: ServerState) -> Response:
@@ -295,6 +329,7 @@ def create_app(state: ServerState) -> ASGIApp:
     routes = [
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
+        ("/v1/responses", responses, ["POST"]),
         ("/v1/models", models, ["GET"]),
         ("/tokenize", tokenize, ["POST"]),
         ("/detokenize", detokenize, ["POST"]),

@@ -122,7 +122,10 @@ class AsyncEngine:
         finished=True. Leaving the iteration early (client gone) aborts the request."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        self.engine.validate(prompt_token_ids, params)
+        if params.structured is not None:  # compiles its grammar: off the event loop
+            await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
+        else:
+            self.engine.validate(prompt_token_ids, params)
         with self._lock:
             if self._pending >= self.max_waiting:
                 raise QueueFullError(f"{self._pending} requests in flight; retry shortly")

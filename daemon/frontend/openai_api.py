@@ -1,5 +1,7 @@
 """/v1/completions and /v1/chat/completions: run requests on the engine, answer in OpenAI's
-shapes, stream as server-sent events (one event per step that produced text)."""
+shapes, stream as server-sent events (one event per step that produced text). Chat output
+is read for tool calls when the request has tools: message.tool_calls, or streamed
+tool-call deltas, with finish_reason "tool_calls"."""
 
 from __future__ import annotations
 
@@ -7,9 +9,8 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +20,7 @@ from cpud.engine.outputs import CompletionOutput, RequestOutput
 from cpud.errors import RequestError
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError
 from cpud.frontend.errors import APIError, bad_request
+from cpud.frontend.jobs import Job
 from cpud.frontend.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -26,9 +28,9 @@ from cpud.frontend.logprobs import (
     legacy_logprobs,
     prompt_logprobs_json,
 )
-from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, sampling_params
-from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from cpud.frontend.requests import Prompt
 from cpud.frontend.state import ServerState
+from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.sampling_params import SamplingParams
 
 log = logging.getLogger("cpud.frontend")
@@ -45,20 +47,21 @@ class Choice:
     offset: int = 0  # text_offset of the next token's logprobs (as the full response counts)
     started: bool = False
     finished: bool = False
+    tool_stream: ToolCallStream | None = None
 
 
 @dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    first_token_at: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
 
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -188,77 +191,6 @@ def finish_reason(output: CompletionOutput) -> str | None:
 # ---- the two endpoints ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Job:
-    kind: str  # "completion" | "chat"
-    request_id: str
-    created: int
-    model: str
-    prompts: list[Prompt]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    echo: bool = False
-    top_logprobs: int = 0
-    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone is answered
-
-
-def check_prompt_logprobs_stream(body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.stream and body.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs are not available with stream=true", "prompt_logprobs")
-
-
-def completion_job(state: ServerState, body: CompletionRequest) -> Job:
-    if body.max_tokens == 0 and not body.echo:
-        raise bad_request(
-            "max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens"
-        )
-    check_prompt_logprobs_stream(body)
-    prompts = completion_prompts(state, body)
-    prompt_logprobs = body.prompt_logprobs
-    if prompt_logprobs is None and body.echo and body.logprobs is not None:
-        prompt_logprobs = body.logprobs
-    # As vLLM: max_tokens 0 with echo generates one token and answers without it.
-    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
-    return Job(
-        "completion",
-        f"cmpl-{uuid.uuid4().hex}",
-        int(time.time()),
-        body.model or state.model_name,
-        prompts,
-        params,
-        body.stream,
-        bool(body.stream_options and body.stream_options.include_usage),
-        echo=body.echo,
-        top_logprobs=body.logprobs or 0,
-        prompt_only=body.echo and body.max_tokens == 0,
-    )
-
-
-def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    check_prompt_logprobs_stream(body)
-    prompt = chat_prompt(state, body)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
-    return Job(
-        "chat",
-        f"chatcmpl-{uuid.uuid4().hex}",
-        int(time.time()),
-        body.model or state.model_name,
-        [prompt],
-        params,
-        body.stream,
-        bool(body.stream_options and body.stream_options.include_usage),
-        top_logprobs=body.top_logprobs or 0,
-    )
-
-
 def prompt_text(state: ServerState, prompt: Prompt) -> str:
     if prompt.text is not None:
         return prompt.text
@@ -274,7 +206,10 @@ async def respond(state: ServerState, request: Request, job: Job) -> Response:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     finals = await collect_or_abort(request, streams)
-    usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in job.prompts))
+    usage = Usage(
+        prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
+        cached_tokens=sum(f.num_cached_tokens for f in finals),
+    )
     choices = []
     for p_index, (prompt, final) in enumerate(zip(job.prompts, finals)):
         for out in final.outputs:
@@ -336,22 +271,54 @@ def full_choice(
         if job.params.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return choice
+    message: dict = {"role": "assistant", "content": out.text}
+    reason = finish_reason(out)
+    if job.tool_parser is not None:
+        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls)
+        if parsed.calls:
+            message["content"] = parsed.content
+            message["tool_calls"] = [
+                {
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in parsed.calls
+            ]
+            reason = "tool_calls" if reason == "stop" else reason
     return {
         "index": index,
-        "message": {"role": "assistant", "content": out.text},
+        "message": message,
         "logprobs": chat_logprobs(out, 0, job.top_logprobs) if wants_logprobs else None,
-        "finish_reason": finish_reason(out),
+        "finish_reason": reason,
         "stop_reason": out.stop_reason,
     }
+
+
+def tool_stream(job: Job) -> ToolCallStream | None:
+    if job.tool_parser is None:
+        return None
+    return ToolCallStream(job.tool_parser, max_calls=None if job.parallel_tool_calls else 1)
 
 
 async def stream_events(
     state: ServerState, job: Job, streams: list[AsyncIterator[RequestOutput]]
 ) -> AsyncIterator[str]:
     n = job.params.n
-    choices = {(p, i): Choice(p * n + i) for p in range(len(job.prompts)) for i in range(n)}
+    choices = {
+        (p, i): Choice(p * n + i, tool_stream=tool_stream(job))
+        for p in range(len(job.prompts))
+        for i in range(n)
+    }
     usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in job.prompts))
+    cached: dict[int, int] = {}
+    generated: dict[tuple[int, int], int] = {}
     object_name = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+
+    def current_usage() -> dict:
+        usage.completion_tokens = sum(generated.values())
+        usage.cached_tokens = sum(cached.values())
+        return usage.as_dict()
 
     def chunk(choice_rows: list[dict]) -> str:
         body = {
@@ -362,7 +329,7 @@ async def stream_events(
             "choices": choice_rows,
         }
         if job.include_usage:
-            body["usage"] = None
+            body["usage"] = current_usage() if job.continuous_usage else None
         return sse(body)
 
     def make_row(
@@ -374,8 +341,10 @@ async def stream_events(
 
     try:
         async for p_index, output in merged(streams):
+            cached[p_index] = output.num_cached_tokens
             rows = []
             for out in output.outputs:
+                generated[(p_index, out.index)] = len(out.token_ids)
                 choice = choices[(p_index, out.index)]
                 if choice.finished:
                     continue
@@ -384,7 +353,6 @@ async def stream_events(
                     rows.append(row)
             if rows:
                 yield chunk(rows)
-        usage.completion_tokens = sum(c.tokens for c in choices.values())
         if job.include_usage:
             yield sse(
                 {
@@ -393,7 +361,7 @@ async def stream_events(
                     "created": job.created,
                     "model": job.model,
                     "choices": [],
-                    "usage": usage.as_dict(),
+                    "usage": current_usage(),
                 }
             )
     except ENGINE_ERRORS as exc:
@@ -469,11 +437,19 @@ def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
     if not choice.started:
         delta["role"] = "assistant"
         choice.started = True
+    if choice.tool_stream is not None:
+        text, calls = choice.tool_stream.feed(out.text, reason is not None)
+        if calls:
+            delta["tool_calls"] = calls
+        if reason == "stop" and choice.tool_stream.called:
+            reason = "tool_calls"
     if text:
         delta["content"] = text
     logprobs = None
     if job.params.logprobs is not None:
         logprobs = chat_logprobs(out, start, job.top_logprobs)
+    elif not delta and reason is None:
+        return None  # text inside a tool call that is not an argument fragment yet
     return {
         "index": choice.index,
         "delta": delta,

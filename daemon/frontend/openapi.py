@@ -11,6 +11,7 @@ from cpud.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
@@ -96,7 +97,13 @@ def _get(summary: str) -> dict:
 
 @lru_cache(maxsize=1)
 def openapi_document() -> dict:
-    types = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    types = (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ResponsesRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    )
     (_, components) = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
@@ -107,6 +114,7 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/completions": _post("CompletionRequest", "Text completion"),
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion"),
+            "/v1/responses": _post("ResponsesRequest", "Response (stateless)"),
             "/tokenize": _post("TokenizeRequest", "Prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Token ids to text"),
             "/tokenizer_info": _get("Tokenizer configuration: special tokens, chat template"),

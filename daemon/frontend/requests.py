@@ -6,9 +6,16 @@ from dataclasses import dataclass
 
 from cpud.errors import RequestError
 from cpud.frontend.errors import APIError, bad_request
-from cpud.frontend.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from cpud.frontend.state import ServerState
+from cpud.frontend.tool_prompt import (
+    conversation,
+    hermes_system_prompt,
+    template_knows_tools,
+    with_system_prompt,
+)
 from cpud.sampling_params import SamplingParams
+from cpud.structured.spec import StructuredSpec
 
 
 @dataclass(frozen=True)
@@ -74,29 +81,13 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> list[Prom
     )
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    result = []
-    for index, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages[{index}]: only text content parts are supported, "
-                        f"got {part.type!r}",
-                        param="messages",
-                    )
-                parts.append(part.text)
-            content = "".join(parts)
-        entry = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        result.append(entry)
-    return result
-
-
-def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
+def chat_prompt(
+    state: ServerState, body: ChatCompletionRequest, tools: list[dict] | None = None
+) -> Prompt:
+    """The conversation through the chat template, tools included. A template that takes
+    `tools` gets them as transformers passes them; for one that does not (SmolLM2's), the
+    tool list goes into the system prompt in the Hermes format and earlier calls and results
+    into the messages' text, as vLLM and llama-server do."""
     extra = dict(body.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
     if reserved:
@@ -105,7 +96,12 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
             "conversation as messages",
             param="chat_template_kwargs",
         )
-    messages = message_dicts(body.messages)
+    native = template_knows_tools(state.tokenizer.chat_templates.tool_template())
+    messages = conversation(body.messages, native)
+    if tools and native:
+        extra["tools"] = tools
+    elif tools:
+        messages = with_system_prompt(messages, hermes_system_prompt(tools))
     check_text_size(state, sum(len(m["content"]) for m in messages), "messages")
     text = state.tokenizer.apply_chat_template(
         messages,
@@ -121,7 +117,10 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured: StructuredSpec | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
+    """The body's sampling fields; `structured` is the request's one output constraint."""
     stop = body.stop
     if isinstance(stop, str):
         stop = [stop]
@@ -148,7 +147,11 @@ def sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=(
+                body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+            ),
+            structured=structured,
+            logit_bias=body.logit_bias or (),
         )
     except RequestError as exc:
         raise bad_request(str(exc), param=exc.param) from None

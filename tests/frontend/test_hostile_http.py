@@ -63,6 +63,8 @@ def still_serving(server) -> None:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_json_routes_refuse_other_content_types(server, path, content_type):
     body = OK_CHAT if "chat" in path else OK_PROMPT
+    if path == "/tokenize":  # generates nothing: max_tokens is no field of it
+        body = {k: v for k, v in body.items() if k != "max_tokens"}
     headers = {} if content_type is None else {"content-type": content_type}
     before = requests_counted(server, path, 415)
     response = httpx.post(

@@ -1,0 +1,453 @@
+"""/v1/responses, stateless: the request becomes a chat completion job (input items as
+messages, function tools, text.format as response_format) and its output is answered as a
+Response object, or streamed as OpenAI's typed events (response.created, output items,
+output_text and function_call_arguments deltas, response.completed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cpud.engine.outputs import CompletionOutput, RequestOutput
+from cpud.frontend.errors import bad_request
+from cpud.frontend.jobs import Job, chat_job
+from cpud.frontend.openai_api import (
+    ENGINE_ERRORS,
+    collect_or_abort,
+    engine_error,
+    start_requests,
+)
+from cpud.frontend.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDef,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    ResponsesRequest,
+    Tool,
+    ToolCall,
+    ToolChoiceFunction,
+)
+from cpud.frontend.state import ServerState
+from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
+
+log = logging.getLogger("cpud.frontend")
+MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
+CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def _check_keys(item: dict, allowed: frozenset[str], where: str) -> None:
+    extra = sorted(set(item) - allowed)
+    if extra:
+        raise bad_request(f"{where}.{extra[0]} is not supported by cpud", f"{where}.{extra[0]}")
+
+
+def _text(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} must be a string", f"{where}.{key}")
+    return value
+
+
+def _message_text(item: dict, where: str) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of parts", where)
+    texts = []
+    for k, part in enumerate(content):
+        at = f"{where}.content[{k}]"
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
+            raise bad_request(f"{at}: only input_text and output_text parts are supported", at)
+        _check_keys(part, PART_KEYS, at)
+        texts.append(_text(part, "text", at))
+    return "".join(texts)
+
+
+def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """instructions and input items as chat messages; function_call items join the
+    assistant message before them, function_call_output items become tool messages."""
+    messages = []
+    if body.instructions:
+        messages.append(ChatMessage(role="system", content=body.instructions))
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            _check_keys(item, MESSAGE_KEYS, where)
+            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", where)
+            messages.append(ChatMessage(role=role, content=_message_text(item, where)))
+        elif kind == "function_call":
+            _check_keys(item, CALL_KEYS, where)
+            call = ToolCall(
+                id=_text(item, "call_id", where),
+                function=FunctionCall(
+                    name=_text(item, "name", where), arguments=_text(item, "arguments", where)
+                ),
+            )
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            _check_keys(item, OUTPUT_KEYS, where)
+            messages.append(
+                ChatMessage(
+                    role="tool",
+                    content=_text(item, "output", where),
+                    tool_call_id=_text(item, "call_id", where),
+                )
+            )
+        else:
+            raise bad_request(f"{where}.type {kind!r} is not supported by cpud", f"{where}.type")
+    return messages
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    if body.store:
+        raise bad_request("store: true is not supported: cpud stores no responses", "store")
+    if body.previous_response_id is not None:
+        raise bad_request(
+            "previous_response_id is not supported: cpud keeps no responses; send the whole "
+            "conversation as input",
+            "previous_response_id",
+        )
+    tools = [
+        Tool(
+            type="function",
+            function=FunctionDef(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+            ),
+        )
+        for t in body.tools or ()
+    ]
+    choice: Any = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
+    response_format = None
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        schema = None
+        if fmt.type == "json_schema":
+            schema = JsonSchemaFormat(
+                name=fmt.name, schema=fmt.schema, strict=fmt.strict, description=fmt.description
+            )
+        response_format = ResponseFormat(type=fmt.type, json_schema=schema)
+    extra = {}
+    if body.temperature is not None:
+        extra["temperature"] = body.temperature
+    if body.top_p is not None:
+        extra["top_p"] = body.top_p
+    return ChatCompletionRequest(
+        model=body.model,
+        messages=input_messages(body),
+        max_completion_tokens=body.max_output_tokens,
+        tools=tools or None,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format,
+        stream=body.stream,
+        user=body.user,
+        **extra,
+    )
+
+
+@dataclass
+class Answer:
+    """The Response object as it builds up."""
+
+    body: ResponsesRequest
+    job: Job
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict] = field(default_factory=list)
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    def snapshot(self, status: str, reason: str | None = None) -> dict:
+        body = self.body
+        incomplete = None
+        if status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+        fmt = body.text.format if body.text is not None and body.text.format else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.job.model,
+            "output": self.output,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": body.temperature if body.temperature is not None else 1.0,
+            "text": {"format": _format_json(fmt)},
+            "tool_choice": _tool_choice_json(body.tool_choice),
+            "tools": [_tool_json(t) for t in body.tools or ()],
+            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "usage": None if status == "in_progress" else self.usage(),
+            "metadata": {},
+        }
+
+    def usage(self) -> dict:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+    def measure(self, final: RequestOutput, out: CompletionOutput) -> None:
+        self.input_tokens = len(final.prompt_token_ids)
+        self.cached_tokens = final.num_cached_tokens
+        self.output_tokens = len(out.token_ids)
+
+
+def _format_json(fmt: Any) -> dict:
+    if fmt is None:
+        return {"type": "text"}
+    data = {"type": fmt.type}
+    if fmt.type == "json_schema":
+        data.update(name=fmt.name, schema=fmt.schema, strict=fmt.strict)
+        if fmt.description is not None:
+            data["description"] = fmt.description
+    return data
+
+
+def _tool_choice_json(choice: Any) -> Any:
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else {"type": "function", "name": choice.name}
+
+
+def _tool_json(tool: Any) -> dict:
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": tool.strict,
+    }
+
+
+def message_item(text: str, status: str = "completed") -> dict:
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if text else [],
+    }
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _status(out: CompletionOutput) -> str:
+    return "incomplete" if out.finish_reason == "length" else "completed"
+
+
+async def respond_responses(
+    state: ServerState, request: Request, body: ResponsesRequest
+) -> Response:
+    job = await state.off_loop(lambda: chat_job(state, chat_request(body)))
+    streams = start_requests(state, job.request_id, job.prompts, job.params)
+    answer = Answer(body, job)
+    if body.stream:
+        return StreamingResponse(
+            EventStream(answer).events(streams[0]),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    final = (await collect_or_abort(request, streams))[0]
+    out = final.outputs[0]
+    answer.measure(final, out)
+    parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls) if job.tool_parser else None
+    if parsed is not None and parsed.calls:
+        if parsed.content:
+            answer.output.append(message_item(parsed.content))
+        for call in parsed.calls:
+            answer.output.append(call_item(new_call_id(), call.name, call.arguments))
+    else:
+        answer.output.append(message_item(out.text))
+    return JSONResponse(answer.snapshot(_status(out)))
+
+
+@dataclass
+class EventStream:
+    """OpenAI's Responses streaming events for one output: a message item while text comes,
+    a function_call item per call."""
+
+    answer: Answer
+    sequence: int = 0
+    message: dict | None = None
+    text: str = ""
+    calls: dict[int, dict] = field(default_factory=dict)
+
+    def event(self, kind: str, **data: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+    async def events(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        answer = self.answer
+        parser = answer.job.tool_parser
+        tools = None
+        if parser is not None:
+            single = None if answer.job.parallel_tool_calls else 1
+            tools = ToolCallStream(parser, max_calls=single)
+        sent = 0
+        yield self.event("response.created", response=answer.snapshot("in_progress"))
+        yield self.event("response.in_progress", response=answer.snapshot("in_progress"))
+        try:
+            final = out = None
+            async for final in stream:
+                out = final.outputs[0]
+                done = out.finish_reason is not None
+                if tools is not None:
+                    content, deltas = tools.feed(out.text, done)
+                else:
+                    content, deltas = out.text[sent:], []
+                    sent = len(out.text)
+                if content:
+                    for chunk in self.text_delta(content):
+                        yield chunk
+                for delta in deltas:
+                    for chunk in self.call_delta(delta):
+                        yield chunk
+            if final is None or out is None:
+                raise RuntimeError("the engine ended the request without an output")
+            for chunk in self.close_items():
+                yield chunk
+            answer.measure(final, out)
+            kind = "response.incomplete" if _status(out) == "incomplete" else "response.completed"
+            yield self.event(kind, response=answer.snapshot(_status(out)))
+        except ENGINE_ERRORS as exc:
+            error = engine_error(exc)
+            yield self.event("error", code=error.code, message=error.message, param=error.param)
+        except Exception as exc:
+            log.error("response %s failed: %s: %s", answer.id, type(exc).__name__, exc)
+            message = f"internal error ({type(exc).__name__}); the server logged it"
+            yield self.event("error", code="internal_error", message=message, param=None)
+
+    def text_delta(self, content: str) -> list[str]:
+        chunks = []
+        index = len(self.answer.output)
+        if self.message is None:
+            self.message = message_item("", "in_progress")
+            self.answer.output.append(self.message)
+            chunks.append(
+                self.event("response.output_item.added", output_index=index, item=self.message)
+            )
+            part = {"type": "output_text", "text": "", "annotations": []}
+            chunks.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self.message["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+        self.text += content
+        chunks.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.message["id"],
+                output_index=self.answer.output.index(self.message),
+                content_index=0,
+                delta=content,
+                logprobs=[],
+            )
+        )
+        return chunks
+
+    def call_delta(self, delta: dict) -> list[str]:
+        chunks = []
+        fn = delta["function"]
+        if "id" in delta:
+            chunks += self.close_message()
+            item = call_item(delta["id"], fn["name"], "", "in_progress")
+            self.calls[delta["index"]] = item
+            self.answer.output.append(item)
+            index = len(self.answer.output) - 1
+            chunks.append(self.event("response.output_item.added", output_index=index, item=item))
+        item = self.calls[delta["index"]]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            chunks.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.answer.output.index(item),
+                    delta=fn["arguments"],
+                )
+            )
+        return chunks
+
+    def close_message(self) -> list[str]:
+        message = self.message
+        if message is None or message["status"] == "completed":
+            return []
+        index = self.answer.output.index(message)
+        part = {"type": "output_text", "text": self.text, "annotations": []}
+        message["content"] = [part]
+        message["status"] = "completed"
+        ids = {"item_id": message["id"], "output_index": index, "content_index": 0}
+        return [
+            self.event("response.output_text.done", **ids, text=self.text, logprobs=[]),
+            self.event("response.content_part.done", **ids, part=part),
+            self.event("response.output_item.done", output_index=index, item=message),
+        ]
+
+    def close_items(self) -> list[str]:
+        chunks = self.close_message()
+        for item in self.calls.values():
+            index = self.answer.output.index(item)
+            item["status"] = "completed"
+            chunks.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
+            )
+            chunks.append(self.event("response.output_item.done", output_index=index, item=item))
+        if not self.answer.output:
+            self.answer.output.append(message_item(""))
+        return chunks
