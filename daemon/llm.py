@@ -4,49 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import Any
 
 from cpud.config import EngineArgs, resolve_config
-from cpud.default_model import default_model_path
 from cpud.engine.executor import make_executor, size_kv_from_fraction
 from cpud.engine.llm_engine import LLMEngine
 from cpud.engine.outputs import RequestOutput
-from cpud.errors import ConfigError
+from cpud.model_dir import resolve_model_dir
 from cpud.sampling_params import SamplingParams
 from cpud.tokenizer import Tokenizer
 
 Prompt = str | list[int]
-
-
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """The given directory, or the GGUF file given or alone in a directory without a
-    config.json; the default model (SmolLM2-135M-Instruct GGUF) when none is given."""
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ConfigError(
-                f"model {path} is a file but not a .gguf file: pass a GGUF file or a Hugging "
-                f"Face directory"
-            )
-        return path
-    if not path.is_dir():
-        raise ConfigError(
-            f"model directory {path} does not exist (cpud loads local Hugging Face "
-            f"directories and GGUF files; it never downloads)"
-        )
-    if not (path / "config.json").exists():
-        found = sorted(p for p in path.glob("*.gguf") if p.is_file())
-        if len(found) == 1:
-            return found[0]
-        if found:
-            names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-            raise ConfigError(
-                f"{path} holds {len(found)} GGUF files ({names}): pass the one to load as the model"
-            )
-    return path
 
 
 class LLM:

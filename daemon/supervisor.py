@@ -36,7 +36,7 @@ from cpud.engine.multiproc import make_runtime_dir, rank_engine_config
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
 from cpud.errors import ConfigError
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec, send_secrets
-from cpud.llm import resolve_model_dir
+from cpud.model_dir import resolve_model_dir
 from cpud.protocol.supervision import (
     FrontendServing,
     Heartbeat,

@@ -1,9 +1,11 @@
 """Loads the compiled kernel module and decides the default ISA tier.
 
-``import torch`` comes first so that torch's bundled libgomp is the OpenMP
-runtime our module binds to (one runtime per process).  A missing or broken
-module is not an error here: ``available()`` is False and callers keep their
-torch path.  ``CPUD_ISA`` is read once, here.
+torch is not imported here.  The module binds to the OpenMP runtime already in the process:
+the modules that take tensors (kernels.py, quant.py) import torch before this one, so in the
+ranks that is torch's bundled libgomp (one runtime per process); the supervisor loads the module
+without torch, for the shared-memory segment's setup.  A missing or broken module is not an
+error here: ``available()`` is False and callers keep their torch path.  ``CPUD_ISA`` is read
+once, here.
 """
 
 from __future__ import annotations
@@ -26,14 +28,12 @@ lib: Any = None
 _load_error: str | None = None
 _MODULE = f"{__package__}._cpud_native"
 try:
-    import torch  # noqa: F401  (torch's libgomp first)
-
     if importlib.util.find_spec(_MODULE) is None:
         _load_error = f"{_MODULE} is not built (it is compiled at install time; no C compiler?)"
     else:
         _mod = importlib.import_module(_MODULE)
         ffi, lib = _mod.ffi, _mod.lib
-except ImportError as exc:  # no torch, or a module that fails to load
+except ImportError as exc:  # a module that fails to load
     _load_error = f"{type(exc).__name__}: {exc}"
 
 

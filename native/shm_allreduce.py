@@ -17,7 +17,8 @@ accumulation for bf16), so all ranks hold the same bits afterwards.  A wait
 that does not complete raises a ``CollectiveError`` naming the rank at fault
 (after ``timeout`` seconds, at once when that rank's process is gone, or when
 the group was aborted); the group is unusable afterwards: create a new one.
-Nothing here pickles.  A handle is not thread-safe; use one per thread.
+Nothing here pickles.  A handle is not thread-safe; use one per thread.  The owner's side
+(create, abort, unlink) needs no torch: the supervisor never loads it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import _loader
-from .kernels import DTYPE_CODE
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MAX_BYTES = 8 << 20
 DEFAULT_TIMEOUT_S = 30.0
@@ -112,6 +113,7 @@ class ShmGroup:
         self._buf: Any = ffi.from_buffer(mm)
         self._peer = ffi.new("int *")
         self._broken: CollectiveError | None = None
+        self._dtype_codes: dict[Any, int] = {}  # torch's, from the first collective on
         tier = _loader.default_isa() if isa is None else isa
         if tier not in _loader.supported_isas():
             self._release_mapping()
@@ -196,7 +198,7 @@ class ShmGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums a contiguous fp32/bf16 CPU tensor over all ranks, in place; returns it."""
-        code = DTYPE_CODE.get(tensor.dtype)
+        code = (self._dtype_codes or self._load_dtype_codes()).get(tensor.dtype)
         if code is None or not tensor.is_cpu or not tensor.is_contiguous():
             raise ValueError(
                 f"all_reduce: expected a contiguous float32/bfloat16 CPU tensor, got "
@@ -220,6 +222,8 @@ class ShmGroup:
                 f"gather_last_dim: expected a contiguous CPU tensor with >= 1 dim, got "
                 f"shape {tuple(tensor.shape)} on {tensor.device}"
             )
+        import torch
+
         cols = tensor.shape[-1]
         out = None
         if self.rank == 0:
@@ -294,6 +298,12 @@ class ShmGroup:
         return f"ShmGroup(path={self.path!r}, rank={self.rank}, size={self.size})"
 
     # ------------------------------------------------------------- helpers
+
+    def _load_dtype_codes(self) -> dict[Any, int]:
+        from .kernels import DTYPE_CODE
+
+        self._dtype_codes = DTYPE_CODE
+        return DTYPE_CODE
 
     def _handle(self) -> Any:
         if self._broken is not None:

@@ -1,5 +1,5 @@
 /* Kernel tier "amx": the AVX512-BF16 tier's kernels, with GEMMs of GEMM_AMX_MIN_M rows or more
- * on AMX-BF16 tiles (tier_gemm.h).  dispatch.c offers it only where cpuid, XCR0 and the
+ * on AMX-BF16 tiles (gemm_amx.h).  dispatch.c offers it only where cpuid, XCR0 and the
  * kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM) all allow tile data. */
 #include "common.h"
 
@@ -10,6 +10,7 @@
 
 #include "tier_kernels.h"
 
+#include "gemm_amx.h"
 #include "tier_gemm.h"
 
 #include "tier_ops.h"

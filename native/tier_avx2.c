@@ -1,9 +1,11 @@
-/* Kernel tier "avx2": the generic kernels and the GEMM instantiated with this
- * tier's vector operations and target attribute (baseline compile flags). */
+/* Kernel tier "avx2": the generic kernels and the GEMM driver instantiated with this
+ * tier's vector operations, GEMM kernels (gemm_avx2.h) and target attribute (baseline compile
+ * flags). */
 #include "simd_avx2.h"
 
 #include "tier_kernels.h"
 
+#include "gemm_avx2.h"
 #include "tier_gemm.h"
 
 #include "tier_ops.h"

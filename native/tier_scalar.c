@@ -1,9 +1,11 @@
-/* Kernel tier "scalar": the generic kernels and the GEMM instantiated with this
- * tier's vector operations and target attribute (baseline compile flags). */
+/* Kernel tier "scalar": the generic kernels and the GEMM driver instantiated with this
+ * tier's vector operations, GEMM kernels (gemm_scalar.h) and target attribute (baseline compile
+ * flags). */
 #include "simd_scalar.h"
 
 #include "tier_kernels.h"
 
+#include "gemm_scalar.h"
 #include "tier_gemm.h"
 
 #include "tier_ops.h"

@@ -7,25 +7,14 @@ import ctypes
 import errno
 import logging
 import os
-import signal
 
+from cpud.parent_death import die_with_parent  # noqa: F401  (the worker's, from here)
 from cpud.ranks.libc import libc
 
 log = logging.getLogger("cpud.rank")
 
 MPOL_BIND = 2
 SYS_SET_MEMPOLICY = 238  # x86-64
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to kill this process when its parent exits: no orphans. `parent` is the
-    pid of the process that spawned this one: when it is no longer the parent, it died before
-    the request was made (the kernel would never send the signal) and this process exits now.
-    Call it first thing, before heavy imports: an orphan runs on until this call."""
-    libc().prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def set_affinity(cpus: list[int]) -> str | None:

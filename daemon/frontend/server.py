@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import msgspec
 
 from cpud.errors import CpudError
-from cpud.ranks.binding import die_with_parent
+from cpud.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
@@ -96,7 +96,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
     from cpud.frontend.async_engine import AsyncEngine
     from cpud.frontend.state import Phase, ServerConfig, ServerState
     from cpud.frontend.supervisor_link import SupervisorLink
-    from cpud.llm import resolve_model_dir
+    from cpud.model_dir import resolve_model_dir
     from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
     from cpud.tokenizer import Tokenizer
 
@@ -119,6 +119,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
             api_key=serve_args.api_key,
             metrics_need_key=serve_args.metrics_need_key,
             stall_seconds=serve_args.stall_timeout,
+            tool_call_parser=engine_args.tool_call_parser,
         ),
         tokenizer,
     )
@@ -206,10 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     die_with_parent(int(args[1]))
     secrets = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSecrets)
-    import torch
     import uvloop
 
-    torch.set_num_threads(1)  # the frontend schedules and detokenizes; ranks compute
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec)
     try:
