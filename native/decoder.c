@@ -1,8 +1,9 @@
-/* cpud_decoder_layers (cpud_native.h): a stack of Llama-family decoder layers
- * as one call into the kernel table, so a step costs one crossing from Python
- * instead of a dozen per layer.  The kernels and their order are those of the
- * per-op path (ranks/models/llama.py), so both give the same bits. */
+/* cpud_decoder_layers (cpud_native.h): a stack of Llama-family decoder layers (a dense or
+ * a mixture-of-experts feed-forward, moe.c) as one call into the kernel table, so a step
+ * costs one crossing from Python instead of a dozen per layer.  The kernels and their order
+ * are those of the per-op path (ranks/models/llama.py, moe.py), so both give the same bits. */
 #include "dispatch.h"
+#include "moe.h"
 #include "step_checks.h"
 
 static int dims_ok(const cpud_decoder_dims *d) {
@@ -26,10 +27,14 @@ static int qlinear_ok(const cpud_qlinear *q, intptr_t packed, int64_t N) {
 
 static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
     const int64_t qn = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    const int ffn_ok = l->router ? d->experts > 0 && d->experts_per_tok > 0 &&
+                                       d->expert_inter > 0 && l->experts_gate_up &&
+                                       l->experts_down
+                                 : qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
+                                       qlinear_ok(&l->q_down, l->down, d->hidden);
     return l->input_norm && l->post_norm && !l->q_norm == !l->k_norm &&
-           qlinear_ok(&l->q_qkv, l->qkv, qn) && qlinear_ok(&l->q_o, l->o, d->hidden) &&
-           qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
-           qlinear_ok(&l->q_down, l->down, d->hidden) && l->key_cache && l->value_cache;
+           qlinear_ok(&l->q_qkv, l->qkv, qn) && qlinear_ok(&l->q_o, l->o, d->hidden) && ffn_ok &&
+           l->key_cache && l->value_cache;
 }
 
 /* out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias): the packed bf16 GEMM,
@@ -133,10 +138,17 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
         if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
         ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, T, H, d->eps);
-        rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H);
-        if (rc) return rc;
-        ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
-        rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I);
+        if (l->router) {
+            rc = cpud_moe_ffn_ops(ops, dt, x, x, T, H, d->expert_inter, d->experts,
+                                  d->experts_per_tok, d->moe_flags, (const uint16_t *)l->router,
+                                  (const uint16_t *)l->experts_gate_up,
+                                  (const uint16_t *)l->experts_down);
+        } else {
+            rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H);
+            if (rc) return rc;
+            ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
+            rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I);
+        }
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
     }

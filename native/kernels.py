@@ -537,6 +537,62 @@ class Kernels:
         check_rc(rc, "gemm_packed")
         return out
 
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        inter: int,
+    ) -> torch.Tensor:
+        """out [T, H] (x's dtype) = sum over each token's k experts ids[t] of weights[t] *
+        down_e(silu(gate_e x) * up_e x); gate_up [E, *packed_shape(2 inter, H)] and down
+        [E, *packed_shape(H, inter)] bf16 stacks (native/moe.c)."""
+        tokens, hidden = x.shape
+        experts, k = gate_up.shape[0], ids.shape[-1]
+        _contig(x, "x", x.dtype, (None, None))
+        _contig(gate_up, "gate_up", torch.bfloat16, (experts, *packed_shape(2 * inter, hidden)))
+        _contig(down, "down", torch.bfloat16, (experts, *packed_shape(hidden, inter)))
+        _contig(ids, "ids", torch.int32, (tokens, k))
+        weights = weights.to(torch.float32).contiguous()
+        _contig(weights, "weights", torch.float32, (tokens, k))
+        out = torch.empty_like(x)
+        rc = _loader.lib.cpud_moe_experts(
+            self._code, _dtype(x, "x"), x.data_ptr(), tokens, hidden, inter,
+            gate_up.data_ptr(), down.data_ptr(), experts, weights.data_ptr(), ids.data_ptr(),
+            k, out.data_ptr(),
+        )  # fmt: skip
+        check_rc(rc, "moe_experts", "an expert id out of range?")
+        return out
+
+    def moe_ffn(
+        self,
+        x: torch.Tensor,
+        router: PackedWeight,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        inter: int,
+        flags: int,
+    ) -> torch.Tensor:
+        """The expert layer on x [T, H]: router logits, routing (cpud_moe_flags) and
+        ``moe_experts`` in one native call (native/moe.c)."""
+        tokens, hidden = x.shape
+        experts = gate_up.shape[0]
+        _contig(x, "x", x.dtype, (None, hidden))
+        _contig(gate_up, "gate_up", torch.bfloat16, (experts, *packed_shape(2 * inter, hidden)))
+        _contig(down, "down", torch.bfloat16, (experts, *packed_shape(hidden, inter)))
+        if (router.n, router.k) != (experts, hidden):
+            raise ValueError(f"router: {router.n} x {router.k}, expected {experts} x {hidden}")
+        out = torch.empty_like(x)
+        rc = _loader.lib.cpud_moe_ffn(
+            self._code, _dtype(x, "x"), x.data_ptr(), tokens, hidden, inter, experts, top_k,
+            flags, router.data.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        check_rc(rc, "moe_ffn")
+        return out
+
     # ------------------------------------------------------------ probe
 
     def read_probe(self, buf: torch.Tensor) -> int:

@@ -6,8 +6,13 @@ a 49 ms decode-1 step on qwen3-0.6b. Here the layer stack runs as one call over 
 weight and cache addresses built once; embedding, final norm, LM head and sampling stay in
 Python. Same kernels in the same order as ranks/models/llama.py, so the same tokens.
 
+The model hands over its shape and weights through ``decoder_weights()``
+(ranks/models/decoder_weights.py). Expert layers (ranks/models/moe.py) run router, routing and
+experts in the same call (native/moe.c).
+
 Used where the model is a LlamaForCausalLM whose linears are each packed (native bf16) or kept
-quantized (ranks/quant_linear.py: the quantized GEMM, bf16 or fp32 activations) and the TP
+quantized (ranks/quant_linear.py: the quantized GEMM, bf16 or fp32 activations), its experts
+packed (bf16), and the TP
 group is a single rank or the shared-memory group; otherwise (torch kernels, dense fp32, OPT,
 gloo) the per-op path runs and `unsupported_reason` says why.
 """
@@ -46,9 +51,15 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
         return f"kernels are {ops.name!r}, not native"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family decoder"
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if model.cfg.shared_expert_intermediate_size:
+        return "shared experts (Qwen2-MoE) run op by op"
+    for layer in model.decoder_weights().layers:
+        if layer.experts is not None:
+            if layer.experts.packed is None or layer.router.packed is None:
+                return "experts are not packed for the native GEMM (bf16)"
+            linears = (layer.qkv, layer.o)
+        else:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if any(lin.packed is None and lin.quant is None for lin in linears):
             return "weights are not packed for the native GEMM (bf16) nor kept quantized"
     inner = _inner_group(group)
@@ -68,37 +79,41 @@ class FusedDecoder:
             raise ValueError(f"fused decoder: {reason}")
         self._ffi, self._lib = _loader.ffi, _loader.lib
         self._isa = _loader.ISAS.index(ops.k.isa)
-        self.model = model
         self.group = group
         inner = _inner_group(group)
         self._shm = inner if group.size > 1 else None
-        first = model.model.layers[0].self_attn
-        cos_sin = first.rotary.cos_sin
+        table = model.decoder_weights()
+        self.table = table
+        cos_sin = table.cos_sin
         dtype = kv_caches[0][0].dtype
         if dtype not in DTYPE_CODE or cos_sin.dtype != torch.float32:
             raise ValueError(f"fused decoder: dtype {dtype} is not float32 or bfloat16")
         self.dtype = dtype
         self.hidden = model.cfg.hidden_size
-        self.q_dim = first.heads * first.head_dim
-        self.qkv_dim = first.qkv_proj.q_size + 2 * first.qkv_proj.kv_size
-        self.intermediate = model.model.layers[0].mlp.gate_up_proj.local_sizes[0]
+        self.q_dim = table.heads * table.head_dim
+        self.qkv_dim = table.q_size + 2 * table.kv_size
+        self.intermediate = table.intermediate
         num_blocks, _, block_size, _ = kv_caches[0][0].shape
         dims = self._ffi.new("cpud_decoder_dims *")
         dims.dtype = DTYPE_CODE[dtype]
         dims.hidden = self.hidden
-        dims.heads = first.heads
-        dims.kv_heads = first.kv_heads
-        dims.head_dim = first.head_dim
+        dims.heads = table.heads
+        dims.kv_heads = table.kv_heads
+        dims.head_dim = table.head_dim
         dims.rot_dim = cos_sin.shape[1]
         dims.intermediate = self.intermediate
         dims.max_pos = cos_sin.shape[0]
         dims.num_blocks = num_blocks
         dims.block_size = block_size
-        dims.window = first.attn.sliding_window or 0
-        dims.eps = model.model.layers[0].input_layernorm.eps
-        dims.scale = first.attn.scale
+        dims.window = table.window
+        dims.eps = table.eps
+        dims.scale = table.scale
         dims.cos_sin = cos_sin.data_ptr()
         dims.quant_flags = 0
+        dims.experts = table.experts
+        dims.experts_per_tok = table.experts_per_tok
+        dims.expert_inter = table.expert_inter
+        dims.moe_flags = table.moe_flags
         self._dims = dims
         self._keep = [cos_sin]  # everything whose address the tables hold
         self._layers = self._layer_table(kv_caches)
@@ -113,20 +128,25 @@ class FusedDecoder:
         return t.data_ptr()
 
     def _layer_table(self, kv_caches: list[KVCache]) -> Any:
-        layers = self.model.model.layers
+        layers = self.table.layers
         table = self._ffi.new("cpud_decoder_layer[]", len(layers))
         for entry, layer, (key_cache, value_cache) in zip(table, layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
-            entry.input_norm = self._addr(layer.input_layernorm.weight, self.dtype)
-            entry.post_norm = self._addr(layer.post_attention_layernorm.weight, self.dtype)
-            if attn.q_norm is not None:
-                entry.q_norm = self._addr(attn.q_norm.weight, self.dtype)
-                entry.k_norm = self._addr(attn.k_norm.weight, self.dtype)
-            self._linear(entry, "qkv", attn.qkv_proj)
-            entry.o_bias = self._addr(attn.o_proj.bias, self.dtype)
-            self._linear(entry, "o", attn.o_proj)
-            self._linear(entry, "gate_up", mlp.gate_up_proj)
-            self._linear(entry, "down", mlp.down_proj)
+            entry.input_norm = self._addr(layer.input_norm, self.dtype)
+            entry.post_norm = self._addr(layer.post_norm, self.dtype)
+            if layer.q_norm is not None:
+                entry.q_norm = self._addr(layer.q_norm, self.dtype)
+                entry.k_norm = self._addr(layer.k_norm, self.dtype)
+            self._linear(entry, "qkv", layer.qkv)
+            entry.o_bias = self._addr(layer.o_bias, self.dtype)
+            self._linear(entry, "o", layer.o)
+            if layer.experts is not None:
+                entry.router = self._addr(layer.router.packed.data)
+                gate_up, down = layer.experts.packed
+                entry.experts_gate_up = self._addr(gate_up)
+                entry.experts_down = self._addr(down)
+            else:
+                self._linear(entry, "gate_up", layer.gate_up)
+                self._linear(entry, "down", layer.down)
             entry.key_cache = self._addr(key_cache, self.dtype)
             entry.value_cache = self._addr(value_cache, self.dtype)
         return table
@@ -169,7 +189,7 @@ class FusedDecoder:
                 f"fused decoder: {tokens} tokens but {positions.shape[0]} positions and "
                 f"{meta.slot_mapping.shape[0]} slots"
             )
-        x = self.model.model.embed_tokens(input_ids).contiguous()
+        x = self.table.embed(input_ids).contiguous()
         residual = torch.zeros_like(x)
         dtype = self.dtype
         qkv = torch.empty(tokens, self.qkv_dim, dtype=dtype)
@@ -192,7 +212,7 @@ class FusedDecoder:
         step.gate_up = gate_up.data_ptr()
         step.act = act.data_ptr()
         self._run(step)
-        hidden, _ = self.model.model.norm(x, residual)
+        hidden, _ = self.table.final_norm(x, residual)
         return hidden
 
     def _run(self, step: Any) -> None:
@@ -200,7 +220,7 @@ class FusedDecoder:
             handle, timeout_ns, peer = self._ffi.NULL, 0, self._peer
         else:
             handle, timeout_ns, peer = self._shm.native_collective_args()
-        layers = len(self.model.model.layers)
+        layers = len(self.table.layers)
         rc = self._lib.cpud_decoder_layers(
             self._isa, self._dims, self._layers, layers, step, handle, timeout_ns, peer
         )

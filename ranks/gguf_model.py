@@ -24,7 +24,10 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A `llama` file with experts (blk.N.ffn_gate_inp) is Mixtral.
+LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 SUPPORTED_TYPES = (
     "F32",
     "F16",
@@ -206,8 +209,12 @@ def _config(
     vocab = m.size("vocab_size", tokens or (embedding.shape[0] if embedding else None))
     context = m.size("context_length")
     eos = (_token_id(reader, "eos_token_id"), _token_id(reader, "eot_token_id"))
+    moe = _moe_fields(m, arch, tensors)
+    architecture = ARCHITECTURES[arch]
+    if arch == "llama" and moe:
+        architecture = LLAMA_WITH_EXPERTS
     return ModelConfig(
-        architecture=ARCHITECTURES[arch],
+        architecture=architecture,
         model_type=arch,
         hidden_size=hidden,
         num_layers=m.size("block_count"),
@@ -225,9 +232,31 @@ def _config(
         partial_rotary_factor=rotary_dim / head_dim,
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         bos_token_id=_token_id(reader, "bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
+        **moe,
+    )
+
+
+def _moe_fields(m: _Meta, arch: str, tensors: dict[str, TensorInfo]) -> dict[str, Any]:
+    """Experts from the metadata; a layer without blk.N.ffn_gate_inp keeps a dense MLP. Both
+    families renormalise the top-k weights (llama.cpp does for qwen3moe and llama)."""
+    if m.get("expert_count") is None and arch != "qwen3moe":
+        return {}
+    experts, top_k = m.size("expert_count"), m.size("expert_used_count")
+    if top_k > experts:
+        raise m.error(f"{arch}.expert_used_count", f"at most expert_count {experts}", top_k)
+    layers = m.size("block_count")
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+    inter_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=m.size(inter_key),
+        norm_topk_prob=True,
+        router_weights_in_dtype=arch == "qwen3moe",
+        dense_layers=dense,
     )
 
 
@@ -354,7 +383,12 @@ def check_gguf_split(model: GGUFModel, tp: int) -> None:
             f"{model.path}: blk.0.attn_k.weight holds {cfg.num_kv_heads} KV heads, which neither "
             f"split across nor replicate evenly over --tp {tp}"
         )
-    if cfg.intermediate_size % tp:
+    if cfg.is_moe and cfg.moe_intermediate_size % tp:
+        raise ConfigError(
+            f"{model.path}: the experts' {cfg.moe_intermediate_size} rows do not split across "
+            f"--tp {tp}: use a --tp among {_divisors(cfg.moe_intermediate_size)}"
+        )
+    if cfg.intermediate_size % tp and len(cfg.dense_layers) + (not cfg.is_moe):
         raise ConfigError(
             f"{model.path}: blk.0.ffn_up.weight has {cfg.intermediate_size} rows, which do not "
             f"split across --tp {tp}: use a --tp among {_divisors(cfg.intermediate_size)}"
@@ -363,7 +397,7 @@ def check_gguf_split(model: GGUFModel, tp: int) -> None:
         info = model.tensors[name]
         if spec.split != COLUMNS:
             continue
-        columns = info.shape[1]
+        columns = info.shape[-1]
         if (columns // tp) % info.block_size:
             blocks = columns // info.block_size
             raise ConfigError(

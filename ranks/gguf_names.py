@@ -24,6 +24,11 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    # An expert layer's stacks: [experts, rows, columns], every expert in one tensor
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -42,7 +47,7 @@ def hf_name(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class Expected:
-    shape: tuple[int, ...]  # Hugging Face order: (rows, columns) for matrices
+    shape: tuple[int, ...]  # Hugging Face order: ([experts,] rows, columns) for matrices
     split: str  # ROWS, COLUMNS or WHOLE
 
 
@@ -64,10 +69,17 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Expected]:
             "attn_v.weight": Expected((kv, h), ROWS),
             "attn_output.weight": Expected((h, q), COLUMNS),
             "ffn_norm.weight": Expected((h,), WHOLE),
-            "ffn_gate.weight": Expected((ffn, h), ROWS),
-            "ffn_up.weight": Expected((ffn, h), ROWS),
-            "ffn_down.weight": Expected((h, ffn), COLUMNS),
         }
+        if cfg.moe_layer(i):
+            e, inter = cfg.num_experts, cfg.moe_intermediate_size
+            layer["ffn_gate_inp.weight"] = Expected((e, h), WHOLE)
+            layer["ffn_gate_exps.weight"] = Expected((e, inter, h), ROWS)
+            layer["ffn_up_exps.weight"] = Expected((e, inter, h), ROWS)
+            layer["ffn_down_exps.weight"] = Expected((e, h, inter), COLUMNS)
+        else:
+            layer["ffn_gate.weight"] = Expected((ffn, h), ROWS)
+            layer["ffn_up.weight"] = Expected((ffn, h), ROWS)
+            layer["ffn_down.weight"] = Expected((h, ffn), COLUMNS)
         if cfg.qkv_bias:
             layer["attn_q.bias"] = Expected((q,), ROWS)
             layer["attn_k.bias"] = Expected((kv,), ROWS)

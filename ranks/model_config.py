@@ -16,6 +16,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
+    "MixtralForCausalLM": "moe",
     "OPTForCausalLM": "opt",
 }
 
@@ -43,6 +46,18 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Routing weights rounded to the model dtype before they scale the expert outputs (Qwen3-MoE)
+    # or kept fp32 until then (Mixtral).
+    router_weights_in_dtype: bool = False
+    # Decoder layers with a dense MLP of intermediate_size instead of experts.
+    dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a dense expert every token runs, scaled by sigmoid(x . shared_expert_gate)
+    shared_expert_intermediate_size: int = 0
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -53,6 +68,14 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` runs experts (else a dense MLP)."""
+        return self.is_moe and index not in self.dense_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -316,12 +339,15 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         sliding = f.size("sliding_window", 0, minimum=0)
     else:
         sliding = 4096 if model_type == "mistral" else 0
-    if model_type in ("qwen2", "qwen3") and not f.flag("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not f.flag(
+        "use_sliding_window", False
+    ):
         sliding = 0
     act = f.text("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported (silu)")
     attention_bias = f.flag("attention_bias", False)
+    moe = _moe_fields(f, arch, common["num_layers"]) if ARCHITECTURES[arch] == "moe" else {}
     return ModelConfig(
         **common,
         num_kv_heads=kv_heads,
@@ -333,9 +359,43 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         rope_theta=f.number("rope_theta", theta),
         rope_scaling=_rope_scaling(f),
         partial_rotary_factor=partial,
-        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        qkv_bias=arch == "Qwen2ForCausalLM"
+        or (arch == "Qwen2MoeForCausalLM" and f.flag("qkv_bias", True))
+        or attention_bias,
         o_bias=attention_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=sliding or None,
         hidden_act=act,
+        **moe,
+    )
+
+
+def _moe_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
+    """Expert count, routing and which layers stay dense, checked against each other."""
+    # transformers 5 writes num_local_experts for Qwen3-MoE too; published configs say num_experts
+    experts = f.size("num_local_experts" if f.raw.get("num_experts") is None else "num_experts")
+    top_k = f.size("num_experts_per_tok")
+    if top_k > experts:
+        raise f.error("num_experts_per_tok", f"at most the {experts} experts", top_k)
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=f.size("intermediate_size"),
+            norm_topk_prob=True,
+        )
+    step = f.size("decoder_sparse_step", 1)
+    only = f.value("mlp_only_layers", [])
+    if not isinstance(only, list) or not all(is_int(i) and 0 <= i < num_layers for i in only):
+        raise f.error("mlp_only_layers", f"a list of layer indices below {num_layers}", only)
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    shared = f.size("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=f.size("moe_intermediate_size"),
+        norm_topk_prob=f.flag("norm_topk_prob", False),
+        router_weights_in_dtype=True,
+        dense_layers=dense,
+        shared_expert_intermediate_size=shared,
     )

@@ -40,3 +40,27 @@ def kv_block_bytes(cfg: ModelConfig, tp: int, block_size: int, dtype: Any) -> in
     """Bytes one KV block takes on one rank, over all layers, keys and values."""
     per_token = cfg.num_layers * kv_heads_local(cfg, tp) * cfg.head_dim * dtype_bytes(dtype)
     return 2 * block_size * per_token
+
+
+def moe_extra_params(cfg: ModelConfig, tp: int) -> int:
+    """Parameters one rank holds for the expert layers beyond a dense MLP of intermediate_size
+    in their place: every expert's slice of gate/up/down (all experts, used or not) and the
+    replicated router, less the dense MLP the plain count assumed. 0 for a dense model."""
+    if not cfg.is_moe:
+        return 0
+    inter = divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+    dense = divide(cfg.intermediate_size, tp, "intermediate_size")
+    h = cfg.hidden_size
+    shared = divide(cfg.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    per_layer = cfg.num_experts * 3 * h * inter + cfg.num_experts * h - 3 * h * dense
+    per_layer += 3 * h * shared + h * bool(shared)  # the shared expert and its gate
+    return per_layer * sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
+
+
+def moe_activation_elems(cfg: ModelConfig, tp: int) -> int:
+    """Scratch elements per token of an expert layer: each of the k (token, expert) rows
+    gathered, its gate/up and activation, its fp32 output, and the router's scores."""
+    if not cfg.is_moe:
+        return 0
+    inter = cfg.moe_intermediate_size // tp
+    return cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * inter) + cfg.num_experts

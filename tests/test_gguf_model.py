@@ -271,7 +271,7 @@ def test_unsupported_architecture(tmp_path):
     writer.close()
     with pytest.raises(
         ConfigError,
-        match=r"architecture 'phi3' is not supported \(supported: llama, qwen2, qwen3\)",
+        match=r"architecture 'phi3' is not supported \(supported: llama, qwen2, qwen3, qwen3moe\)",
     ):
         load_model_config(tmp_path / "phi.gguf")
 

@@ -6,13 +6,15 @@ import torch
 from torch import nn
 
 from cpud.ranks.layers.linear import PackableLinear
+from cpud.ranks.layers.moe import MoEExperts
 from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.models.llama import LlamaForCausalLM
+from cpud.ranks.models.moe import MoeForCausalLM
 from cpud.ranks.models.opt import OPTForCausalLM
 from cpud.ranks.ops import Ops, TorchOps
 from cpud.ranks.parallel import TPGroup
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "moe": MoeForCausalLM, "opt": OPTForCausalLM}
 
 
 def build_model(
@@ -58,8 +60,14 @@ def begin_native_pack(
     the weight cache); a tied embedding then reads its rows from the LM head's packed copy."""
     for name, layer in packable_layers(model).items():
         layer.begin_pack(ops.k, None if packed is None else packed[name])
+    for module in model.modules():
+        if isinstance(module, MoEExperts):
+            module.begin_pack()
 
 
 def finish_native_pack(model: nn.Module) -> None:
     for layer in packable_layers(model).values():
         layer.finish_pack(with_bias=True)
+    for module in model.modules():
+        if isinstance(module, MoEExperts) and module.packed is None:
+            module.finish_pack()

@@ -7,6 +7,8 @@ checkpoint names map by a few substitutions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from cpud.ranks.layers.linear import ColumnParallelLinear, QKVParallelLinear, Ro
 from cpud.ranks.layers.norm import RMSNorm
 from cpud.ranks.layers.rotary import RotaryEmbedding
 from cpud.ranks.model_config import ModelConfig
+from cpud.ranks.models.decoder_weights import DecoderLayerWeights, DecoderWeights
 from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 
@@ -96,10 +99,11 @@ class LlamaDecoderLayer(Layer):
         dtype: torch.dtype,
         group: TPGroup,
         ops: Ops,
+        mlp: Layer | None = None,
     ):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, dtype, group, ops)
-        self.mlp = LlamaMLP(cfg, dtype, group, ops)
+        self.mlp = LlamaMLP(cfg, dtype, group, ops) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
 
@@ -119,7 +123,13 @@ class LlamaDecoderLayer(Layer):
 
 class LlamaModel(Layer):
     def __init__(
-        self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, group: TPGroup, ops: Ops
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        group: TPGroup,
+        ops: Ops,
+        mlp_for: Callable[[int], Layer | None] = lambda index: None,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, group)
@@ -127,7 +137,8 @@ class LlamaModel(Layer):
             cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, dtype, group, ops) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, rotary, dtype, group, ops, mlp_for(i))
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, ops)
 
@@ -148,12 +159,53 @@ class LlamaForCausalLM(Layer):
     ):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions, dtype, group, ops)
+        self.model = LlamaModel(
+            cfg, max_positions, dtype, group, ops, lambda i: self.mlp_for(i, dtype, group, ops)
+        )
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, group, tied)
         attn = self.model.layers[0].self_attn
         self.kv_heads_local = attn.kv_heads
         self.head_dim = cfg.head_dim
+
+    def decoder_weights(self) -> DecoderWeights:
+        """The shape and weights the fused decoder runs (ranks/fused_decoder.py)."""
+        first = self.model.layers[0]
+        attn = first.self_attn
+        return DecoderWeights(
+            layers=tuple(self.layer_weights(layer) for layer in self.model.layers),
+            heads=attn.heads,
+            kv_heads=attn.kv_heads,
+            head_dim=attn.head_dim,
+            q_size=attn.qkv_proj.q_size,
+            kv_size=attn.qkv_proj.kv_size,
+            intermediate=self.cfg.intermediate_size // attn.qkv_proj.group.size,
+            cos_sin=attn.rotary.cos_sin,
+            window=attn.attn.sliding_window or 0,
+            eps=first.input_layernorm.eps,
+            scale=attn.attn.scale,
+            embed=self.model.embed_tokens,
+            final_norm=self.model.norm,
+        )
+
+    @staticmethod
+    def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return DecoderLayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            qkv=attn.qkv_proj,
+            o=attn.o_proj,
+            o_bias=attn.o_proj.bias,
+            gate_up=getattr(mlp, "gate_up_proj", None),
+            down=getattr(mlp, "down_proj", None),
+        )
+
+    def mlp_for(self, index: int, dtype: torch.dtype, group: TPGroup, ops: Ops) -> Layer | None:
+        """Layer `index`'s feed-forward block; None: the dense SwiGLU MLP."""
+        return None
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

@@ -1,0 +1,12 @@
+/* The mixture-of-experts layer (moe.c) as the fused decoder (decoder.c) calls it. */
+#ifndef CPUD_MOE_H
+#define CPUD_MOE_H
+
+#include "common.h"
+
+/* cpud_moe_ffn (cpud_native.h) on a kernel table; x and out may be the same rows. */
+int cpud_moe_ffn_ops(const cpud_ops *ops, int dtype, const void *x, void *out, int64_t T,
+                     int64_t H, int64_t I, int64_t E, int64_t k, int flags,
+                     const uint16_t *router, const uint16_t *gate_up, const uint16_t *down);
+
+#endif

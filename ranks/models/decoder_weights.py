@@ -1,0 +1,51 @@
+"""What a Llama-family model hands the fused decoder (ranks/fused_decoder.py): its shape and,
+per layer, the tensors and linears the one native call reads. Models build it with
+``decoder_weights()``; the fused decoder reads nothing else of the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpud.ranks.layers.linear import PackableLinear
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: PackableLinear
+    o: PackableLinear
+    o_bias: torch.Tensor | None
+    # A dense feed-forward: gate_up and down; an expert one: router and experts
+    # (ranks/layers/moe.py's MoEExperts).
+    gate_up: PackableLinear | None = None
+    down: PackableLinear | None = None
+    router: PackableLinear | None = None
+    experts: Any = None
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    layers: tuple[DecoderLayerWeights, ...]
+    heads: int  # per rank
+    kv_heads: int  # per rank
+    head_dim: int
+    q_size: int
+    kv_size: int
+    intermediate: int  # per rank: the dense feed-forward's, else the experts'
+    cos_sin: torch.Tensor  # [max positions, rotary dim] fp32
+    window: int  # 0: none
+    eps: float
+    scale: float
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    final_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    experts: int = 0
+    experts_per_tok: int = 0
+    expert_inter: int = 0  # per rank
+    moe_flags: int = 0  # cpud_moe_flags (ranks/layers/moe.py)
