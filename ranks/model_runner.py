@@ -43,7 +43,9 @@ class RunnerConfig:
     kernels: str = "auto"  # "auto" | "native" | "torch"
     weight_cache: Path | None = None  # directory of packed shards kept between starts
     kv_pretouch: bool = True  # map the KV cache pages while the runner idles (kv_pretouch)
-    quantize_gguf: bool = False  # native kernels: keep a GGUF file's quantized linears in blocks
+    # native kernels: auto keeps a GGUF file's quantized linears in blocks; q8_0|q4_0|q4_k
+    # quantizes dense linears at load (ranks/quantize_dense.py); none runs everything dense
+    quantization: str = "auto"
 
 
 class ModelRunner:
@@ -89,14 +91,24 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
 
     def _quant_plan(self) -> tuple[dict, bool]:
-        """The linears kept quantized (GGUF files on the native kernels, bf16 or fp32)."""
+        """The linears kept quantized (native kernels, bf16 or fp32): a GGUF file's blocks, or
+        every linear under a dense --quantization."""
+        from cpud.ranks.quant_check import DENSE_TYPES
+
         config = self.config
-        if (
-            self.ops.name != "native"
-            or not config.quantize_gguf
-            or config.dtype not in (torch.bfloat16, torch.float32)
-            or not config.model_dir.is_file()
-        ):
+        native = self.ops.name == "native" and config.dtype in (torch.bfloat16, torch.float32)
+        if config.quantization in DENSE_TYPES and not native:
+            log.warning(
+                "--quantization %s needs the native kernels in bf16 or fp32: running dense",
+                config.quantization,
+            )
+        if not native or config.quantization == "none":
+            return {}, False
+        if config.quantization in DENSE_TYPES:
+            from cpud.ranks.quantize_dense import dense_plan
+
+            return dense_plan(self.model, config.quantization), False
+        if not config.model_dir.is_file():
             return {}, False
         from cpud.ranks.quant_plan import gguf_quant_plan
 
@@ -111,10 +123,13 @@ class ModelRunner:
         """Load with every matmul weight packed for the native GEMM (bf16 skinny GEMM, or the
         quantized GEMM on the linears in `plan`): mapped from the weight cache when this shard
         is there, else packed while it loads and then written to the cache."""
+        from cpud.ranks import quantize_dense as qd
+        from cpud.ranks.quant_check import DENSE_TYPES
         from cpud.ranks.quant_linear import begin_quant, cache_shapes, finish_quant
 
         config = self.config
         plan = plan or {}
+        dense = bool(plan) and config.quantization in DENSE_TYPES
         bf16 = config.dtype == torch.bfloat16
         cache = None
         if config.weight_cache is not None:
@@ -127,22 +142,30 @@ class ModelRunner:
                 self.group.size,
                 self.group.rank,
                 GEMM_NB,
-                "gguf" if plan else "",
+                config.quantization if dense else "gguf" if plan else "",
             )
             cache = WeightCache(config.weight_cache, identity)
-        qshapes = cache_shapes(plan)
-        begin_quant(self.model, plan, embedding_blocks, cached=False)
+        qshapes = cache_shapes(plan) | (qd.dense_cache_shapes(self.model) if dense else {})
+        if dense:
+            qd.begin_dense_quant(self.model, plan)
+        else:
+            begin_quant(self.model, plan, embedding_blocks, cached=False)
         shapes = packed_shapes(self.model) if bf16 else {}
         cached = None
         if cache is not None:
             cached = cache.load(shapes | qshapes, dict.fromkeys(qshapes, torch.uint8))
-        if cached is not None:
+        if cached is not None and not dense:
             begin_quant(self.model, plan, embedding_blocks, cached=True)
         skip = packed_weight_names(self.model) if cached and bf16 else frozenset()
+        if cached and dense:
+            skip |= qd.dense_weight_names(self.model, plan)
         if bf16:
             begin_native_pack(self.model, self.ops, cached)
         load_weights(self.model, config.model_dir, progress, skip)
-        packed = finish_quant(self.model, cached)
+        if dense:
+            packed = qd.finish_dense_quant(self.model, plan, cached)
+        else:
+            packed = finish_quant(self.model, cached)
         layers = packable_layers(self.model)  # now: once packed, a layer no longer counts
         if bf16:
             finish_native_pack(self.model)

@@ -187,7 +187,25 @@ def finish_quant(
     table = getattr(getattr(model, "model", None), "embed_tokens", None)
     if isinstance(table, VocabParallelEmbedding) and table.row_blocks is not None:
         table.weight = None
+        release_file_pages(table.row_blocks.data)
     return out
+
+
+def release_file_pages(view: np.ndarray) -> None:
+    """Drop this process's pages of the file mapping behind `view` (a GGUF table kept in
+    blocks): packing touched every page of the file, and only the rows a step looks up are
+    needed again, faulted back from the page cache on use."""
+    import mmap
+
+    base = view
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    mapping = getattr(base, "_mmap", None)
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass  # only the resident figure is larger
 
 
 def quant_matmul(

@@ -13,6 +13,8 @@ from cpud.ranks.gguf_names import hf_name
 from cpud.ranks.layers.embedding import ParallelLMHead
 from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.loader import stacked_target
+from cpud.ranks.model_config import ModelConfig
+from cpud.ranks.quant_check import DENSE_TYPES, HEAD_TYPE
 from cpud.ranks.quant_linear import FLOAT_TYPES, QuantPart, plan_layer, quantizable_layers
 
 EMBEDDING = "token_embd.weight"
@@ -50,55 +52,79 @@ def _kernel(isa: str | None = None) -> str:
     return f"{quant_kernel(isa)} int8 dot"
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def describe_weights(model: nn.Module, isa: str | None = None) -> str:
-    """One line: the formats of the model's linears and the kernel each runs, e.g.
-    "weights: Q4_K x 96 linears, Q6_K x 16 (avx2 int8 dot), bf16 x 0; lm_head Q6_K"."""
+    """One line: each format of the model's linears with the kernel it runs and how many, e.g.
+    "weights: Q4_K: avx2 int8 dot, 96 linears; Q6_K: avx2 int8 dot, 17 linears (lm_head);
+    0 dense; embedding Q6_K rows dequantized per token"."""
     counts: Counter[str] = Counter()
-    head = "dense"
+    head: list[str] = []
     dense = 0
     for layer in model.modules():
         if not isinstance(layer, PackableLinear):
             continue
         formats = [w.qtype for _, w in layer.quant] if layer.quant is not None else []
+        counts.update(dict.fromkeys(formats, 1))
+        dense += not formats
         if isinstance(layer, ParallelLMHead):
-            head = "+".join(formats) or "dense"
-        elif formats:
-            counts.update(formats)
-        else:
-            dense += 1
-    quant = ", ".join(f"{q} x {n}" for q, n in counts.most_common())
-    kernel = f" ({_kernel(isa)})" if counts or head != "dense" else ""
+            head = formats
+    kernel = _kernel(isa) if counts else ""
+    parts = [
+        f"{q}: {kernel}, {_plural(n, 'linear')}" + (" (lm_head)" if q in head else "")
+        for q, n in counts.most_common()
+    ]
     table = getattr(getattr(model, "model", None), "embed_tokens", None)
     blocks = getattr(table, "row_blocks", None)
     embedding = blocks.qtype.name + " rows dequantized per token" if blocks is not None else "dense"
-    return (
-        f"weights: {quant or 'no quantized'} linears{kernel}, {dense} dense; "
-        f"lm_head {head}; embedding {embedding}"
-    )
+    return f"weights: {'; '.join([*parts, f'{dense} dense'])}; embedding {embedding}"
 
 
-def weight_formats(path: str | Path) -> list[tuple[str, int, str]]:
-    """(format, matrices, kernel) of a GGUF file's weight matrices as cpud runs them with the
-    native kernels: quantized GEMM on the blocks, or dequantized at load to a dense GEMM; the
-    embedding is listed apart (format "embedding <type>")."""
+def _linears_per_layer(cfg: ModelConfig) -> int:
+    return 6 if cfg.family == "opt" else 7  # q, k, v, o (+ gate, up, down | fc1, fc2)
+
+
+def weight_formats(
+    path: str | Path, quantization: str = "auto", cfg: ModelConfig | None = None
+) -> list[tuple[str, int, str]]:
+    """(format, matrices, kernel) of a model's weight matrices as cpud runs them on the native
+    kernels under `quantization`: the int8 GEMM on blocks (a GGUF file's, or made at load), or
+    a dense GEMM; the embedding is listed apart (format "embedding <type>"). `cfg`: the
+    model's config, needed for a checkpoint directory."""
     from cpud import native
+    from cpud.native.quant import QTYPES
 
-    checked = read_gguf_model(path)
     fast = native.available()
+    if not Path(path).is_file():
+        if cfg is None:
+            raise ValueError("weight_formats of a checkpoint directory needs its config")
+        linears = cfg.num_layers * _linears_per_layer(cfg)
+        if quantization not in DENSE_TYPES or not fast:
+            return [("dense", linears + (not cfg.tie_word_embeddings), "dense GEMM")]
+        at_load = " (quantized at load)"
+        return [
+            (DENSE_TYPES[quantization] + at_load, linears, _kernel()),
+            (HEAD_TYPE + at_load, 1, _kernel()),
+            (f"embedding {HEAD_TYPE}", 1, "rows dequantized per token"),
+        ]
+    checked = read_gguf_model(path)
     counts: Counter[str] = Counter()
     for name, info in checked.tensors.items():
         if len(info.shape) == 2 and name != EMBEDDING:
             counts[info.type] += 1
     if checked.config.tie_word_embeddings:
         counts[checked.tensors[EMBEDDING].type] += 1
-    from cpud.native.quant import QTYPES
-
+    blocks_run = fast and quantization == "auto"
     rows = []
     for qtype, count in counts.most_common():
-        kernel = _kernel() if fast and qtype in QTYPES else "dense GEMM (dequantized at load)"
+        kernel = _kernel() if blocks_run and qtype in QTYPES else "dense GEMM"
+        if kernel == "dense GEMM" and qtype not in FLOAT_TYPES:
+            kernel += " (dequantized at load)"
         rows.append((qtype, count, kernel))
     embedding = checked.tensors[EMBEDDING].type
     tied_dense = checked.config.tie_word_embeddings and embedding not in QTYPES
-    blocks = fast and embedding not in FLOAT_TYPES and not tied_dense
+    blocks = blocks_run and embedding not in FLOAT_TYPES and not tied_dense
     rows.append((f"embedding {embedding}", 1, "rows dequantized per token" if blocks else "dense"))
     return rows

@@ -29,6 +29,21 @@ def _gguf_details(path: Path) -> tuple[dict[str, object], tuple[str, ...]]:
     return value, details
 
 
+def _weight_rows(config: object, path: Path) -> tuple[list[dict[str, object]], tuple[str, ...]]:
+    """The weight formats and the kernel each linear runs (as the ranks will load them)."""
+    from cpud.ranks.quant_plan import weight_formats
+
+    rows = weight_formats(path, config.quantization, config.model)
+    value = [{"format": f, "matrices": n, "kernel": k} for f, n, k in rows]
+    details = tuple(
+        f"{f}: {k}, {n} {'matri' + ('ces' if n != 1 else 'x')}"
+        if not f.startswith("embedding")
+        else f"{f}: {k}"
+        for f, n, k in rows
+    )
+    return value, details
+
+
 def model_check(planning: Planning) -> Check:
     config = planning.config
     if isinstance(config, Failed):
@@ -39,6 +54,11 @@ def model_check(planning: Planning) -> Check:
         f"{model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
         f"{model.num_heads} heads / {model.num_kv_heads} KV heads, vocab {model.vocab_size}"
     )
+    if model.is_moe:
+        shape += (
+            f", {model.num_experts} experts of intermediate {model.moe_intermediate_size}"
+            f" (top {model.num_experts_per_tok})"
+        )
     value: dict[str, object] = {
         "path": str(path),
         "architecture": model.architecture,
@@ -47,7 +67,11 @@ def model_check(planning: Planning) -> Check:
         "vocab_size": model.vocab_size,
         "checkpoint_dtype": model.checkpoint_dtype,
         "dtype": config.dtype,
+        "quantization": config.quantization,
     }
+    if model.is_moe:
+        value["experts"] = model.num_experts
+        value["experts_per_token"] = model.num_experts_per_tok
     details: tuple[str, ...] = ()
     if path.suffix.lower() == ".gguf":
         gguf_value, details = _gguf_details(path)
@@ -55,4 +79,7 @@ def model_check(planning: Planning) -> Check:
         summary = f"{path.name} (GGUF, {gib(value['file_bytes'])}): {shape}; runs in {config.dtype}"
     else:
         summary = f"{path.name}: {shape}; runs in {config.dtype}"
-    return Check("model", "ok", summary, value, (), details)
+    weights, weight_details = _weight_rows(config, path)
+    value["weights"] = weights
+    summary += f", --quantization {config.quantization}"
+    return Check("model", "ok", summary, value, (), weight_details + details)

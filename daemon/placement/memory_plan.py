@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from cpud.errors import ConfigError
 from cpud.placement.binding import BindingPlan
 from cpud.placement.topology import Topology
 from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.sizes import divide, dtype_bytes, kv_block_bytes, vocab_shard_size
+from cpud.ranks.sizes import (
+    divide,
+    dtype_bytes,
+    kv_block_bytes,
+    moe_activation_elems,
+    moe_extra_params,
+    vocab_shard_size,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -94,6 +102,7 @@ def shard_param_count(model: ModelConfig, tp: int) -> int:
         )
         dim = h
         total = vocab * h + layers * layer + h  # embedding, layers, final norm
+        total += moe_extra_params(model, tp)  # every expert of every expert layer
     if not model.tie_word_embeddings:
         total += vocab * dim
     return total
@@ -102,6 +111,42 @@ def shard_param_count(model: ModelConfig, tp: int) -> int:
 def weight_bytes(model: ModelConfig, dtype: str, tp: int) -> int:
     """Bytes of one rank's weight shard."""
     return shard_param_count(model, tp) * dtype_bytes(dtype)
+
+
+def quantized_weight_bytes(
+    model: ModelConfig, dtype: str, tp: int, model_dir: str | Path, quantization: str
+) -> int:
+    """Bytes of one rank's weight shard as it stays resident: a GGUF file's quantized matrices
+    at their size in the file under --quantization auto (a tied quantized table counts twice:
+    the file's rows for lookups and the LM head's packed copy), the linears in their block
+    type and the LM head and the table in Q8_0 under q8_0|q4_0|q4_k; the rest in `dtype`."""
+    from cpud.ranks.quant_check import BLOCKS, DENSE_TYPES, HEAD_TYPE, quantized_bytes
+
+    size = dtype_bytes(dtype)
+    dense = weight_bytes(model, dtype, tp)
+    if quantization in DENSE_TYPES:
+        table = vocab_shard_size(model.vocab_size, tp) * model.hidden_size
+        linears = shard_param_count(model, tp) - table * (2 - model.tie_word_embeddings)
+        linears -= model.num_layers * 4 * model.hidden_size  # norms and biases stay dense
+        quant = quantized_bytes(linears, DENSE_TYPES[quantization])
+        return (
+            dense
+            - (linears + table * (2 - model.tie_word_embeddings)) * size
+            + (quant + 2 * quantized_bytes(table, HEAD_TYPE))
+        )
+    if quantization != "auto" or not Path(model_dir).is_file():
+        return dense
+    from cpud.ranks.gguf_model import read_gguf_model
+
+    checked = read_gguf_model(model_dir)
+    total = dense
+    for name, info in checked.tensors.items():
+        if len(info.shape) != 2 or info.type not in BLOCKS:
+            continue
+        total += -(-info.n_bytes // tp) - math.prod(info.shape) // tp * size
+        if name == "token_embd.weight" and model.tie_word_embeddings:
+            total += -(-info.n_bytes // tp)
+    return total
 
 
 def overhead_bytes(
@@ -118,6 +163,7 @@ def overhead_bytes(
     inter = model.intermediate_size // tp
     rope = 0 if model.family == "opt" else 2 * max_model_len * model.rotary_dim * dtype_bytes(dtype)
     per_token = 4 * model.hidden_size + (heads + 2 * kv_heads) * model.head_dim + 3 * inter
+    per_token += moe_activation_elems(model, tp)
     activations = max_num_batched_tokens * per_token * 4
     logits = max_num_seqs * vocab_shard_size(model.vocab_size, 1) * 4
     return RANK_RUNTIME_BYTES + rope + activations + logits
@@ -237,8 +283,10 @@ def plan_memory(
     kv_cache_space_gib: float | None = None,
     kv_cache_fraction: float | None = None,
     gpu_memory_utilization: float | None = None,
+    weights: int | None = None,
 ) -> MemoryPlan:
-    """Size every rank's memory, or raise ConfigError with the numbers and what would fit."""
+    """Size every rank's memory, or raise ConfigError with the numbers and what would fit.
+    `weights`: one rank's weight bytes where not `dtype` throughout (quantized_weight_bytes)."""
     tp = binding.tp
     warnings: list[str] = []
     notes: list[str] = []
@@ -249,7 +297,7 @@ def plan_memory(
         if kv_cache_fraction is not None or gpu_memory_utilization is not None:
             warnings.append("the KV cache fraction is ignored: --kv-cache-space sets the size")
 
-    weights = weight_bytes(model, dtype, tp)
+    weights = weight_bytes(model, dtype, tp) if weights is None else weights
     overhead = overhead_bytes(model, dtype, tp, max_model_len, max_num_batched_tokens, max_num_seqs)
     block_bytes = kv_block_bytes(model, tp, block_size, dtype)
     blocks_per_seq = -(-max_model_len // block_size)

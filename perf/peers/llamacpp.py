@@ -231,6 +231,19 @@ def convert(
     return out_gguf
 
 
+def quantize(
+    src_gguf: Path, out_gguf: Path, qtype: str, threads: int = 2, bin_dir: Path | None = None
+) -> Path:
+    """llama-quantize src_gguf -> out_gguf in qtype (Q8_0, Q4_K_M, ...); skipped if it exists."""
+    if out_gguf.is_file():
+        return out_gguf
+    exe = (bin_dir or ensure_built()) / "llama-quantize"
+    tmp = out_gguf.with_name(out_gguf.name + ".tmp")
+    run([*NICE, str(exe), str(src_gguf), str(tmp), qtype, str(threads)])
+    tmp.rename(out_gguf)
+    return out_gguf
+
+
 def llama_bench(
     gguf: Path,
     args: list[str],

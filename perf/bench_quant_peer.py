@@ -1,0 +1,170 @@
+"""cpud against llama.cpp on the same quantized GGUF files, interleaved rounds.
+
+The qwen3-0.6b-shaped fixture is converted to a bf16 GGUF by llama.cpp's converter, then
+quantized by llama-quantize to each type asked (Q8_0, Q4_K_M); cpud serves the SAME files
+(--quantization auto). Each round runs cpud then llama.cpp on one file (A B A B ...) and
+reports the ratio of that round: decode 1 stream (cpud t(129) - t(1); llama-bench tg128),
+decode 32 streams (output tok/s; llama-batched-bench S_TG), prefill 512. cpud's own bf16
+decode-1 on the bf16 GGUF gives the "quantized vs own bf16" ratio.
+
+    python perf/bench_quant_peer.py --rounds 3 --json perf/results/quant_peer.json
+    python perf/bench_quant_peer.py --quick     # one round, short runs: checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+
+import llamacpp  # noqa: E402
+
+# Issue #22's targets against llama.cpp on each file, and against cpud's own bf16.
+PEER_TARGETS = {"decode-1": 1.3, "decode-32": 1.3, "prefill-512": 1.2}
+OWN_BF16_TARGET = {"Q4_K_M": 2.5}
+
+
+def suite_targets(types: tuple[str, ...] = ("Q8_0", "Q4_K_M")) -> dict[str, dict[str, Any]]:
+    """perf/suite.py's TARGETS entries of the quantized rows."""
+    out: dict[str, dict[str, Any]] = {}
+    for qtype in types:
+        for name, ratio in PEER_TARGETS.items():
+            text = f">= {ratio}x llama.cpp"
+            out[f"{qtype} {name}"] = {"peer": "llama.cpp", "ratio": ratio, "text": text}
+        if qtype in OWN_BF16_TARGET:
+            ratio = OWN_BF16_TARGET[qtype]
+            out[f"{qtype} decode-1 vs own bf16"] = {"ratio": ratio, "text": f">= {ratio}x"}
+    return out
+
+
+def suite_rows(data: dict[str, Any] | None, err: str) -> dict[str, dict[str, Any]]:
+    """perf/suite.py's rows: per type and figure the medians, the median of the per-round
+    ratios, and every round's ratio in the note."""
+    if not data or not data.get("types"):
+        return {"quantized": {"unit": "tok/s", "error": err}}
+    rows: dict[str, dict[str, Any]] = {}
+    for qtype, entry in data["types"].items():
+        rounds = entry["rounds"]
+        for key in rounds[0]["cpud"]:
+            ratios = [r["ratio"][key] for r in rounds if key in r["ratio"]]
+            theirs = [r["llama.cpp"][key] for r in rounds if r["llama.cpp"][key]]
+            peer = {"status": "failed (see quantized.log)"}
+            if theirs and ratios:
+                peer = {"value": statistics.median(theirs), "ratio": statistics.median(ratios)}
+            rows[f"{qtype} {key.replace('_', '-')}"] = {
+                "unit": "tok/s",
+                "cpud": statistics.median(r["cpud"][key] for r in rounds),
+                "peers": {"llama.cpp": peer},
+                "note": f"{qtype} GGUF, ratio per round "
+                + (", ".join(f"{x:.2f}x" for x in ratios) or "none"),
+            }
+        own = entry["vs_own_bf16_decode_1"]
+        rows[f"{qtype} decode-1 vs own bf16"] = {
+            "unit": "x",
+            "cpud": own,
+            "ratio": own,
+            "peers": {},
+        }
+    return rows
+
+
+def cpud_llm(path: Path, quantization: str) -> Any:
+    from cpud import LLM, SamplingParams
+
+    llm = LLM(path, dtype="bfloat16", quantization=quantization, max_num_seqs=32)
+    llm.generate([[7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    return llm
+
+
+def cpud_round(llm: Any, gen: int, streams: int, prompt: int) -> dict[str, float]:
+    from cpud import SamplingParams
+
+    def timed(prompts: list[list[int]], tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - t0
+
+    one = [list(range(7, 15))]
+    decode_1 = gen / max(1e-9, timed(one, gen + 1) - timed(one, 1))
+    many = [[7 + s, *range(20, 51)] for s in range(streams)]
+    decode_n = streams * gen / timed(many, gen)
+    prefill = prompt / timed([list(range(7, 7 + prompt))], 1)
+    return {"decode_1": decode_1, f"decode_{streams}": decode_n, f"prefill_{prompt}": prefill}
+
+
+def llamacpp_round(path: Path, gen: int, streams: int, prompt: int) -> dict[str, float | None]:
+    """llama.cpp's figures; None for a tool that failed (its error is printed)."""
+
+    def tok_s(run: Any) -> float | None:
+        try:
+            return run()["tok_s"]
+        except (subprocess.CalledProcessError, RuntimeError, ValueError) as exc:
+            print(f"llama.cpp failed: {exc}", file=sys.stderr)
+            return None
+
+    return {
+        "decode_1": tok_s(lambda: llamacpp.bench_decode(path, n_gen=gen, reps=1)),
+        f"decode_{streams}": tok_s(
+            lambda: llamacpp.bench_batched(path, streams, n_prompt=32, n_gen=gen)
+        ),
+        f"prefill_{prompt}": tok_s(lambda: llamacpp.bench_prefill(path, n_prompt=prompt, reps=1)),
+    }
+
+
+def files(types: list[str], cache: Path, preset: str) -> dict[str, Path]:
+    """The bf16 GGUF and one llama-quantize output per type."""
+    model_dir = llamacpp.resolve_model(None, "qwen3", preset)
+    bf16 = llamacpp.convert(model_dir, llamacpp.gguf_path(model_dir, "bf16"))
+    out = {"BF16": bf16}
+    for qtype in types:
+        out[qtype] = llamacpp.quantize(bf16, cache / "gguf" / f"{bf16.stem}.{qtype}.gguf", qtype)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K_M"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 round, 16 tokens, 8 streams")
+    parser.add_argument("--preset", default="qwen3-0.6b", help="the qwen3 fixture's shape")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "quant_peer.json")
+    args = parser.parse_args(argv)
+    gen, streams, prompt, rounds = (16, 8, 128, 1) if args.quick else (128, 32, 512, args.rounds)
+    paths = files(args.types, llamacpp.default_cache_dir(), args.preset)
+    own = cpud_llm(paths["BF16"], "none")
+    bf16_decode = [cpud_round(own, gen, 1, 8)["decode_1"] for _ in range(rounds)]
+    own.shutdown()
+    results: dict[str, Any] = {"cpud_bf16_decode_1": bf16_decode, "types": {}}
+    for qtype in args.types:
+        llm = cpud_llm(paths[qtype], "auto")
+        per_round = []
+        for r in range(rounds):
+            ours = cpud_round(llm, gen, streams, prompt)
+            theirs = llamacpp_round(paths[qtype], gen, streams, prompt)
+            ratios = {k: ours[k] / theirs[k] for k in ours if theirs[k]}
+            per_round.append({"cpud": ours, "llama.cpp": theirs, "ratio": ratios})
+            print(
+                f"{qtype} round {r + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+            )
+        llm.shutdown()
+        own_ratio = statistics.median(p["cpud"]["decode_1"] for p in per_round) / statistics.median(
+            bf16_decode
+        )
+        print(f"{qtype}: cpud decode-1 vs cpud bf16 {own_ratio:.2f}x")
+        results["types"][qtype] = {"rounds": per_round, "vs_own_bf16_decode_1": own_ratio}
+    results["loadavg"] = llamacpp.loadavg()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
