@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cpud import __version__
 from cpud.errors import RequestError, one_line
+from cpud.frontend.access_log import AccessLog, access_note, logs_access
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.jobs import chat_job, completion_job
 from cpud.frontend.openai_api import respond
@@ -132,13 +133,18 @@ def unsupported_field(exc: msgspec.ValidationError) -> APIError | None:
 
 
 def answered(
-    state: ServerState, method: str, endpoint: str, error: APIError, detail: str | None = None
+    state: ServerState, scope: Scope, endpoint: str, error: APIError, detail: str | None = None
 ) -> None:
-    """Count an error answer and log it in one line (never a traceback)."""
+    """Count an error answer and put its message on the request's access line (or, for an app
+    run without AccessLog, log it in a line of its own)."""
     state.metrics.requests.labels(endpoint, str(error.status)).inc()
-    message = one_line(detail or error.message, 300)
+    message = f"{error.code or error.type}: {detail or error.message}"
+    if logs_access(scope):
+        access_note(scope).error = message
+        return
     level = logging.ERROR if error.status == 500 else logging.INFO
-    log.log(level, "%s %s -> %d %s: %s", method, endpoint, error.status, error.code, message)
+    method = scope.get("method", "-")
+    log.log(level, "%s %s -> %d %s", method, endpoint, error.status, one_line(message, 300))
 
 
 def guarded(
@@ -180,7 +186,7 @@ def guarded(
         if error is None:
             state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
             return response
-        answered(state, request.method, endpoint, error, detail)
+        answered(state, request.scope, endpoint, error, detail)
         return error.response()
 
     return run
@@ -297,7 +303,7 @@ class ApiKeyGate:
         app: ASGIApp,
         key: str,
         open_paths: frozenset[str],
-        on_denied: Callable[[str, APIError], None],
+        on_denied: Callable[[Scope, APIError], None],
     ):
         self.app = app
         self.key = key.encode()
@@ -321,7 +327,7 @@ class ApiKeyGate:
             None,
             "invalid_api_key",
         )
-        self.on_denied(scope.get("method", ""), error)
+        self.on_denied(scope, error)
         await error.response()(scope, receive, send)
 
 
@@ -344,7 +350,7 @@ def create_app(state: ServerState) -> ASGIApp:
     def unrouted(request: Request, error: APIError) -> Response:
         # Unknown paths share one label: a client must not grow the metric series.
         path = request.url.path if request.url.path in known else "unrouted"
-        answered(state, request.method, path, error)
+        answered(state, request.scope, path, error)
         return error.response()
 
     app: ASGIApp = Starlette(
@@ -369,6 +375,6 @@ def create_app(state: ServerState) -> ASGIApp:
             app,
             state.config.api_key,
             open_paths,
-            lambda method, error: answered(state, method, "unauthenticated", error),
+            lambda scope, error: answered(state, scope, "unauthenticated", error),
         )
-    return app
+    return AccessLog(app)

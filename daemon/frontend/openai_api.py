@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cpud.engine.llm_engine import RequestFailedError
 from cpud.engine.outputs import CompletionOutput, RequestOutput
 from cpud.errors import RequestError
+from cpud.frontend.access_log import AccessNote, access_note
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError
 from cpud.frontend.errors import APIError, bad_request
 from cpud.frontend.jobs import Job
@@ -33,7 +33,6 @@ from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.sampling_params import SamplingParams
 
-log = logging.getLogger("cpud.frontend")
 ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError)
 
 
@@ -199,9 +198,12 @@ def prompt_text(state: ServerState, prompt: Prompt) -> str:
 
 async def respond(state: ServerState, request: Request, job: Job) -> Response:
     streams = start_requests(state, job.request_id, job.prompts, job.params)
+    note = access_note(request)
+    note.request_id, note.model = job.request_id, job.model
+    note.prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
     if job.stream:
         return StreamingResponse(
-            stream_events(state, job, streams),
+            stream_events(state, job, streams, note),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -216,6 +218,7 @@ async def respond(state: ServerState, request: Request, job: Job) -> Response:
             usage.completion_tokens += len(out.token_ids)
             index = p_index * job.params.n + out.index
             choices.append(full_choice(state, job, prompt, final, index, out))
+    note.completion_tokens = usage.completion_tokens
     body = {
         "id": job.request_id,
         "object": "text_completion" if job.kind == "completion" else "chat.completion",
@@ -302,8 +305,12 @@ def tool_stream(job: Job) -> ToolCallStream | None:
 
 
 async def stream_events(
-    state: ServerState, job: Job, streams: list[AsyncIterator[RequestOutput]]
+    state: ServerState,
+    job: Job,
+    streams: list[AsyncIterator[RequestOutput]],
+    note: AccessNote | None = None,
 ) -> AsyncIterator[str]:
+    note = note or AccessNote()
     n = job.params.n
     choices = {
         (p, i): Choice(p * n + i, tool_stream=tool_stream(job))
@@ -366,12 +373,16 @@ async def stream_events(
             )
     except ENGINE_ERRORS as exc:
         error = engine_error(exc)
+        note.error = f"{error.code}: {error.message}"
         yield sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
     except Exception as exc:
-        log.error("stream %s failed: %s: %s", job.request_id, type(exc).__name__, exc)
+        note.error = f"internal_error: {type(exc).__name__}: {exc}"
+        note.failed = True
         message = f"internal error ({type(exc).__name__}); the server logged it"
         error = {"message": message, "type": "internal_error", "code": "internal_error"}
         yield sse({"error": error})
+    finally:
+        note.completion_tokens = sum(generated.values())
     yield sse("[DONE]")
 
 

@@ -6,7 +6,6 @@ output_text and function_call_arguments deltas, response.completed)."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cpud.engine.outputs import CompletionOutput, RequestOutput
+from cpud.frontend.access_log import AccessNote, access_note
 from cpud.frontend.errors import bad_request
 from cpud.frontend.jobs import Job, chat_job
 from cpud.frontend.openai_api import (
@@ -41,7 +41,6 @@ from cpud.frontend.schemas import (
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 
-log = logging.getLogger("cpud.frontend")
 MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
 CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
@@ -182,6 +181,7 @@ class Answer:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    note: AccessNote = field(default_factory=AccessNote)  # the request's access line
 
     def snapshot(self, status: str, reason: str | None = None) -> dict:
         body = self.body
@@ -227,6 +227,8 @@ class Answer:
         self.input_tokens = len(final.prompt_token_ids)
         self.cached_tokens = final.num_cached_tokens
         self.output_tokens = len(out.token_ids)
+        self.note.prompt_tokens = self.input_tokens
+        self.note.completion_tokens = self.output_tokens
 
 
 def _format_json(fmt: Any) -> dict:
@@ -286,7 +288,8 @@ async def respond_responses(
 ) -> Response:
     job = await state.off_loop(lambda: chat_job(state, chat_request(body)))
     streams = start_requests(state, job.request_id, job.prompts, job.params)
-    answer = Answer(body, job)
+    answer = Answer(body, job, note=access_note(request))
+    answer.note.request_id, answer.note.model = answer.id, job.model
     if body.stream:
         return StreamingResponse(
             EventStream(answer).events(streams[0]),
@@ -358,9 +361,11 @@ class EventStream:
             yield self.event(kind, response=answer.snapshot(_status(out)))
         except ENGINE_ERRORS as exc:
             error = engine_error(exc)
+            answer.note.error = f"{error.code}: {error.message}"
             yield self.event("error", code=error.code, message=error.message, param=error.param)
         except Exception as exc:
-            log.error("response %s failed: %s: %s", answer.id, type(exc).__name__, exc)
+            answer.note.error = f"internal_error: {type(exc).__name__}: {exc}"
+            answer.note.failed = True
             message = f"internal error ({type(exc).__name__}); the server logged it"
             yield self.event("error", code="internal_error", message=message, param=None)
 
