@@ -106,12 +106,21 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "them to fault on use",
     )
     parser.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=("auto", "none", "q8_0", "q4_0", "q4_k"),
+        help="auto: a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears stay in their blocks and "
+        "run the int8 kernels (activations rounded to int8 per 32 values), dense checkpoints "
+        "run dense; none: dequantize GGUF blocks to --dtype at load; q8_0|q4_0|q4_k: quantize "
+        "a dense checkpoint at load into that llama.cpp block type (LM head and embedding "
+        "Q8_0), kept in --weight-cache",
+    )
+    parser.add_argument(
         "--int8-kernels",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears in their blocks and run "
-        "the int8 kernels on them (less memory, faster single-stream decode; activations are "
-        "rounded to int8) instead of dequantizing them at load",
+        default=None,
+        help="deprecated: --int8-kernels is --quantization auto, --no-int8-kernels is none",
     )
 
 
@@ -133,25 +142,25 @@ def _kv_fraction(args: argparse.Namespace) -> float | None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        tp=args.tp,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_space_gib=args.kv_cache_space,
-        kv_cache_fraction=_kv_fraction(args),
-        enable_prefix_caching=args.enable_prefix_caching,
-        seed=args.seed,
-        kernels=args.kernels,
-        bind=args.bind,
-        reserved_cpus=args.reserved_cpus,
-        collective=args.collective,
-        weight_cache=args.weight_cache,
-        kv_pretouch=args.kv_cache_pretouch,
-        int8_kernels=args.int8_kernels,
+    from cpud.config import engine_kwargs
+
+    return {
+        **engine_kwargs(vars(args)),
+        "kv_cache_fraction": _kv_fraction(args),
+        "quantization": _quantization(args),
+        "int8_kernels": None,  # read into quantization
+    }
+
+
+def _quantization(args: argparse.Namespace) -> str:
+    if args.int8_kernels is None:
+        return args.quantization
+    value = "auto" if args.int8_kernels else "none"
+    print(
+        f"cpud: warning: --int8-kernels is deprecated; it means --quantization {value}",
+        file=sys.stderr,
     )
+    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -256,15 +265,12 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
     from cpud.config import EngineArgs, ServeArgs
+    from cpud.log_setup import configure_logging
     from cpud.supervisor import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine_args = EngineArgs(
-        model=args.model, chat_template=args.chat_template, **_engine_kwargs(args)
-    )
+    configure_logging()
+    engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
     serve_args = ServeArgs(
         host=args.host,
         port=args.port,
@@ -304,7 +310,7 @@ def cmd_model_make(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cpud.fixtures import ARCHS, PRESETS
+    from cpud.fixtures import ALL_ARCHS, ALL_PRESETS
 
     parser = argparse.ArgumentParser(prog="cpud", description="CPU-native LLM serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -341,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     make = model_sub.add_parser("make", help="write a random-weight fixture model directory")
-    make.add_argument("--arch", required=True, choices=ARCHS)
-    make.add_argument("--preset", default="tiny", choices=PRESETS)
+    make.add_argument("--arch", required=True, choices=ALL_ARCHS)
+    make.add_argument("--preset", default="tiny", choices=ALL_PRESETS)
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--max-shard-bytes", type=int, help="split weights into shards this big")
     make.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))

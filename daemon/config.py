@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from cpud import envs
 from cpud.errors import ConfigError
+from cpud.protocol.launch import EngineSpec
 from cpud.ranks.cpu_features import resolve_dtype
 from cpud.ranks.model_config import ModelConfig, load_model_config, read_json_object
 from cpud.ranks.safetensors_check import check_weights
@@ -43,8 +46,24 @@ class EngineArgs:
     collective: str = "shm"  # "shm" | "gloo"
     weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
     kv_pretouch: bool = True  # map the KV cache pages while the ranks idle after the load
-    int8_kernels: bool = False  # GGUF linears stay in their blocks and run the int8 kernels
+    # auto: GGUF blocks run the int8 kernels; none: dequantize them; q8_0|q4_0|q4_k: quantize
+    # a dense checkpoint at load (ranks/quantize_dense.py)
+    quantization: str = "auto"
+    int8_kernels: bool | None = None  # deprecated: True is quantization auto, False none
     chat_template: str | None = None  # --chat-template: a file or the template itself
+    tool_call_parser: str | None = None  # --tool-call-parser; None: detect from the template
+
+
+# Flags (argparse destinations) whose EngineArgs field has another name.
+FLAG_FIELDS = {"kv_cache_space": "kv_cache_space_gib", "kv_cache_pretouch": "kv_pretouch"}
+
+
+def engine_kwargs(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The EngineArgs fields among parsed flags (`vars(namespace)`), the model excepted: a
+    command passes on every engine setting it parses without listing them."""
+    names = {f.name for f in fields(EngineArgs)} - {"model"}
+    pairs = ((FLAG_FIELDS.get(key, key), value) for key, value in flags.items())
+    return {name: value for name, value in pairs if name in names}
 
 
 @dataclass(frozen=True)
@@ -94,15 +113,37 @@ class EngineConfig:
     collective: str = "shm"
     weight_cache: str | None = None  # directory of packed weight shards; None: off
     kv_pretouch: bool = True
-    int8_kernels: bool = False
+    quantization: str = "auto"
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
         return self.num_kv_blocks * kv_block_bytes(self.model, self.tp, self.block_size, self.dtype)
 
     @property
+    def weight_bytes_per_rank(self) -> int:
+        """One rank's resident weight bytes (quantized matrices at their packed size)."""
+        from cpud.placement.memory_plan import quantized_weight_bytes
+
+        return quantized_weight_bytes(
+            self.model, self.dtype, self.tp, self.model_dir, self.quantization
+        )
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    def spec(self) -> EngineSpec:
+        """This config as it travels to the frontend and the ranks."""
+        fields = {name: getattr(self, name) for name in EngineSpec.__struct_fields__}
+        return EngineSpec(**{**fields, "model_dir": str(self.model_dir)})
+
+
+def config_from_spec(spec: EngineSpec) -> EngineConfig:
+    """The config a spec carries, with the model facts read again from its model_dir (no
+    setting is resolved again)."""
+    fields = {name: getattr(spec, name) for name in EngineSpec.__struct_fields__}
+    model_dir = Path(spec.model_dir)
+    return EngineConfig(**{**fields, "model_dir": model_dir, "model": load_model_config(model_dir)})
 
 
 def _positive(name: str, value: int | float | None) -> None:
@@ -147,6 +188,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     if args.collective not in ("shm", "gloo"):
         raise ConfigError(f"collective must be shm or gloo, got {args.collective!r}")
     dtype = resolve_dtype(args.dtype, checkpoint_dtype=model.checkpoint_dtype, kernels=args.kernels)
+    quantization = resolve_quantization(args, model, Path(model_dir), dtype)
     max_model_len = args.max_model_len or min(model.max_position_embeddings, 8192)
     if max_model_len > model.max_position_embeddings:
         raise ConfigError(
@@ -185,8 +227,22 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         collective=args.collective,
         weight_cache=resolve_weight_cache(args.weight_cache),
         kv_pretouch=args.kv_pretouch,
-        int8_kernels=args.int8_kernels,
+        quantization=quantization,
     )
+
+
+def resolve_quantization(args: EngineArgs, model: ModelConfig, model_dir: Path, dtype: str) -> str:
+    """The --quantization value checked against the model (ConfigError in one line)."""
+    from cpud.ranks.quant_check import check_gguf_dense, check_quantization, check_runs_quantized
+
+    value = args.quantization
+    if args.int8_kernels is not None:
+        value = "auto" if args.int8_kernels else "none"
+    check_quantization(model, value, args.tp)
+    check_runs_quantized(value, args.kernels, dtype)
+    if model_dir.is_file():
+        check_gguf_dense(model_dir, value)
+    return value
 
 
 def resolve_weight_cache(value: str) -> str | None:

@@ -6,11 +6,12 @@ import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from cpud.config import EngineArgs, resolve_config
-from cpud.engine.executor import make_executor, size_kv_from_fraction
+from cpud.config import EngineArgs
+from cpud.engine.executor import make_executor
 from cpud.engine.llm_engine import LLMEngine
 from cpud.engine.outputs import RequestOutput
 from cpud.model_dir import resolve_model_dir
+from cpud.placement.start import plan_start
 from cpud.sampling_params import SamplingParams
 from cpud.tokenizer import Tokenizer
 
@@ -30,10 +31,10 @@ class LLM:
         tp = tensor_parallel_size or tp
         args = EngineArgs(model=model, dtype=dtype, tp=tp, **engine_args)
         model_dir = resolve_model_dir(model)
-        args = size_kv_from_fraction(args, model_dir)
-        self.config = resolve_config(args, model_dir)
+        start = plan_start(args, model_dir)
+        self.config = start.config
         self.tokenizer = Tokenizer(model_dir, args.chat_template)
-        executor = make_executor(self.config, args.bind, args.reserved_cpus)
+        executor = make_executor(self.config, start.slots)
         self.engine = LLMEngine(self.config, self.tokenizer, executor)
         self._request_ids = 0
 

@@ -85,3 +85,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="chat template (jinja) replacing the model's, or for a model without one: a file, "
         "else the template itself (backslash escapes decoded), as vLLM's flag",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral"),
+        help="the format of the model's tool calls, as vLLM names it (default: read from the "
+        "chat template, else hermes)",
+    )

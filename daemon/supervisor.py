@@ -1,8 +1,9 @@
 """`cpud serve`: the supervisor process.
 
-It resolves the configuration, plans CPUs and memory per rank (refusing, with numbers, a plan
-that cannot fit), then spawns the frontend and one process per rank in a private 0700 runtime
-directory (removing those that daemons killed with SIGKILL left). The frontend gets the API
+It resolves the configuration and plans CPUs and memory per rank once (cpud.placement.start,
+refusing with numbers a plan that cannot fit), then spawns the frontend and one process per
+rank in a private 0700 runtime directory (removing those that daemons killed with SIGKILL
+left), each with its spec (cpud.protocol.launch) carrying that config. The frontend gets the API
 key on its stdin; no child's environment carries it. It tells systemd READY=1 only once every
 rank has reported READY and the frontend serves, pings the watchdog only while every child's
 heartbeat is fresh, and says STOPPING=1 on drain. Signal handlers only set state; the loop acts
@@ -30,13 +31,14 @@ import msgspec
 import zmq
 
 from cpud import envs
-from cpud.config import EngineArgs, ServeArgs, resolve_config
-from cpud.engine.executor import plan_placement, rank_slots, size_kv_from_fraction
-from cpud.engine.multiproc import make_runtime_dir, rank_engine_config
+from cpud.config import EngineArgs, ServeArgs
+from cpud.engine.multiproc import make_runtime_dir
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
 from cpud.errors import ConfigError
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec, send_secrets
 from cpud.model_dir import resolve_model_dir
+from cpud.placement.start import plan_start
+from cpud.protocol.launch import frontend_spec_file
 from cpud.protocol.supervision import (
     FrontendServing,
     Heartbeat,
@@ -100,12 +102,11 @@ class Supervisor:
         started = time.monotonic()
         check_listen_address(self.serve_args.host, self.serve_args.port)
         model_dir = resolve_model_dir(self.engine_args.model)
-        # The frontend and the ranks get the resolved block count, not the fraction.
-        self.engine_args = size_kv_from_fraction(self.engine_args, model_dir)
-        config = resolve_config(self.engine_args, model_dir)
-        plan = plan_placement(config, self.engine_args.bind, self.engine_args.reserved_cpus)
-        if plan.frontend_cpus:
-            os.sched_setaffinity(0, plan.frontend_cpus)  # the frontend inherits it
+        # Resolved and planned once: the frontend and the ranks get this config as it is.
+        plan = plan_start(self.engine_args, model_dir)
+        config = plan.config
+        if plan.binding.frontend_cpus:
+            os.sched_setaffinity(0, plan.binding.frontend_cpus)  # the frontend inherits it
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         self.notifier.status(f"loading {model_dir.name} on {config.tp} rank(s)")
@@ -114,10 +115,9 @@ class Supervisor:
         frontend: subprocess.Popen | None = None
         group: RankGroup | None = None
         try:
-            spec_path = Path(runtime_dir) / "frontend.json"
-            spec_path.write_bytes(
-                msgspec.json.encode(frontend_spec(runtime_dir, self.engine_args, self.serve_args))
-            )
+            spec = frontend_spec(runtime_dir, config, self.engine_args, self.serve_args)
+            spec_path = Path(frontend_spec_file(runtime_dir))
+            spec_path.write_bytes(msgspec.json.encode(spec))
             frontend = subprocess.Popen(
                 [sys.executable, "-m", "cpud.frontend.server", str(spec_path), str(os.getpid())],
                 stdin=subprocess.PIPE,
@@ -128,8 +128,8 @@ class Supervisor:
             group = RankGroup(
                 ctx,
                 runtime_dir,
-                rank_engine_config(config),
-                rank_slots(plan),
+                config.spec(),
+                plan.slots,
                 config.collective,
                 self.timeouts,
                 on_message=self._on_message,
@@ -186,15 +186,23 @@ class Supervisor:
             if self.serving is not None and not announced:
                 announced = True
                 log.info(
-                    "ready in %.1f s: %d rank(s), serving on %s",
+                    "ready in %.1f s: serving %s on %s (%d rank(s))",
                     time.monotonic() - started,
-                    group.world_size,
+                    self._model_name(),
                     self.serving.address,
+                    group.world_size,
                 )
                 self.notifier.notify(
                     "READY=1", f"STATUS=serving on {self.serving.address}", f"MAINPID={os.getpid()}"
                 )
             self._watchdog(group, silent)
+
+    def _model_name(self) -> str:
+        """The name clients use (the first --served-model-name, else --model)."""
+        from cpud.default_model import DEFAULT_MODEL_NAME
+
+        names = self.serve_args.served_model_names
+        return names[0] if names else str(self.engine_args.model or DEFAULT_MODEL_NAME)
 
     def _watchdog(self, group: RankGroup, frontend_silent: float) -> None:
         interval = self.notifier.watchdog_seconds
@@ -233,7 +241,7 @@ class Supervisor:
     def _drain(self, group: RankGroup, frontend: subprocess.Popen, to_frontend: zmq.Socket) -> int:
         """The frontend finishes in-flight requests (up to the drain timeout), tells the ranks
         to stop and exits; a rank lost meanwhile still fails its requests promptly."""
-        log.info("draining (up to %g s)", self.serve_args.drain_timeout)
+        # The frontend logs the drain: in-flight requests when it starts, how it ended.
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         group.stopping = True
         frontend.send_signal(signal.SIGTERM)

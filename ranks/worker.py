@@ -2,10 +2,11 @@
 
     python -m cpud.ranks.worker SPEC_JSON PARENT_PID
 
-The rank dies with PARENT_PID, its owner (armed before anything else). The spec (a RankSpec,
-msgspec JSON) says where to run and where the sockets are. Every rank reports READY (or FAILED)
-and a heartbeat every second to the supervisor; step plans come from the frontend, and rank 0
-returns each step's sampled tokens to it.
+The rank dies with PARENT_PID, its owner (armed before anything else). The spec (a
+cpud.protocol.launch.RankSpec, msgspec JSON) says where to run, where the sockets are and the
+resolved engine config. Every rank reports READY (or FAILED) and a heartbeat every second to
+the supervisor; step plans come from the frontend, and rank 0 returns each step's sampled
+tokens to it.
 """
 
 from __future__ import annotations
@@ -17,33 +18,50 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from cpud.protocol.launch import EngineSpec, RankSpec, plan_socket, results_socket
 from cpud.ranks.binding import bind_memory, die_with_parent, pin_threads, set_affinity
+
+if TYPE_CHECKING:
+    from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger("cpud.rank")
 LOAD_BARRIER_TIMEOUT_S = 1800.0
 STATS_INTERVAL_MS = 1000
 
 
-class RankSpec(msgspec.Struct, frozen=True):
-    rank: int
-    world_size: int
-    runtime_dir: str
-    cpus: list[int] | None  # None: no binding (nobind)
-    numa_node: int | None
-    collective: str  # "shm" | "gloo"
-    engine_config_json: str  # cpud.engine.multiproc.RankEngineConfig as JSON
+def runner_config(engine: EngineSpec) -> RunnerConfig:
+    """The runner's own config (torch dtypes, paths): built where the model runs."""
+    import torch
+
+    from cpud.ranks.model_runner import RunnerConfig
+
+    return RunnerConfig(
+        model_dir=Path(engine.model_dir),
+        dtype=getattr(torch, engine.dtype),
+        max_model_len=engine.max_model_len,
+        block_size=engine.block_size,
+        num_kv_blocks=engine.num_kv_blocks,
+        seed=engine.seed,
+        kernels=engine.kernels,
+        weight_cache=Path(engine.weight_cache) if engine.weight_cache else None,
+        kv_pretouch=engine.kv_pretouch,
+        quantization=engine.quantization,
+    )
 
 
-def plan_socket(runtime_dir: str, rank: int) -> str:
-    return f"ipc://{runtime_dir}/rank{rank}.plans"
+def build_runner(
+    engine: EngineSpec, group: object, progress: Callable[[int, int], None] | None = None
+) -> ModelRunner:
+    from cpud.ranks.model_config import load_model_config
+    from cpud.ranks.model_runner import ModelRunner
 
-
-def results_socket(runtime_dir: str) -> str:
-    return f"ipc://{runtime_dir}/results"
+    return ModelRunner(runner_config(engine), load_model_config(engine.model_dir), group, progress)
 
 
 def make_group(spec: RankSpec):
@@ -143,16 +161,13 @@ def run(spec: RankSpec) -> int:
         if spec.cpus is not None and sorted(thread_cpus) != sorted(cpus):
             warnings.append(f"threads ran on {thread_cpus}, expected one on each of {cpus}")
 
-        from cpud.engine.multiproc import RankEngineConfig, build_runner
-
-        config = msgspec.json.decode(spec.engine_config_json, type=RankEngineConfig)
         from cpud.ranks.load_progress import LoadProgress
         from cpud.ranks.stats import RankStatsCollector, TimedGroup
 
         group = TimedGroup(make_group(spec))
         # Rank 0 shows the progress for all (ranks load their slices side by side).
         progress = LoadProgress("loading weights") if spec.rank == 0 else None
-        runner = build_runner(config, group, progress)
+        runner = build_runner(spec.engine, group, progress)
         bound = sum(1 for got, want in zip(thread_cpus, cpus) if got == want)
         stats = RankStatsCollector(spec.rank, spec.numa_node, cpus, bound, runner.helper_threads)
         plans = ctx.socket(zmq.PULL)
@@ -168,7 +183,7 @@ def run(spec: RankSpec) -> int:
                     thread_cpus=thread_cpus,
                     load_seconds=time.perf_counter() - started,
                     kernels=runner.ops.name,
-                    num_kv_blocks=config.num_kv_blocks,
+                    num_kv_blocks=spec.engine.num_kv_blocks,
                     warnings=warnings,
                 )
             )

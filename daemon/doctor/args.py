@@ -39,6 +39,12 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--model", help="Hugging Face model directory (default: embedded fixture)")
     parser.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "q8_0", "q4_0", "q4_k"),
+        help="as for serve: which weights run the int8 kernels",
+    )
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive(int), default=1)
     parser.add_argument("--max-model-len", type=_positive(int), help="context length in tokens")
     parser.add_argument("--block-size", type=_positive(int), default=16)
@@ -49,6 +55,13 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive(float),
         help="KV cache per rank in GiB (env VLLM_CPU_KVCACHE_SPACE, default 4)",
     )
+    parser.add_argument(
+        "--kv-cache-fraction",
+        type=_positive(float),
+        help="as for serve: share of each rank's available node memory for the KV cache",
+    )
+    parser.add_argument("--kernels", choices=("auto", "native", "torch"), default="auto")
+    parser.add_argument("--collective", choices=("shm", "gloo"), default="shm")
     parser.add_argument(
         "--bind", help="auto, nobind or CPU lists like 0-31|32-63 (env VLLM_CPU_OMP_THREADS_BIND)"
     )
@@ -65,27 +78,16 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 def inputs_from_args(args: argparse.Namespace) -> DoctorInputs:
     """The inputs to check; ConfigError (exit 2) where the arguments name nothing usable."""
-    from cpud.config import EngineArgs
+    from cpud.config import EngineArgs, engine_kwargs
     from cpud.doctor.inputs import DoctorInputs
-    from cpud.llm import resolve_model_dir
+    from cpud.model_dir import resolve_model_dir
     from cpud.ranks.cpu_features import parse_dtype
 
     if args.model is not None:
         resolve_model_dir(args.model)
     if args.dtype.lower() != "auto":
         parse_dtype(args.dtype)
-    engine = EngineArgs(
-        model=args.model,
-        dtype=args.dtype,
-        tp=args.tp,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_space_gib=args.kv_cache_space,
-        bind=args.bind,
-        reserved_cpus=args.reserved_cpus,
-    )
+    engine = EngineArgs(model=args.model, **engine_kwargs(vars(args)))
     return DoctorInputs(
         engine=engine,
         sysfs_root=args.sysfs_root,

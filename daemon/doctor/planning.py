@@ -1,9 +1,9 @@
 """The plans `cpud serve` would make with the given settings, made the same way and kept
 together with the reason wherever a step refuses (several checks read the same plans).
 
-The steps mirror what the supervisor does before it spawns anything (resolve_config, then
-cpud.engine.executor.plan_placement): topology, binding spec and plan, the resolved engine
-config, then the memory plan with the config's KV cache size per rank.
+The steps are those of cpud.placement.start.plan_start, the supervisor's planning entry, run
+one by one: topology, binding spec and plan, the resolved engine config (a KV cache fraction
+sized into blocks), then the memory plan with the config's KV cache size per rank.
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from cpud.config import EngineConfig, resolve_config
+from cpud.config import EngineConfig
 from cpud.doctor.inputs import DoctorInputs
 from cpud.errors import CpudError
 from cpud.placement.binding import BindingPlan, BindingSpec, binding_spec, plan_binding
 from cpud.placement.cgroup import CgroupCpuset, read_cpuset
-from cpud.placement.memory_plan import (
-    FRONTEND_BYTES,
-    MemoryPlan,
-    overhead_bytes,
-    plan_memory,
-    weight_bytes,
+from cpud.placement.memory_plan import FRONTEND_BYTES, MemoryPlan, overhead_bytes
+from cpud.placement.start import (
+    check_memory,
+    config_memory,
+    kv_fraction,
+    resolve_engine,
+    size_kv_cache,
 )
 from cpud.placement.topology import Topology, discover_topology
 from cpud.ranks.sizes import kv_block_bytes
@@ -91,7 +92,7 @@ def allowed_cpus(affinity: frozenset[int], cpuset: CgroupCpuset | None) -> froze
 
 def _per_rank_bytes(config: EngineConfig) -> tuple[int, int]:
     """(weights + runtime, KV cache) of one rank as the memory planner counts them."""
-    weights = weight_bytes(config.model, config.dtype, config.tp)
+    weights = config.weight_bytes_per_rank
     runtime = overhead_bytes(
         config.model,
         config.dtype,
@@ -103,29 +104,6 @@ def _per_rank_bytes(config: EngineConfig) -> tuple[int, int]:
     return weights + runtime, config.kv_cache_bytes_per_rank
 
 
-def _plan_memory(
-    config: EngineConfig,
-    binding: BindingPlan,
-    topology: Topology,
-    *,
-    max_model_len: int | None = None,
-    kv_cache_space_gib: float | None = None,
-    kv_cache_fraction: float | None = None,
-) -> MemoryPlan:
-    return plan_memory(
-        config.model,
-        config.dtype,
-        binding,
-        topology,
-        max_model_len=max_model_len or config.max_model_len,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_space_gib=kv_cache_space_gib,
-        kv_cache_fraction=kv_cache_fraction,
-    )
-
-
 def headroom(config: EngineConfig, binding: BindingPlan, topology: Topology) -> Headroom:
     """Largest KV cache per rank that fits, whatever --kv-cache-space asks for.
 
@@ -134,7 +112,7 @@ def headroom(config: EngineConfig, binding: BindingPlan, topology: Topology) -> 
     """
     block_bytes = kv_block_bytes(config.model, config.tp, config.block_size, config.dtype)
     probe = _attempt(
-        lambda: _plan_memory(
+        lambda: config_memory(
             config, binding, topology, max_model_len=config.block_size, kv_cache_fraction=1.0
         )
     )
@@ -149,7 +127,7 @@ def headroom(config: EngineConfig, binding: BindingPlan, topology: Topology) -> 
 
 
 def plan(inputs: DoctorInputs) -> Planning:
-    from cpud.llm import resolve_model_dir
+    from cpud.model_dir import resolve_model_dir
 
     args = inputs.engine
     affinity = _attempt(inputs.syscalls.affinity)
@@ -170,16 +148,19 @@ def plan(inputs: DoctorInputs) -> Planning:
         binding = _upstream(topology=topology) or _attempt(
             lambda: plan_binding(spec, args.tp, topology)
         )
-    config = _attempt(lambda: resolve_config(args, resolve_model_dir(args.model)))
+    fraction = kv_fraction(args)
+    config = _attempt(lambda: resolve_engine(args, resolve_model_dir(args.model), fraction))
+    if fraction is not None and not isinstance(config, Failed):
+        config = _upstream(binding=binding) or _attempt(
+            lambda: size_kv_cache(config, fraction, binding, topology)
+        )
 
     need = None
     if not isinstance(config, Failed):
         fixed, kv = _per_rank_bytes(config)
         need = config.tp * (fixed + kv) + FRONTEND_BYTES
     memory = _upstream(binding=binding, config=config) or _attempt(
-        lambda: _plan_memory(
-            config, binding, topology, kv_cache_space_gib=config.kv_cache_bytes_per_rank / GiB
-        )
+        lambda: check_memory(config, binding, topology)
     )
     fits = None
     if not isinstance(memory, Failed) or not memory.upstream:

@@ -17,28 +17,16 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zmq
 
 from cpud.config import EngineConfig
 from cpud.engine.rank_client import RankClient
-from cpud.engine.rank_group import (
-    RankDiedError,
-    RankEngineConfig,
-    RankGroup,
-    RankSlot,
-    RankTimeouts,
-)
+from cpud.engine.rank_group import RankDiedError, RankGroup, RankSlot, RankTimeouts
 from cpud.errors import ConfigError
 from cpud.protocol.control import RankStats
 from cpud.protocol.step import StepPlan, StepResult
-from cpud.ranks.model_config import load_model_config
-
-if TYPE_CHECKING:
-    from cpud.ranks.model_runner import ModelRunner
 
 log = logging.getLogger("cpud.runtime")
 RUNTIME_PREFIX = "cpud-"
@@ -46,30 +34,7 @@ STAGING_PREFIX = ".cpud-"
 ABANDONED_STAGING_S = 60.0  # a staging directory gets its owner record within microseconds
 OWNER_FILE = "owner"
 
-__all__ = ["MultiprocExecutor", "RankDiedError", "RankSlot", "build_runner", "rank_engine_config"]
-
-
-def rank_engine_config(config: EngineConfig) -> RankEngineConfig:
-    return RankEngineConfig(
-        model_dir=str(config.model_dir),
-        dtype=config.dtype,
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks,
-        seed=config.seed,
-        kernels=config.kernels,
-        weight_cache=config.weight_cache,
-        kv_pretouch=config.kv_pretouch,
-        int8_kernels=config.int8_kernels,
-    )
-
-
-def build_runner(
-    config: RankEngineConfig, group: object, progress: Callable[[int, int], None] | None = None
-) -> ModelRunner:
-    from cpud.ranks.model_runner import ModelRunner
-
-    return ModelRunner(config.runner_config(), load_model_config(config.model_dir), group, progress)
+__all__ = ["MultiprocExecutor", "RankDiedError", "RankSlot"]
 
 
 def runtime_parent() -> str:
@@ -188,7 +153,7 @@ class MultiprocExecutor:
         self.client: RankClient | None = None
         try:
             self.group = RankGroup(
-                self.ctx, self.runtime_dir, rank_engine_config(config), slots, collective, timeouts
+                self.ctx, self.runtime_dir, config.spec(), slots, collective, timeouts
             )
             self.ready = self.group.wait_ready()
             self.client = RankClient(

@@ -18,8 +18,8 @@ from cpud.protocol.control import (
     encoder,
     from_rank_decoder,
 )
+from cpud.protocol.launch import plan_socket, results_socket
 from cpud.protocol.step import StepPlan, StepResult
-from cpud.ranks.worker import plan_socket, results_socket
 
 POLL_MS = 100
 

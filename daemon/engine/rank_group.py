@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -26,6 +25,7 @@ import zmq
 from cpud import envs
 from cpud.errors import ConfigError, CpudError
 from cpud.protocol.control import Shutdown, encoder
+from cpud.protocol.launch import EngineSpec, RankSlot, RankSpec, plan_socket, rank_spec_file
 from cpud.protocol.supervision import (
     MAX_MESSAGE_BYTES,
     Heartbeat,
@@ -34,56 +34,12 @@ from cpud.protocol.supervision import (
     supervisor_socket,
     to_supervisor_decoder,
 )
-from cpud.ranks.worker import RankSpec, plan_socket
-
-if TYPE_CHECKING:
-    from cpud.ranks.model_runner import RunnerConfig
 
 log = logging.getLogger("cpud.ranks")
 
 
 class RankDiedError(CpudError):
     """A rank process exited, failed or hung; the engine cannot continue."""
-
-
-class RankEngineConfig(msgspec.Struct, frozen=True):
-    """What a rank needs to build its runner (sent as JSON in its spec)."""
-
-    model_dir: str
-    dtype: str
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    seed: int
-    kernels: str
-    weight_cache: str | None = None
-    kv_pretouch: bool = True
-    int8_kernels: bool = False
-
-    def runner_config(self) -> RunnerConfig:
-        """The runner's own config (torch dtypes, paths): built in the rank, never sent."""
-        import torch
-
-        from cpud.ranks.model_runner import RunnerConfig
-
-        return RunnerConfig(
-            model_dir=Path(self.model_dir),
-            dtype=getattr(torch, self.dtype),
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            seed=self.seed,
-            kernels=self.kernels,
-            weight_cache=Path(self.weight_cache) if self.weight_cache else None,
-            kv_pretouch=self.kv_pretouch,
-            quantize_gguf=self.int8_kernels,
-        )
-
-
-@dataclass(frozen=True)
-class RankSlot:
-    cpus: list[int] | None
-    numa_node: int | None
 
 
 @dataclass(frozen=True)
@@ -99,7 +55,7 @@ class RankGroup:
         self,
         ctx: zmq.Context,
         runtime_dir: str,
-        engine: RankEngineConfig,
+        engine: EngineSpec,
         slots: list[RankSlot],
         collective: str = "shm",
         timeouts: RankTimeouts = RankTimeouts(),
@@ -135,7 +91,7 @@ class RankGroup:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _spawn(self, engine: RankEngineConfig, slots: list[RankSlot], collective: str) -> None:
+    def _spawn(self, engine: EngineSpec, slots: list[RankSlot], collective: str) -> None:
         now = self.spawned_at = time.monotonic()
         for rank, slot in enumerate(slots):
             spec = RankSpec(
@@ -145,9 +101,9 @@ class RankGroup:
                 cpus=slot.cpus,
                 numa_node=slot.numa_node,
                 collective=collective,
-                engine_config_json=msgspec.json.encode(engine).decode(),
+                engine=engine,
             )
-            path = Path(self.runtime_dir) / f"rank{rank}.json"
+            path = Path(rank_spec_file(self.runtime_dir, rank))
             path.write_bytes(msgspec.json.encode(spec))
             command = [sys.executable, "-m", "cpud.ranks.worker", str(path), str(os.getpid())]
             self.procs.append(subprocess.Popen(command, env=envs.without_secrets(os.environ)))

@@ -24,39 +24,33 @@ import msgspec
 
 from cpud.errors import CpudError
 from cpud.parent_death import die_with_parent
+from cpud.protocol.launch import FrontendSecrets, FrontendSpec
 
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
 
-    from cpud.config import EngineArgs, ServeArgs
+    from cpud.config import EngineArgs, EngineConfig, ServeArgs
 
 log = logging.getLogger("cpud.frontend")
 EXIT_CONFIG = 2
 EXIT_CHILD_LOST = 3
 
 
-class FrontendSpec(msgspec.Struct, frozen=True):
-    """What the frontend needs, in a file of the runtime directory: nothing secret."""
+def frontend_spec(
+    runtime_dir: str, config: EngineConfig, engine_args: EngineArgs, serve_args: ServeArgs
+) -> FrontendSpec[ServeArgs]:
+    """The frontend's spec: the resolved config, and the settings only the frontend reads."""
+    from cpud.default_model import DEFAULT_MODEL_NAME
 
-    runtime_dir: str
-    engine_args: dict
-    serve_args: dict
-
-
-class FrontendSecrets(msgspec.Struct, frozen=True):
-    """What the supervisor writes to the frontend's stdin."""
-
-    api_key: str | None = None
-
-    def __repr__(self) -> str:
-        return f"FrontendSecrets(api_key={'<set>' if self.api_key else None})"
-
-
-def frontend_spec(runtime_dir: str, engine_args: EngineArgs, serve_args: ServeArgs) -> FrontendSpec:
-    engine = dataclasses.asdict(engine_args)
-    engine["model"] = None if engine_args.model is None else str(engine_args.model)
     public = dataclasses.replace(serve_args, api_key=None)
-    return FrontendSpec(runtime_dir, engine, dataclasses.asdict(public))
+    return FrontendSpec(
+        runtime_dir=runtime_dir,
+        engine=config.spec(),
+        model_name=str(engine_args.model or DEFAULT_MODEL_NAME),
+        serve_args=public,
+        chat_template=engine_args.chat_template,
+        tool_call_parser=engine_args.tool_call_parser,
+    )
 
 
 def send_secrets(stdin: BinaryIO, serve_args: ServeArgs) -> None:
@@ -73,7 +67,9 @@ def hypercorn_config(serve_args: ServeArgs) -> HypercornConfig:
 
     hyper = HypercornConfig()
     hyper.bind = [f"{serve_args.host}:{serve_args.port}"]
-    hyper.accesslog = None
+    hyper.accesslog = None  # cpud.access logs each request (access_log.py)
+    # The root handler prints hypercorn's lines; its default "-" would add a second handler.
+    hyper.errorlog = logging.getLogger("hypercorn.error")
     hyper.graceful_timeout = 5.0
     # Longer than the idle timeout of common clients and load balancers (60 s), so the server
     # is never the side that closes a pooled connection just as a request goes out on it.
@@ -81,37 +77,35 @@ def hypercorn_config(serve_args: ServeArgs) -> HypercornConfig:
     return hyper
 
 
-async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
+def api_key_line(api_key: str | None, metrics_need_key: bool) -> str:
+    """Whether clients need the API key (never the key)."""
+    if not api_key:
+        return "API key off: every client that reaches the port may use the API"
+    free = "/health, /version" + ("" if metrics_need_key else ", /metrics")
+    return f"API key on: every path but {free} needs Authorization: Bearer <key>"
+
+
+async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) -> int:
     import asyncio
     import time
 
     import zmq
     from hypercorn.asyncio import serve as hypercorn_serve
 
-    from cpud.config import EngineArgs, ServeArgs, resolve_config
-    from cpud.default_model import DEFAULT_MODEL_NAME
+    from cpud.config import config_from_spec
     from cpud.engine.llm_engine import LLMEngine
     from cpud.engine.rank_client import RankClient
     from cpud.frontend.app import create_app
     from cpud.frontend.async_engine import AsyncEngine
     from cpud.frontend.state import Phase, ServerConfig, ServerState
     from cpud.frontend.supervisor_link import SupervisorLink
-    from cpud.model_dir import resolve_model_dir
     from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
     from cpud.tokenizer import Tokenizer
 
-    engine_args = EngineArgs(**spec.engine_args)
-    serve_args = ServeArgs(
-        **{
-            **spec.serve_args,
-            "served_model_names": tuple(spec.serve_args["served_model_names"]),
-            "api_key": secrets.api_key,
-        }
-    )
-    model_dir = resolve_model_dir(engine_args.model)
-    config = resolve_config(engine_args, model_dir)
-    names = serve_args.served_model_names or (str(engine_args.model or DEFAULT_MODEL_NAME),)
-    tokenizer = Tokenizer(model_dir, engine_args.chat_template)
+    serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
+    config = config_from_spec(spec.engine)  # resolved by the supervisor, not again here
+    names = serve_args.served_model_names or (spec.model_name,)
+    tokenizer = Tokenizer(config.model_dir, spec.chat_template)
     state = ServerState(
         ServerConfig(
             served_model_names=names,
@@ -119,7 +113,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
             api_key=serve_args.api_key,
             metrics_need_key=serve_args.metrics_need_key,
             stall_seconds=serve_args.stall_timeout,
-            tool_call_parser=engine_args.tool_call_parser,
+            tool_call_parser=spec.tool_call_parser,
         ),
         tokenizer,
     )
@@ -133,11 +127,19 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
         if state.phase is Phase.DRAINING:
             return
         state.phase = Phase.DRAINING
-        deadline = time.monotonic() + serve_args.drain_timeout
+        started, running = time.monotonic(), state.in_flight
+        log.info("draining: %d request(s) in flight, up to %g s", running, serve_args.drain_timeout)
+        deadline = started + serve_args.drain_timeout
         while state.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if state.in_flight:
-            log.warning("drain timeout: %d requests still running", state.in_flight)
+        cut = state.in_flight
+        log.log(
+            logging.WARNING if cut else logging.INFO,
+            "drained in %.1f s: %d request(s) finished, %d cut at the drain timeout",
+            time.monotonic() - started,
+            running - cut,
+            cut,
+        )
         stop.set()
 
     async def heartbeat() -> None:
@@ -146,6 +148,7 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
             link.heartbeat()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
+    log.info("%s", api_key_line(state.config.api_key, serve_args.metrics_need_key))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(drain()))
     beats = asyncio.ensure_future(heartbeat())
@@ -181,7 +184,6 @@ async def run_frontend(spec: FrontendSpec, secrets: FrontendSecrets) -> int:
         engine = AsyncEngine(LLMEngine(config, tokenizer, client), serve_args.max_waiting)
         state.attach(engine)
         link.serving(address)
-        log.info("serving %s on %s", names[0], address)
         failed = False
         while not server.done():
             if not engine.alive and not failed:
@@ -209,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     secrets = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSecrets)
     import uvloop
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec)
+    from cpud.log_setup import configure_logging
+
+    configure_logging()
+    from cpud.config import ServeArgs
+
+    spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec[ServeArgs])
     try:
         code = uvloop.run(run_frontend(spec, secrets))
     except CpudError as exc:  # the model or settings: a restart would fail the same way

@@ -1,0 +1,94 @@
+"""What a process is started with: the resolved engine config, the specs of a rank and of the
+frontend, and the names of the IPC sockets in a runtime directory.
+
+The supervisor (or the offline `LLM`) resolves the configuration once; every child receives it
+as an EngineSpec inside its spec file (msgspec JSON) and never resolves it again. Only model
+facts (config.json, GGUF metadata) are read again where they are needed, from `model_dir`.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+import msgspec
+
+Serve = TypeVar("Serve")
+
+
+class EngineSpec(msgspec.Struct, frozen=True):
+    """The resolved engine config (cpud.config.EngineConfig without the model facts)."""
+
+    model_dir: str
+    dtype: str  # torch attribute name: "bfloat16", "float16" or "float32"
+    tp: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    num_kv_blocks: int  # exact, the same in every process
+    seed: int
+    kernels: str = "auto"
+    collective: str = "shm"  # "shm" | "gloo"
+    weight_cache: str | None = None  # directory of packed weight shards; None: off
+    kv_pretouch: bool = True
+    quantization: str = "auto"
+
+
+class RankSlot(msgspec.Struct, frozen=True):
+    """Where one rank runs: its CPUs (one thread each) and its memory node."""
+
+    cpus: list[int] | None  # None: no binding (nobind)
+    numa_node: int | None
+
+
+class RankSpec(msgspec.Struct, frozen=True):
+    """One rank: where it runs, where its sockets are, and the engine it serves."""
+
+    rank: int
+    world_size: int
+    runtime_dir: str
+    cpus: list[int] | None  # None: no binding (nobind)
+    numa_node: int | None
+    collective: str  # "shm" | "gloo"
+    engine: EngineSpec
+
+
+class FrontendSpec(msgspec.Struct, Generic[Serve], frozen=True):
+    """The frontend of `cpud serve`: nothing secret (the API key comes on its stdin). The
+    serve settings are cpud.config.ServeArgs with no API key: decode as
+    FrontendSpec[ServeArgs], which checks them as ServeArgs does."""
+
+    runtime_dir: str
+    engine: EngineSpec
+    model_name: str  # the name served when no --served-model-name is given
+    serve_args: Serve
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+
+
+class FrontendSecrets(msgspec.Struct, frozen=True):
+    """What the supervisor writes to the frontend's stdin."""
+
+    api_key: str | None = None
+
+    def __repr__(self) -> str:
+        return f"FrontendSecrets(api_key={'<set>' if self.api_key else None})"
+
+
+def rank_spec_file(runtime_dir: str, rank: int) -> str:
+    return f"{runtime_dir}/rank{rank}.json"
+
+
+def frontend_spec_file(runtime_dir: str) -> str:
+    return f"{runtime_dir}/frontend.json"
+
+
+def plan_socket(runtime_dir: str, rank: int) -> str:
+    """Where rank `rank` receives step plans (it binds; the frontend connects)."""
+    return f"ipc://{runtime_dir}/rank{rank}.plans"
+
+
+def results_socket(runtime_dir: str) -> str:
+    """Where the ranks send step results and statistics (the frontend binds)."""
+    return f"ipc://{runtime_dir}/results"
