@@ -28,6 +28,7 @@ HEADER = "cpud_native.h"
 SOURCES = [
     "api.c",
     "decoder.c",
+    "moe.c",
     "dispatch.c",
     "pin.c",
     "tier_scalar.c",
@@ -45,6 +46,8 @@ SOURCES = [
     "quant_avx2vnni.c",
     "quant_avx512.c",
     "quant_avx512vnni.c",
+    "quant_amx.c",
+    "quant_amx_bf16.c",
 ]
 CFLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wextra"]
 

@@ -242,6 +242,9 @@ typedef struct cpud_decoder_layer {
     intptr_t gate_up, down;         /* packed [2 I, H], [H, I]                      */
     intptr_t key_cache, value_cache; /* [num_blocks][nkv][bs][hd] dtype              */
     cpud_qlinear q_qkv, q_o, q_gate_up, q_down; /* used instead where parts > 0     */
+    /* An expert layer (router != 0) runs cpud_moe_ffn instead of gate_up / down: router
+     * packed [E][H], experts as cpud_moe_experts' gate_up and down. */
+    intptr_t router, experts_gate_up, experts_down;
 } cpud_decoder_layer;
 
 typedef struct cpud_decoder_dims {
@@ -251,6 +254,8 @@ typedef struct cpud_decoder_dims {
     float eps, scale;
     intptr_t cos_sin; /* [max_pos][rot_dim] f32, cos | sin halves */
     int quant_flags;  /* cpud_quant_gemm's flags for quantized linears */
+    int64_t experts, experts_per_tok, expert_inter; /* expert layers: E, k, I per rank */
+    int moe_flags;                                  /* cpud_moe_flags                  */
 } cpud_decoder_dims;
 
 typedef struct cpud_decoder_step {
@@ -271,6 +276,26 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
                         int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
                         int64_t timeout_ns, int *peer);
 
+/* Mixture-of-experts feed-forward (moe.c): out[T][H] (dtype) = for each token t the sum over
+ * its k routed experts e = ids[t][j] of weights[t][j] * down_e(silu(gate_e x) * up_e x).
+ * gate_up: E packed [2 I][H] (gate rows, then up rows), down: E packed [H][I], each laid out
+ * as for cpud_gemm_packed, back to back.  Tokens are grouped by expert and each routed
+ * expert's GEMMs run once over its tokens; experts no token routes to are not read. */
+int cpud_moe_experts(int isa, int dtype, intptr_t x, /* [T][H] dtype, contiguous */
+                     int64_t T, int64_t H, int64_t I, intptr_t gate_up, intptr_t down, int64_t E,
+                     intptr_t weights, /* [T][k] f32 */
+                     intptr_t ids,     /* [T][k] int32 in [0, E) */
+                     int64_t k, intptr_t out /* [T][H] dtype, contiguous */);
+
+/* The whole expert layer: router logits x router^T (packed [E][H], rounded to dtype), routing
+ * (softmax in fp32, top k, ties to the lower id; flags below) and cpud_moe_experts on the
+ * result.  x and out may be the same rows. */
+#define CPUD_MOE_MAX_K 64
+enum cpud_moe_flags { CPUD_MOE_RENORMALIZE = 1, CPUD_MOE_WEIGHTS_IN_DTYPE = 2 };
+int cpud_moe_ffn(int isa, int dtype, intptr_t x, int64_t T, int64_t H, int64_t I, int64_t E,
+                 int64_t k, int flags, intptr_t router, intptr_t gate_up, intptr_t down,
+                 intptr_t out);
+
 /* ---------------------------------------------------------------------------
  * GEMM on GGUF-quantized weights (quant_*.c).  Rows of W[N][K] are repacked
  * once (cpud.native.quant.pack_quantized) into groups of CPUD_QROWS rows:
@@ -289,8 +314,14 @@ enum cpud_qtype {
     CPUD_Q5_K = 4, /* bs 256: qbytes 2560, sbytes 320 */
     CPUD_Q6_K = 5  /* bs 256: qbytes 3072, sbytes 288 */
 };
-/* flags for cpud_quant_gemm */
+/* flags for cpud_quant_gemm.  The amx tier runs cpud_quant_bf16_min_m rows of x and more (64;
+ * Q6_K 32) on AMX-BF16 tiles (bf16 x, each 16-row weight group dequantized to bf16 once per
+ * call), from 16 rows up to there on AMX-INT8 tiles
+ * (tdpbssd, per-32 scales in fp32 after each tile product) where the CPU has them, fewer with
+ * AVX512-VNNI; NO_AMX keeps it to AVX512-VNNI, NO_AMX_BF16 to the int8 kernels. */
 #define CPUD_QUANT_NO_VNNI 1
+#define CPUD_QUANT_NO_AMX 2
+#define CPUD_QUANT_NO_AMX_BF16 4
 
 /* out[M][N] = x[M][K] @ W^T (+ bias); W as packed above. */
 int cpud_quant_gemm(int isa, int flags, int qtype,
@@ -303,8 +334,12 @@ int cpud_quant_gemm(int isa, int flags, int qtype,
                     int out_dtype, int64_t out_stride, int64_t M, int64_t N, int64_t K);
 /* Name of the kernel cpud_quant_gemm runs for (isa, flags), e.g. "avx512-vnni". */
 const char *cpud_quant_kernel(int isa, int flags);
+/* Rows of x from which cpud_quant_gemm runs qtype on AMX-BF16 tiles; 0: never at (isa, flags);
+ * -1: bad isa or qtype. */
+int cpud_quant_bf16_min_m(int isa, int flags, int qtype);
 /* Every thread runs iters rounds of independent 16-row int8 dots of that kernel in registers
- * (12 chains of zmm vpdpbusd or vpmaddubsw + vpmaddwd; avx2: 6 of ymm pairs; scalar: 1);
+ * (12 chains of zmm vpdpbusd or vpmaddubsw + vpmaddwd; avx2: 6 of ymm pairs; scalar: 1;
+ * amx-int8: 4 chains of 16 x 16 x 64 tdpbssd tiles);
  * returns the int8 ops (2 per multiply-add) done, -1 on a bad isa. */
 double cpud_quant_compute_probe(int isa, int flags, int64_t iters);
 

@@ -4,6 +4,8 @@
 #ifndef CPUD_QUANT_H
 #define CPUD_QUANT_H
 
+#include <stdlib.h>
+
 #include "common.h"
 
 /* The avxvnni target attribute exists from gcc 11 and clang 12. */
@@ -42,10 +44,41 @@ typedef struct cpud_qops {
     void (*gemm)(int qtype, const qact *a, const uint8_t *qs, const uint8_t *sc,
                  const float *bias, void *out, int odt, int64_t os, int64_t M, int64_t N);
     double (*probe)(int64_t iters, float *sink);
+    int mrows; /* gemm reads x's buffers in whole blocks of this many rows (pad rows zero) */
 } cpud_qops;
 
 extern const cpud_qops cpud_qops_scalar, cpud_qops_avx2, cpud_qops_avx2_vnni, cpud_qops_avx512,
-    cpud_qops_avx512_vnni;
+    cpud_qops_avx512_vnni, cpud_qops_amx;
+
+#if CPUD_CAN_AMX
+/* quant_amx.c: one group's quants over all K as signed int8 B tiles [K/4][64] (16 rows x 4 k
+ * per 64 bytes) with per-sub-block fp32 scales sw and mins mw ([K/kt][16], kt 32; Q6_K 16): the
+ * weight is sw * b + mw.  cpud_qamx_store: q_store for res [mr][16] in whole vectors. */
+void cpud_qamx_unpack(int qt, const uint8_t *q, const uint8_t *s, int64_t nb, int8_t *b,
+                      float *sw, float *mw);
+void cpud_qamx_store(const float *res, int mr, int64_t m0, int64_t g, int64_t N,
+                     const float *bias, void *out, int odt, int64_t os);
+/* quant_amx_bf16.c: out = x @ W^T on AMX-BF16 tiles, weights dequantized to bf16 per group;
+ * CPUD_OK, or CPUD_ENOMEM (nothing usable written: run another kernel). */
+int cpud_qgemm_amx_bf16(int qt, const void *x, int dt, int64_t xs, const uint8_t *qs,
+                        const uint8_t *sc, const float *bias, void *out, int odt, int64_t os,
+                        int64_t M, int64_t N, int64_t K);
+#endif
+/* Per qtype: rows of x from which the amx tier runs the bf16-tile kernel (below it, AMX-INT8 /
+ * VNNI).  Measured: the dequantization of a group costs about what 30-60 rows of int8 tile
+ * products with their fp32 rescaling cost; Q6_K's rescaling (per 16 k) costs twice as much. */
+static const int q_bf16_min_m[] = {64, 64, 64, 64, 64, 32};
+
+/* A thread's scratch (*buf, *cap: its _Thread_local slot) of at least n bytes, 64-aligned,
+ * kept for the thread's next call; NULL when out of memory. */
+static inline void *q_grow(void **buf, size_t *cap, size_t n) {
+    if (n <= *cap) return *buf;
+    free(*buf);
+    const size_t want = (n + (n >> 2) + 63) / 64 * 64;
+    *buf = aligned_alloc(64, want);
+    *cap = *buf ? want : 0;
+    return *buf;
+}
 
 static inline float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;

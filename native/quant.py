@@ -8,8 +8,16 @@ the 4 consecutive quants of each row in one dword so that one 64-byte operand fe
 dot for 16 rows, every quant unsigned (Q8_0 + 128), K-quant 6-bit scales unpacked to bytes.
 Packed bytes are the file's bytes plus 0 % (Q8_0, Q4_0, Q4_1, Q6_K), 2.3 % (Q5_K), 2.8 % (Q4_K)
 and the rows that pad N to 16.  ``quant_gemm`` quantizes x per row to int8 blocks of 32 (scale
-amax / 127, round to nearest even) and runs int8 dot products: vpdpbusd (AVX512-VNNI,
-AVX-VNNI) where the CPU has it, else vpmaddubsw + vpmaddwd, or the scalar reference.
+amax / 127, round to nearest even) and runs int8 dot products: on the amx tier AMX-INT8 tiles
+(tdpbssd on the packed groups, unpacked to signed bytes once per 16 rows of weights) from 16
+rows of x, vpdpbusd (AVX512-VNNI, AVX-VNNI) where the CPU has it, else vpmaddubsw + vpmaddwd,
+or the scalar reference.  The amx int8 tiles give the same results as AVX512-VNNI, bit for bit.
+From ``bf16_tile_rows(qtype)`` rows of x (64; Q6_K 32) the amx tier instead dequantizes each
+16-row weight group to bf16 once per call and runs AMX-BF16 tiles (tdpbf16ps) on x rounded to
+bf16: no int8 rounding of x, no per-block rescaling, and the weights still stream at their
+quantized size; ``amx_bf16=False`` keeps those calls on the int8 kernels.  The avx512bf16 tier
+keeps the int8 kernels at every M: there cpud's own vdpbf16ps GEMM, the bound of a dequantizing
+kernel, runs at a third to a fifth of the AVX512-VNNI kernels' rate on these blocks (measured).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from .kernels import _require, check_rc, gemm_io
 
 ROWS = 16  # CPUD_QROWS
 NO_VNNI = 1  # CPUD_QUANT_NO_VNNI
+NO_AMX = 2  # CPUD_QUANT_NO_AMX
+NO_AMX_BF16 = 4  # CPUD_QUANT_NO_AMX_BF16
 
 # name: (cpud_qtype, values per block, bytes per GGUF block, packed quant bytes, scale bytes),
 # the last two per block of ROWS rows (cpud_native.h).
@@ -198,6 +208,10 @@ def pack_quantized(
     return QuantWeight(name, n, k, qs, sc, b)
 
 
+def _flags(vnni: bool, amx: bool, amx_bf16: bool = True) -> int:
+    return (0 if vnni else NO_VNNI) | (0 if amx else NO_AMX) | (0 if amx_bf16 else NO_AMX_BF16)
+
+
 def _isa_code(isa: str | None) -> int:
     _require()
     name = _loader.default_isa() if isa is None else isa
@@ -214,10 +228,14 @@ def quant_gemm(
     out: torch.Tensor | None = None,
     isa: str | None = None,
     vnni: bool = True,
+    amx: bool = True,
+    amx_bf16: bool = True,
 ) -> torch.Tensor:
     """out [M, n] = x [M, k] @ W^T (+ bias) for W packed by ``pack_quantized``; x, out fp32
     or bf16 (out defaults to x's dtype), rows of any stride with dense columns.  isa: the tier
-    (default ``cpud.native.isa()``); vnni=False keeps to vpmaddubsw where VNNI exists."""
+    (default ``cpud.native.isa()``); vnni=False keeps to vpmaddubsw where VNNI exists;
+    amx=False keeps the amx tier to AVX512-VNNI; amx_bf16=False keeps it to the int8 kernels
+    from ``bf16_tile_rows`` rows too."""
     code = _isa_code(isa)
     xdt, xs, out, odt, os_ = gemm_io(x, packed.n, packed.k, out)
     if packed.qs.data_ptr() % 64 or not packed.qs.is_contiguous():
@@ -225,7 +243,7 @@ def quant_gemm(
     bias = packed.bias
     rc = _loader.lib.cpud_quant_gemm(
         code,
-        0 if vnni else NO_VNNI,
+        _flags(vnni, amx, amx_bf16),
         QTYPES[packed.qtype][0],
         x.data_ptr(),
         xdt,
@@ -244,18 +262,36 @@ def quant_gemm(
     return out
 
 
-def quant_kernel(isa: str | None = None, vnni: bool = True) -> str:
-    """Name of the int8 kernel quant_gemm runs at this tier, e.g. "avx512 avx512-vnni"."""
-    name = _loader.lib.cpud_quant_kernel(_isa_code(isa), 0 if vnni else NO_VNNI)
+def quant_kernel(
+    isa: str | None = None, vnni: bool = True, amx: bool = True, amx_bf16: bool = True
+) -> str:
+    """Name of the kernel quant_gemm runs at this tier, e.g. "avx512 avx512-vnni", "amx
+    amx-int8" (AMX-INT8 tiles from 16 rows of x, AVX512-VNNI below) or "amx amx-int8+bf16"
+    (AMX-BF16 tiles on dequantized groups from ``bf16_tile_rows`` rows)."""
+    name = _loader.lib.cpud_quant_kernel(_isa_code(isa), _flags(vnni, amx, amx_bf16))
     return _loader.ffi.string(name).decode()
 
 
-def quant_compute_probe(iters: int, isa: str | None = None, vnni: bool = True) -> float:
+def bf16_tile_rows(
+    qtype: Any, isa: str | None = None, vnni: bool = True, amx: bool = True, amx_bf16: bool = True
+) -> int | None:
+    """Rows of x from which quant_gemm runs qtype on AMX-BF16 tiles (weights dequantized to
+    bf16 per group, x rounded to bf16); None where that tier and flags never do."""
+    code = QTYPES[qtype_name(qtype)][0]
+    rows = _loader.lib.cpud_quant_bf16_min_m(_isa_code(isa), _flags(vnni, amx, amx_bf16), code)
+    check_rc(min(rows, 0), "bf16_tile_rows")
+    return rows or None
+
+
+def quant_compute_probe(
+    iters: int, isa: str | None = None, vnni: bool = True, amx: bool = True
+) -> float:
     """Int8 ops (2 per multiply-add) of iters rounds of independent dot instructions of that
-    kernel on every thread; timed by the caller, the int8 instruction peak."""
+    kernel on every thread (amx-int8: 16 x 16 x 64 tdpbssd tiles); timed by the caller, the
+    int8 instruction peak."""
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
-    ops = float(_loader.lib.cpud_quant_compute_probe(_isa_code(isa), 0 if vnni else NO_VNNI, iters))
+    ops = float(_loader.lib.cpud_quant_compute_probe(_isa_code(isa), _flags(vnni, amx), iters))
     check_rc(0 if ops >= 0 else -1, "quant_compute_probe")
     return ops
 
@@ -263,6 +299,7 @@ def quant_compute_probe(iters: int, isa: str | None = None, vnni: bool = True) -
 __all__ = [
     "QTYPES",
     "QuantWeight",
+    "bf16_tile_rows",
     "pack_quantized",
     "qtype_name",
     "quant_compute_probe",

@@ -1,18 +1,37 @@
 /* Public entry points of the quantized GEMM (cpud_native.h): argument checks, the kernel
- * variant for (isa, flags), and the int8 activation buffers of one call. */
+ * variant for (isa, flags), and the int8 activation buffers of a call (the calling thread's
+ * scratch, allocated once and grown as needed). */
+#include <cpuid.h>
 #include <stdlib.h>
 
 #include "dispatch.h"
 #include "quant.h"
 
-/* avx2 takes AVX-VNNI, the avx512 tiers AVX512-VNNI, where the CPU has it and flags allow. */
+/* cpuid 7.0 EDX bit 25; the amx tier itself implies tile data permission (dispatch.c). */
+static int amx_int8(void) {
+    unsigned a, b, c, d;
+    if (!CPUD_CAN_AMX || __get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (int)((d >> 25) & 1u);
+}
+
+/* avx2 takes AVX-VNNI, the avx512 tiers AVX512-VNNI, the amx tier AMX-INT8 tiles, where the CPU
+ * has them and flags allow. */
 static const cpud_qops *qops_for(int isa, int flags) {
     if (!cpud_ops_for(isa)) return NULL;
     const int vnni = flags & CPUD_QUANT_NO_VNNI ? 0 : cpud_vnni_bits();
+    if (isa >= CPUD_ISA_AMX && (vnni & 2) && !(flags & CPUD_QUANT_NO_AMX) && amx_int8())
+        return &cpud_qops_amx;
     if (isa >= CPUD_ISA_AVX512) return vnni & 2 ? &cpud_qops_avx512_vnni : &cpud_qops_avx512;
     if (isa == CPUD_ISA_AVX2)
         return (vnni & 1) && CPUD_CAN_AVXVNNI ? &cpud_qops_avx2_vnni : &cpud_qops_avx2;
     return &cpud_qops_scalar;
+}
+
+/* The amx tier exists only where AMX-BF16 tile data is granted (dispatch.c). */
+static int bf16_tiles(int isa, int flags) {
+    return CPUD_CAN_AMX && isa >= CPUD_ISA_AMX && cpud_ops_for(isa) &&
+           !(flags & (CPUD_QUANT_NO_AMX | CPUD_QUANT_NO_AMX_BF16));
 }
 
 static int dt_ok(int dt) { return dt == CPUD_F32 || dt == CPUD_BF16; }
@@ -27,22 +46,37 @@ int cpud_quant_gemm(int isa, int flags, int qtype, intptr_t x, int x_dtype, int6
         (M > 1 && (x_stride < K || out_stride < N)))
         return CPUD_EARG;
     if (M == 0) return CPUD_OK;
-    const size_t nq = (size_t)(M * K + 63) / 64 * 64;
-    char *buf = aligned_alloc(64, nq + (size_t)(M * K / 32) * sizeof(float) +
-                                      (size_t)(M * K / 16) * sizeof(int32_t));
+#if CPUD_CAN_AMX
+    if (bf16_tiles(isa, flags) && M >= q_bf16_min_m[qtype] &&
+        cpud_qgemm_amx_bf16(qtype, (const void *)x, x_dtype, x_stride, (const uint8_t *)qs,
+                            (const uint8_t *)sc, (const float *)bias, (void *)out, out_dtype,
+                            out_stride, M, N, K) == CPUD_OK)
+        return CPUD_OK; /* else (no memory for its scratch) the int8 kernels, which need less */
+#endif
+    static _Thread_local void *scratch;
+    static _Thread_local size_t cap;
+    const int64_t mp = (M + ops->mrows - 1) / ops->mrows * ops->mrows;
+    const size_t nq = (size_t)(mp * K + 63) / 64 * 64, nd = (size_t)(mp * K / 32) * sizeof(float);
+    char *buf = q_grow(&scratch, &cap, nq + nd + (size_t)(mp * K / 16) * sizeof(int32_t));
     if (!buf) return CPUD_ENOMEM;
     const qact a = {(const int8_t *)buf, (const float *)(buf + nq),
-                    (const int32_t *)(buf + nq + (size_t)(M * K / 32) * sizeof(float)), K};
+                    (const int32_t *)(buf + nq + nd), K};
     ops->quantize((const void *)x, x_dtype, x_stride, M, K, (int8_t *)a.q, (float *)a.d,
                   (int32_t *)a.s);
+    if (mp > M) {
+        memset((int8_t *)a.q + M * K, 0, (size_t)((mp - M) * K));
+        memset((float *)a.d + M * (K / 32), 0, (size_t)((mp - M) * (K / 32)) * sizeof(float));
+        memset((int32_t *)a.s + M * (K / 16), 0, (size_t)((mp - M) * (K / 16)) * sizeof(int32_t));
+    }
     ops->gemm(qtype, &a, (const uint8_t *)qs, (const uint8_t *)sc, (const float *)bias,
               (void *)out, out_dtype, out_stride, M, N);
-    free(buf);
     return CPUD_OK;
 }
 
 const char *cpud_quant_kernel(int isa, int flags) {
     const cpud_qops *ops = qops_for(isa, flags);
+    if (ops && bf16_tiles(isa, flags))
+        return ops == &cpud_qops_amx ? "amx amx-int8+bf16" : "amx amx-bf16";
     return ops ? ops->name : "none";
 }
 
@@ -51,4 +85,9 @@ double cpud_quant_compute_probe(int isa, int flags, int64_t iters) {
     if (!ops || iters < 0) return -1.0;
     float sink = 0.0f;
     return ops->probe(iters, &sink);
+}
+
+int cpud_quant_bf16_min_m(int isa, int flags, int qtype) {
+    if (!qops_for(isa, flags) || qtype < CPUD_Q8_0 || qtype > CPUD_Q6_K) return -1;
+    return bf16_tiles(isa, flags) ? q_bf16_min_m[qtype] : 0;
 }

@@ -36,20 +36,26 @@ static ALWAYS_INLINE QTGT void tile_b32(const qtile *t, const int MR, const int 
     for (int64_t b = 0; b < t->nb; b++) {
         const uint8_t *q = t->q + b * (wide ? 512 : 256);
         const fv dw = fv_h16((const uint16_t *)(t->s + b * sb));
-        iv dot[4];
-        for (int m = 0; m < MR; m++) dot[m] = iv_zero();
+        iv dot[4], dot2[4]; /* two chains per row: half the dependent dots */
+        for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
         for (int c = 0; c < (wide ? 8 : 4); c++) {
             const qv w = qv_ld(q + c * 64);
             if (wide) {
-                for (int m = 0; m < MR; m++) dot[m] = iv_dot8(dot[m], w, XQ(t, m) + b * 32 + c * 4);
+                for (int m = 0; m < MR; m++) {
+                    if (c & 1)
+                        dot2[m] = iv_dot8(dot2[m], w, XQ(t, m) + b * 32 + c * 4);
+                    else
+                        dot[m] = iv_dot8(dot[m], w, XQ(t, m) + b * 32 + c * 4);
+                }
                 continue;
             }
             const qv lo = qv_lo(w), hi = qv_hi(w);
             for (int m = 0; m < MR; m++) {
                 dot[m] = iv_dot(dot[m], lo, XQ(t, m) + b * 32 + c * 8);
-                dot[m] = iv_dot(dot[m], hi, XQ(t, m) + b * 32 + c * 8 + 4);
+                dot2[m] = iv_dot(dot2[m], hi, XQ(t, m) + b * 32 + c * 8 + 4);
             }
         }
+        for (int m = 0; m < MR; m++) dot[m] = iv_add(dot[m], dot2[m]);
         for (int m = 0; m < MR; m++) {
             const float dx = XD(t, m, b);
             const int32_t sx = XS32(t, m, b);
@@ -73,8 +79,8 @@ static ALWAYS_INLINE QTGT void tile_k45(const qtile *t, const int MR, const int 
             const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
             const uint8_t *qj = q + j * sub;
             const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
-            iv dot[4];
-            for (int m = 0; m < MR; m++) dot[m] = iv_zero();
+            iv dot[4], dot2[4];
+            for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
             for (int c = 0; c < 4; c++) {
                 const qv w = qv_ld(qj + c * 64);
                 qv lo = qv_lo(w), hi = qv_hi(w);
@@ -84,9 +90,11 @@ static ALWAYS_INLINE QTGT void tile_k45(const qtile *t, const int MR, const int 
                 }
                 for (int m = 0; m < MR; m++) {
                     const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
-                    dot[m] = iv_dot(iv_dot(dot[m], lo, x), hi, x + 4);
+                    dot[m] = iv_dot(dot[m], lo, x);
+                    dot2[m] = iv_dot(dot2[m], hi, x + 4);
                 }
             }
+            for (int m = 0; m < MR; m++) dot[m] = iv_add(dot[m], dot2[m]);
             for (int m = 0; m < MR; m++) {
                 const float dx = XD(t, m, b * 8 + j);
                 acc[m] = fv_fma(fv_cvt(dot[m]), fv_mul(sc, fv_set1(dx)), acc[m]);
@@ -109,8 +117,8 @@ static ALWAYS_INLINE QTGT void tile_q6k(const qtile *t, const int MR) {
                 const uint8_t *qj = q + j * 384;
                 const qv hb = qv_ld(qj + 256 + h * 64);
                 const fv sc = fv_mul(d, fv_i8((const int8_t *)s + 32 + (2 * j + h) * 16));
-                iv dot[4];
-                for (int m = 0; m < MR; m++) dot[m] = iv_zero();
+                iv dot[4], dot2[4];
+                for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
                 for (int cc = 0; cc < 2; cc++) {
                     const int c = 2 * h + cc;
                     const qv w = qv_ld(qj + c * 64);
@@ -118,9 +126,11 @@ static ALWAYS_INLINE QTGT void tile_q6k(const qtile *t, const int MR) {
                     const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
                     for (int m = 0; m < MR; m++) {
                         const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
-                        dot[m] = iv_dot(iv_dot(dot[m], lo, x), hi, x + 4);
+                        dot[m] = iv_dot(dot[m], lo, x);
+                        dot2[m] = iv_dot(dot2[m], hi, x + 4);
                     }
                 }
+                for (int m = 0; m < MR; m++) dot[m] = iv_add(dot[m], dot2[m]);
                 for (int m = 0; m < MR; m++) {
                     const iv v = iv_subs(dot[m], 32 * XS(t, m, b * 16 + 2 * j + h));
                     acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(t, m, b * 8 + j))), acc[m]);
@@ -183,7 +193,7 @@ static QTGT void quantize_k(const void *x, int dt, int64_t xs, int64_t M, int64_
         q_quant_row((const char *)x + m * xs * es, dt, K, q + m * K, d + m * (K / 32), s + m * (K / 16));
 }
 
-static QTGT double probe_k(int64_t iters, float *sink) {
+static QTGT __attribute__((unused)) double probe_k(int64_t iters, float *sink) {
     double macs = 0.0;
     float total = 0.0f;
 #pragma omp parallel reduction(+ : macs, total)
@@ -193,4 +203,4 @@ static QTGT double probe_k(int64_t iters, float *sink) {
 }
 
 #define QUANT_OPS(sym, label)                                                                      \
-    const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k, .probe = probe_k}
+    const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k, .probe = probe_k, .mrows = 1}

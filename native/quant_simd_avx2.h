@@ -45,6 +45,9 @@ static inline QTGT qv qv_b4(qv h, int t) { return qv_and8(qv_shift(h, t - 4), 0x
 static inline QTGT qv qv_b6(qv h, int t) { return qv_and8(qv_shift(h, 2 * t - 4), 0x30); }
 
 static inline QTGT iv iv_zero(void) { return (iv){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline QTGT iv iv_add(iv a, iv b) {
+    return (iv){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)};
+}
 static inline QTGT iv iv_subs(iv v, int32_t s) {
     const __m256i k = _mm256_set1_epi32(s);
     return (iv){_mm256_sub_epi32(v.a, k), _mm256_sub_epi32(v.b, k)};

@@ -38,6 +38,7 @@ static inline QTGT qv qv_b6(qv h, int t) {
 }
 
 static inline QTGT iv iv_zero(void) { return _mm512_setzero_si512(); }
+static inline QTGT iv iv_add(iv a, iv b) { return _mm512_add_epi32(a, b); }
 static inline QTGT iv iv_subs(iv a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
 
 /* acc + per row sum over i of w[row][i] * x4[i]; x4: [4] i8 */

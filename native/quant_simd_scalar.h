@@ -42,6 +42,10 @@ static inline qv qv_b6(qv h, int t) {
 }
 
 static inline iv iv_zero(void) { return (iv){{0}}; }
+static inline iv iv_add(iv a, iv b) {
+    for (int r = 0; r < QR; r++) a.v[r] += b.v[r];
+    return a;
+}
 static inline iv iv_subs(iv a, int32_t s) {
     for (int r = 0; r < QR; r++) a.v[r] -= s;
     return a;

@@ -4,16 +4,20 @@ instruction peak, torch bf16 F.linear and cpud's bf16 gemm_packed, on Qwen3-0.6B
 Per format and shape: GEMV (M=1) GB/s of the GGUF bytes of the weight (the file's bytes, not
 the packed ones), with every timed sweep walking a pool of distinct weight copies of about
 --pool-mb so weights come from DRAM; the native AVX-512 read probe over a buffer of the same
-size is timed in the same rounds.  M=32 and M=512: GOP/s (2 M N K) on one cache-resident copy,
-against the int8 instruction peak (independent vpdpbusd, or vpmaddubsw + vpmaddwd, in
-registers on every thread).  Rounds interleave probe, quant, torch bf16, cpud bf16 (A B A B);
-figures are medians over --reps rounds.  Random weights: speed does not depend on values.
+size is timed in the same rounds.  Batches (default M=32, 64, 512): one row per kernel path
+quant_gemm can take at that M (on the amx tier: AMX-BF16 tiles on dequantized groups from
+bf16_tile_rows, AMX-INT8 tiles from 16 rows, AVX512-VNNI), GOP/s (2 M N K) on one
+cache-resident copy, against the int8 instruction peak of the int8 paths (independent
+vpdpbusd, or vpmaddubsw + vpmaddwd, in registers on every thread; independent 16 x 16 x 64
+tdpbssd tiles), and the ratio to cpud's bf16 gemm_packed (AMX-BF16 tiles on the amx tier).
+Rounds interleave probe, quant, torch bf16, cpud bf16 (A B A B); figures are medians over
+--reps rounds.  Random weights: speed does not depend on values.
 
 The timed quant calls go straight to the C entry point (as the fused decoder would), without
 the ~2.5 us of argument checks of the Python wrapper; the bf16 calls keep their wrappers.
 
     python perf/bench_quant_kernels.py [--threads 2] [--reps 5] [--pool-mb 1024]
-        [--formats Q4_K Q8_0] [--batches 32 512]
+        [--formats Q4_K Q8_0] [--batches 32 64 512]
 """
 
 from __future__ import annotations
@@ -35,9 +39,16 @@ import torch.nn.functional as F
 
 from cpud import native
 from cpud.native import quant
+from cpud.native.kernels import Kernels
 
-# (layer, N, K) of Qwen3-0.6B: hidden 1024, intermediate 3072, vocab 151936
-SHAPES = [("gate/up", 3072, 1024), ("o/k", 1024, 1024), ("lm_head", 151936, 1024)]
+# (layer, N, K) of Qwen3-0.6B: hidden 1024, q 2048, intermediate 3072, vocab 151936
+SHAPES = [
+    ("q", 2048, 1024),
+    ("gate/up", 3072, 1024),
+    ("gate+up", 6144, 1024),
+    ("down", 1024, 3072),
+    ("lm_head", 151936, 1024),
+]
 LM_HEAD_FORMATS = ("Q8_0", "Q6_K")
 
 
@@ -70,13 +81,13 @@ def copies_of(w: Any, nbytes: int, pool: int) -> list[Any]:
     return [w] + [w.clone() for _ in range(count - 1)]
 
 
-def raw_call(x: torch.Tensor, w: quant.QuantWeight, out: torch.Tensor) -> tuple:
+def raw_call(x: torch.Tensor, w: quant.QuantWeight, out: torch.Tensor, flags: int = 0) -> tuple:
     """Arguments of cpud_quant_gemm for fp32 x [M, K] -> out [M, N] (no wrapper overhead)."""
     isa = native.ISAS.index(native.isa())
     m, k = x.shape
     code = quant.QTYPES[w.qtype][0]
     ptrs = (w.qs.data_ptr(), w.sc.data_ptr(), 0, out.data_ptr(), 0, w.n, m, w.n, k)
-    return (isa, 0, code, x.data_ptr(), 0, k, *ptrs)
+    return (isa, flags, code, x.data_ptr(), 0, k, *ptrs)
 
 
 def gemv_row(name: str, layer: str, n: int, k: int, args: argparse.Namespace, probe: Any) -> dict:
@@ -86,7 +97,7 @@ def gemv_row(name: str, layer: str, n: int, k: int, args: argparse.Namespace, pr
     qws = copies_of(qw, qw.weight_bytes, pool)
     wb = torch.randn(n, k).to(torch.bfloat16)
     bfs = copies_of(wb, n * k * 2, pool)
-    kern = native.kernels()
+    kern = Kernels(native.isa())
     pws = copies_of(native.pack_weight(wb), n * k * 2, pool)
     x = torch.randn(1, k)
     xb = x.to(torch.bfloat16)
@@ -116,29 +127,33 @@ def gemv_row(name: str, layer: str, n: int, k: int, args: argparse.Namespace, pr
         "m": 1,
         "gbs": med,
         "quant_vs_probe": med["quant"] / med["probe"],
+        # call time of cpud's bf16 GEMV over the quantized one's
+        "speedup_vs_cpud_bf16": (n * k * 2 / med["cpud_bf16"]) / (qw.gguf_bytes / med["quant"]),
         "tok_s_equiv": med["quant"] * 1e9 / qw.gguf_bytes,
     }
 
 
-def gemm_row(
-    name: str, layer: str, n: int, k: int, m: int, args: argparse.Namespace, peak: float
-) -> dict:
+def gemm_rows(
+    name: str, layer: str, n: int, k: int, m: int, args: argparse.Namespace, peaks: dict
+) -> list[dict]:
+    """One row per kernel path at m rows, timed in the same interleaved rounds."""
     rng = np.random.default_rng(1)
     qw = quant.pack_quantized(random_rows(name, n, k, rng), name, n, k)
     wb = torch.randn(n, k).to(torch.bfloat16)
     pw = native.pack_weight(wb)
-    kern = native.kernels()
+    kern = Kernels(native.isa())
     x = torch.randn(m, k)
     xb = x.to(torch.bfloat16)
     out, outb = torch.empty(m, n), torch.empty(m, n, dtype=torch.bfloat16)
     calls = max(1, int(2e9 // (2 * m * n * k)))
     quant.quant_gemm(x, qw, out)
-    lib, args_q = native._loader.lib, raw_call(x, qw, out)
-    runs = {
-        "quant": lambda: [lib.cpud_quant_gemm(*args_q) for _ in range(calls)],
-        "torch_bf16": lambda: [F.linear(xb, wb) for _ in range(calls)],
-        "cpud_bf16": lambda: [kern.gemm_packed(xb, pw, outb) for _ in range(calls)],
-    }
+    lib, paths = native._loader.lib, kernel_paths(name, m)
+    runs: dict[str, Callable[[], object]] = {}
+    for label, (flags, _) in paths.items():
+        a = raw_call(x, qw, out, flags)
+        runs[label] = lambda a=a: [lib.cpud_quant_gemm(*a) for _ in range(calls)]
+    runs["torch_bf16"] = lambda: [F.linear(xb, wb) for _ in range(calls)]
+    runs["cpud_bf16"] = lambda: [kern.gemm_packed(xb, pw, outb) for _ in range(calls)]
     for fn in runs.values():
         fn()
     gops: dict[str, list[float]] = {key: [] for key in runs}
@@ -146,39 +161,74 @@ def gemm_row(
         for key, fn in runs.items():
             gops[key].append(2 * m * n * k * calls / timed(fn) / 1e9)
     med = {key: statistics.median(v) for key, v in gops.items()}
-    return {
-        "format": name,
-        "layer": layer,
-        "n": n,
-        "k": k,
-        "m": m,
-        "gops": med,
-        "quant_vs_int8_peak": med["quant"] / peak,
-    }
+    rows = []
+    for label, (_, peak_kernel) in paths.items():
+        rows.append(
+            {
+                "format": name,
+                "layer": layer,
+                "n": n,
+                "k": k,
+                "m": m,
+                "kernel": label,
+                "gops": {
+                    "quant": med[label],
+                    "torch_bf16": med["torch_bf16"],
+                    "cpud_bf16": med["cpud_bf16"],
+                },
+                "quant_vs_int8_peak": med[label] / peaks[peak_kernel] if peak_kernel else None,
+                "quant_vs_cpud_bf16": med[label] / med["cpud_bf16"],
+            }
+        )
+    return rows
+
+
+def kernel_paths(name: str, m: int) -> dict[str, tuple[int, str | None]]:
+    """label -> (cpud_quant_gemm flags, kernel whose int8 peak applies or None) of each
+    distinct path quant_gemm can take for m rows of name here (default flags first)."""
+    paths: dict[str, tuple[int, str | None]] = {}
+    for flags, amx, amx_bf16 in (
+        (0, True, True),
+        (quant.NO_AMX_BF16, True, False),
+        (quant.NO_AMX, False, True),
+    ):
+        rows = quant.bf16_tile_rows(name, amx=amx, amx_bf16=amx_bf16)
+        if rows is not None and m >= rows:
+            label, peak = "amx-bf16 tiles (dequantized groups)", None
+        else:
+            kernel = quant.quant_kernel(amx=amx, amx_bf16=False)
+            if m < 16 and "amx-int8" in kernel:
+                kernel = quant.quant_kernel(amx=False)
+            label, peak = kernel, kernel
+        paths.setdefault(label, (flags, peak))
+    return paths
 
 
 class ReadProbe:
     def __init__(self, nbytes: int) -> None:
         self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         self.bytes = nbytes
-        self.kern = native.Kernels(
-            "avx512" if "avx512" in native.supported_isas() else native.isa()
-        )
+        self.kern = Kernels("avx512" if "avx512" in native.supported_isas() else native.isa())
 
     def __call__(self) -> int:
         return self.kern.read_probe(self.buf)
 
 
-def int8_peak(reps: int) -> float:
-    """GOP/s of the int8 compute probe, median of reps."""
-    iters = 2_000_000
-    quant.quant_compute_probe(iters // 10)
-    return statistics.median(probe_gops(iters) for _ in range(reps))
+def int8_peaks(reps: int) -> dict[str, float]:
+    """GOP/s of the int8 compute probe of each kernel this tier runs, median of reps."""
+    peaks = {}
+    for amx in (False, True):
+        iters = 2_000_000 if not amx else 200_000
+        quant.quant_compute_probe(iters // 10, amx=amx)
+        peaks[quant.quant_kernel(amx=amx, amx_bf16=False)] = statistics.median(
+            probe_gops(iters, amx) for _ in range(reps)
+        )
+    return peaks
 
 
-def probe_gops(iters: int) -> float:
+def probe_gops(iters: int, amx: bool) -> float:
     t0 = time.perf_counter()
-    ops = quant.quant_compute_probe(iters)
+    ops = quant.quant_compute_probe(iters, amx=amx)
     return ops / (time.perf_counter() - t0) / 1e9
 
 
@@ -198,22 +248,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pool-mb", type=int, default=1024)
     ap.add_argument("--formats", nargs="+", default=list(quant.QTYPES))
-    ap.add_argument("--batches", nargs="+", type=int, default=[32, 512])
+    ap.add_argument("--batches", nargs="+", type=int, default=[32, 64, 512])
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     probe = ReadProbe((args.pool_mb << 20) // 4096 * 4096)
-    peak = int8_peak(args.reps)
+    peaks = int8_peaks(args.reps)
     print(
         f"kernel {quant.quant_kernel()} (tier {native.isa()}), {args.threads} threads, "
-        f"int8 peak {peak:.0f} GOP/s"
+        "int8 peak " + ", ".join(f"{k} {v:.0f} GOP/s" for k, v in peaks.items())
     )
     rows = []
     print(
         "| format | layer | N x K | M | quant GB/s | probe GB/s | quant/probe "
-        "| torch bf16 GB/s | cpud bf16 GB/s |"
+        "| torch bf16 GB/s | cpud bf16 GB/s | speedup vs cpud bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
         for layer, n, k in SHAPES:
             if layer == "lm_head" and name not in LM_HEAD_FORMATS:
@@ -223,25 +273,28 @@ def main() -> None:
             g = r["gbs"]
             print(
                 f"| {name} | {layer} | {n} x {k} | 1 | {g['quant']:.1f} | {g['probe']:.1f} | "
-                f"{r['quant_vs_probe']:.0%} | {g['torch_bf16']:.1f} | {g['cpud_bf16']:.1f} |"
+                f"{r['quant_vs_probe']:.0%} | {g['torch_bf16']:.1f} | {g['cpud_bf16']:.1f} | "
+                f"{r['speedup_vs_cpud_bf16']:.2f}x |"
             )
     print()
     print(
-        "| format | layer | N x K | M | quant GOP/s | of int8 peak "
-        "| torch bf16 GFLOP/s | cpud bf16 GFLOP/s |"
+        "| format | layer | N x K | M | kernel | quant GOP/s | of int8 peak "
+        "| torch bf16 GFLOP/s | cpud bf16 GFLOP/s | quant / cpud bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
-        for layer, n, k in SHAPES[:2]:
+        for layer, n, k in SHAPES[:-1]:
             for m in args.batches:
-                r = gemm_row(name, layer, n, k, m, args, peak)
-                rows.append(r)
-                g = r["gops"]
-                print(
-                    f"| {name} | {layer} | {n} x {k} | {m} | {g['quant']:.0f} | "
-                    f"{r['quant_vs_int8_peak']:.0%} | {g['torch_bf16']:.0f} | "
-                    f"{g['cpud_bf16']:.0f} |"
-                )
+                for r in gemm_rows(name, layer, n, k, m, args, peaks):
+                    rows.append(r)
+                    g = r["gops"]
+                    peak = r["quant_vs_int8_peak"]
+                    print(
+                        f"| {name} | {layer} | {n} x {k} | {m} | {r['kernel']} | "
+                        f"{g['quant']:.0f} | {'-' if peak is None else f'{peak:.0%}'} | "
+                        f"{g['torch_bf16']:.0f} | {g['cpud_bf16']:.0f} | "
+                        f"{r['quant_vs_cpud_bf16']:.2f}x |"
+                    )
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -250,7 +303,7 @@ def main() -> None:
         "isa": native.isa(),
         "kernel": quant.quant_kernel(),
         "threads": args.threads,
-        "int8_peak_gops": peak,
+        "int8_peak_gops": peaks,
     }
     path = out / f"quant_kernels-{stamp}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

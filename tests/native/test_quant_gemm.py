@@ -8,6 +8,17 @@ by at most d_x / 2 (d_x = its block's amax / 127), so |error| <= (d_x / 2) @ |W|
 term; a bf16 output adds 2^-8 relative.  Weights: Q8_0 / Q4_0 / Q4_1 quantized by gguf from
 Gaussians; K-quants (gguf cannot quantize them) are random bytes with small positive fp16 d,
 dmin, which is every valid block.
+The amx tier runs 16+ rows on AMX-INT8 tiles with the same integer dots and the same fp32
+operations in the same order as AVX512-VNNI, so there its results must equal those bit for bit.
+From bf16_tile_rows(qtype) rows it runs AMX-BF16 tiles on weights dequantized to bf16 (fp32
+sw * q + mw, rounded to nearest even) and x rounded to bf16, accumulating in fp32.  Reference:
+bf16(x) @ bf16(W)^T in fp64 with W from gguf.  The products of bf16 values are exact in fp32;
+what remains is fp32 accumulation (1e-5 relative to |x| @ |W|^T, as above) and the rare weight
+whose fp32 value, computed in another order than gguf's, rounds to the neighbouring bf16: one
+bf16 ulp (2^-8 relative) on a few weights, bounded by 2^-8 |x| @ |W|^T over the few differing
+weights; the test allows that on at most 1 in 1000 weights' worth (2^-8 * 1e-3 relative).
+The int8 kernels' error against the unquantized x is 1-2 orders above that bound, so passing it
+also shows the bf16 path ran.
 """
 
 from __future__ import annotations
@@ -25,10 +36,12 @@ from cpud.native import quant
 
 TIERS = native.supported_isas()
 # (tier, vnni): the distinct kernels each tier can run here
-VARIANTS = [("scalar", True)] + [
-    (isa, v) for isa in ("avx2", "avx512") if isa in TIERS for v in (False, True)
-]
-MS = [1, 2, 3, 7, 16, 33, 64, 512]
+VARIANTS = (
+    [("scalar", True)]
+    + [(isa, v) for isa in ("avx2", "avx512") if isa in TIERS for v in (False, True)]
+    + [("amx", True)] * ("amx" in TIERS)
+)
+MS = [1, 2, 3, 7, 16, 17, 31, 32, 33, 64, 512]
 NS = [1, 7, 96, 250]
 KS = {"Q8_0": [32, 96, 160, 512], "Q4_0": [96, 160, 256], "Q4_1": [32, 160, 256]}
 KS.update({t: [256, 512] for t in ("Q4_K", "Q5_K", "Q6_K")})
@@ -88,22 +101,23 @@ def test_quant_gemm(isa, vnni, name, M, N):
     for K in KS[name]:
         _, w, packed = weight(name, N, K)
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M * 31 + K))
-        out = quant.quant_gemm(x, packed, isa=isa, vnni=vnni)
+        out = quant.quant_gemm(x, packed, isa=isa, vnni=vnni, amx_bf16=False)
         assert out.shape == (M, N) and out.dtype == torch.float32
         check(out, x, w)
 
 
 @pytest.mark.parametrize("isa", TIERS)
 @pytest.mark.parametrize("name", list(quant.QTYPES))
-def test_every_tier_bf16_strides_bias(isa, name):
-    M, N, K = 5, 40, 512
+@pytest.mark.parametrize("M", [5, 21])
+def test_every_tier_bf16_strides_bias(isa, name, M):
+    N, K = 40, 512
     raw, w, _ = weight(name, N, K)
     bias = torch.randn(N)
     packed = quant.pack_quantized(torch.from_numpy(raw), T[name], N, K, bias=bias)
     xbuf = torch.randn(M, K + 64).to(torch.bfloat16)
     x = xbuf[:, 32 : 32 + K]
     obuf = torch.full((M, N + 3), 7.0, dtype=torch.bfloat16)
-    assert quant.quant_gemm(x, packed, obuf[:, :N], isa=isa) is not None
+    assert quant.quant_gemm(x, packed, obuf[:, :N], isa=isa, amx_bf16=False) is not None
     check(obuf[:, :N], x, w, bias)
     assert torch.all(obuf[:, N:] == 7.0)
 
@@ -121,9 +135,94 @@ def test_zero_rows_and_errors():
     assert packed.gguf_bytes == 7 * 144
 
 
+@pytest.mark.parametrize("name", list(quant.QTYPES))
+@pytest.mark.parametrize("M", [16, 17, 31, 32, 33, 64, 512])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_amx_tiles_equal_vnni(name, M, out_dtype):
+    if "amx" not in TIERS:
+        assert not quant.quant_kernel().startswith("amx")
+        return
+    assert quant.quant_kernel("amx", amx_bf16=False) == "amx amx-int8"
+    assert quant.quant_kernel("amx", amx=False) == "avx512 avx512-vnni"
+    N = 250
+    for K in KS[name] + [768] * (name in ("Q4_K", "Q5_K", "Q6_K")):
+        raw, _, _ = weight(name, N, K)
+        packed = quant.pack_quantized(raw, name, N, K, bias=torch.randn(N))
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + K)) * 3
+        tiles = quant.quant_gemm(
+            x, packed, torch.empty(M, N, dtype=out_dtype), isa="amx", amx_bf16=False
+        )
+        vnni = quant.quant_gemm(x, packed, torch.empty(M, N, dtype=out_dtype), "amx", amx=False)
+        assert torch.equal(tiles, vnni), (K, (tiles - vnni).abs().max())
+
+
 def test_kernel_names_and_probe():
     for isa, vnni in VARIANTS:
         name = quant.quant_kernel(isa, vnni)
         assert name.startswith(isa)
         assert vnni or "vnni" not in name
         assert quant.quant_compute_probe(10, isa, vnni) > 0
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).double().numpy()
+
+
+def check_bf16(out: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None):
+    xb, wb = bf16_round(x.float().numpy()), bf16_round(w)
+    b = 0.0 if bias is None else bias.double().numpy()
+    ref = xb @ wb.T + b
+    mag = np.abs(xb) @ np.abs(wb).T
+    tol = (1e-5 + 2.0**-8 * 1e-3) * mag + 1e-7
+    if out.dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * np.abs(ref)
+    np.testing.assert_array_less(np.abs(out.double().numpy() - ref), tol)
+
+
+# K: odd multiples of the block
+BF16_KS = {"Q8_0": [96, 160], "Q4_0": [96, 160], "Q4_1": [32, 160]}
+BF16_KS.update({t: [256, 768] for t in ("Q4_K", "Q5_K", "Q6_K")})
+
+
+@pytest.mark.parametrize("name", list(quant.QTYPES))
+@pytest.mark.parametrize("N", [7, 250])
+def test_bf16_tiles(name, N):
+    """The amx tier from bf16_tile_rows rows: bf16 weights and x, fp32 sums; below: int8."""
+    if "amx" not in TIERS:
+        assert all(quant.bf16_tile_rows(name, isa) is None for isa in TIERS)
+        return
+    rows = quant.bf16_tile_rows(name, "amx")
+    assert rows is not None and rows >= 16
+    assert quant.bf16_tile_rows(name, "amx", amx_bf16=False) is None
+    assert quant.bf16_tile_rows(name, "amx", amx=False) is None
+    for K in BF16_KS[name]:
+        _, w, packed = weight(name, N, K)
+        for M in sorted({rows - 1, rows, 65, 512}):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M * 7 + K)) * 2
+            got = quant.quant_gemm(x, packed, isa="amx")
+            int8 = quant.quant_gemm(x, packed, isa="amx", amx_bf16=False)
+            if M < rows:
+                assert torch.equal(got, int8)
+                continue
+            check_bf16(got, x, w, None)
+            full = x.double().numpy() @ w.T
+            err_bf16 = np.abs(got.double().numpy() - full).mean()
+            err_int8 = np.abs(int8.double().numpy() - full).mean()
+            assert err_bf16 < err_int8, (M, K, err_bf16, err_int8)
+
+
+@pytest.mark.parametrize("name", list(quant.QTYPES))
+def test_bf16_tiles_bf16_io_strides_bias(name):
+    if "amx" not in TIERS:
+        assert quant.quant_kernel() == quant.quant_kernel(amx_bf16=False)
+        return
+    assert quant.quant_kernel("amx") == "amx amx-int8+bf16"
+    M, N, K = 97, 40, 512
+    raw, w, _ = weight(name, N, K)
+    bias = torch.randn(N)
+    packed = quant.pack_quantized(raw, name, N, K, bias=bias)
+    x = torch.randn(M, K + 64).to(torch.bfloat16)[:, 32 : 32 + K]
+    obuf = torch.full((M, N + 3), 7.0, dtype=torch.bfloat16)
+    quant.quant_gemm(x, packed, obuf[:, :N], isa="amx")
+    check_bf16(obuf[:, :N], x, w, bias)
+    assert torch.all(obuf[:, N:] == 7.0)
