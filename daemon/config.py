@@ -11,11 +11,12 @@ from typing import Any
 
 from cpud import envs
 from cpud.errors import ConfigError
+from cpud.model.cpu_features import resolve_dtype
+from cpud.model.load import load_model_config
+from cpud.model.model_config import ModelConfig, read_json_object
+from cpud.model.safetensors_check import check_weights
+from cpud.model.sizes import kv_block_bytes
 from cpud.protocol.launch import EngineSpec
-from cpud.ranks.cpu_features import resolve_dtype
-from cpud.ranks.model_config import ModelConfig, load_model_config, read_json_object
-from cpud.ranks.safetensors_check import check_weights
-from cpud.ranks.sizes import kv_block_bytes
 
 GiB = 1 << 30
 KERNEL_KINDS = ("auto", "native", "torch")
@@ -157,7 +158,7 @@ def check_model_files(model_dir: Path) -> ModelConfig:
     before any rank starts. Reads headers only: milliseconds for any model size. A GGUF file:
     its metadata and tensor headers checked (about 0.5 s for a 50k-token vocabulary)."""
     if model_dir.is_file():
-        from cpud.ranks.gguf_model import gguf_model_config
+        from cpud.model.gguf_model import gguf_model_config
 
         return gguf_model_config(model_dir)
     model = load_model_config(model_dir)
@@ -178,7 +179,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     _positive("kv_cache_space_gib", args.kv_cache_space_gib)
     _positive("num_kv_blocks", args.num_kv_blocks)
     if Path(model_dir).is_file():
-        from cpud.ranks.gguf_model import check_gguf_split, read_gguf_model
+        from cpud.model.gguf_model import check_gguf_split, read_gguf_model
 
         check_gguf_split(read_gguf_model(model_dir), args.tp)
     if args.block_size % 16:
@@ -233,7 +234,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
 
 def resolve_quantization(args: EngineArgs, model: ModelConfig, model_dir: Path, dtype: str) -> str:
     """The --quantization value checked against the model (ConfigError in one line)."""
-    from cpud.ranks.quant_check import check_gguf_dense, check_quantization, check_runs_quantized
+    from cpud.model.quant_check import check_gguf_dense, check_quantization, check_runs_quantized
 
     value = args.quantization
     if args.int8_kernels is not None:

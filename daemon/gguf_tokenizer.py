@@ -5,7 +5,7 @@ file's `tokenizer.ggml.pre`. `llama`: SentencePiece BPE, merges ranked by the to
 byte fallback to <0xXX> tokens, a space prefix on each text run (add_space_prefix).
 
 The tokenizer keys are read with the gguf package's reader over a memory map of the file
-(ranks/gguf_file.py; about 0.5 s for a 49k-token vocabulary and its merges).
+(daemon/model/gguf_file.py; about 0.5 s for a 49k-token vocabulary and its merges).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from cpud.errors import ConfigError, one_line
-from cpud.ranks.gguf_file import field_value, open_gguf
+from cpud.model.gguf_file import field_value, open_gguf
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2 = (

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from cpud.chat_template import ChatTemplates, hf_chat_templates, load_chat_template
 from cpud.errors import ConfigError
-from cpud.ranks.model_config import read_json_object
+from cpud.model.model_config import read_json_object
 
 
 def _read_json(path: Path) -> dict[str, Any]:

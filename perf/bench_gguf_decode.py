@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
-from cpud.ranks.model_config import load_model_config
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 

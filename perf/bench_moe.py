@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from cpud import native
+from cpud.model.load import load_model_config
 from cpud.native.hugepages import huge_empty
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.layers.moe import SparseMoeBlock, route
-from cpud.ranks.model_config import load_model_config
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 

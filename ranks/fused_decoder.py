@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from cpud.native.kernels import DTYPE_CODE, check_rc
-from cpud.ranks.layers.attention import AttentionMetadata
 from cpud.ranks.models.llama import KVCache, LlamaForCausalLM
 from cpud.ranks.ops import Ops
+from cpud.ranks.paged_kv import AttentionMetadata
 from cpud.ranks.parallel import TPGroup
 
 _INDEX_DTYPES = (

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
+from cpud.model.model_config import ModelConfig
 from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.fused_decoder import FusedDecoder, unsupported_reason
 from cpud.ranks.kv_pretouch import KVPretouch
 from cpud.ranks.loader import load_weights
-from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.models import (
     begin_native_pack,
     build_model,
@@ -93,7 +93,7 @@ class ModelRunner:
     def _quant_plan(self) -> tuple[dict, bool]:
         """The linears kept quantized (native kernels, bf16 or fp32): a GGUF file's blocks, or
         every linear under a dense --quantization."""
-        from cpud.ranks.quant_check import DENSE_TYPES
+        from cpud.model.quant_check import DENSE_TYPES
 
         config = self.config
         native = self.ops.name == "native" and config.dtype in (torch.bfloat16, torch.float32)
@@ -123,8 +123,8 @@ class ModelRunner:
         """Load with every matmul weight packed for the native GEMM (bf16 skinny GEMM, or the
         quantized GEMM on the linears in `plan`): mapped from the weight cache when this shard
         is there, else packed while it loads and then written to the cache."""
+        from cpud.model.quant_check import DENSE_TYPES
         from cpud.ranks import quantize_dense as qd
-        from cpud.ranks.quant_check import DENSE_TYPES
         from cpud.ranks.quant_linear import begin_quant, cache_shapes, finish_quant
 
         config = self.config

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cpud.config import KERNEL_KINDS as KINDS
 from cpud.errors import ConfigError
-from cpud.ranks.layers.attention import AttentionMetadata, causal_mask, gather_context, write_kv
+from cpud.ranks.paged_kv import AttentionMetadata, causal_mask, gather_context, write_kv
 
 
 class Ops(Protocol):

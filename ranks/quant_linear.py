@@ -18,12 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 from torch import nn
 
 from cpud.errors import ConfigError
-from cpud.native.quant import QTYPES, ROWS, QuantWeight, pack_quantized, quant_gemm
+from cpud.native.quant import QTYPES, ROWS, QuantWeight, pack_quantized
 from cpud.ranks.gguf_blocks import Blocks
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, PackableLinear, RowParallelLinear
@@ -206,30 +204,6 @@ def release_file_pages(view: np.ndarray) -> None:
             mapping.madvise(mmap.MADV_DONTNEED)
         except (OSError, ValueError):
             pass  # only the resident figure is larger
-
-
-def quant_matmul(
-    x: torch.Tensor, parts: list[tuple[int, QuantWeight]], n: int, isa: str | None = None
-) -> torch.Tensor:
-    """x [..., K] @ W^T for a layer of quantized parts; [..., n] in x's dtype."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if len(parts) == 1 and parts[0][1].n == n:
-        out = quant_gemm(x2, parts[0][1], isa=isa)
-    else:
-        out = torch.empty(x2.shape[0], n, dtype=x.dtype)
-        for offset, weight in parts:
-            quant_gemm(x2, weight, out[:, offset : offset + weight.n], isa=isa)
-    return out.reshape(*lead, n)
-
-
-def dequantize_rows(blocks: Blocks, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a table kept in blocks, dequantized to dtype: [len(ids), columns]."""
-    picked = blocks.data[ids.numpy()]
-    values = dequantize(picked, GGMLQuantizationType(blocks.qtype)).reshape(len(ids), -1)
-    return torch.from_numpy(values).to(dtype)
 
 
 def quant_bytes(model: nn.Module) -> int:

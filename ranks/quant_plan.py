@@ -8,13 +8,13 @@ from typing import Any
 
 from torch import nn
 
-from cpud.ranks.gguf_model import read_gguf_model
-from cpud.ranks.gguf_names import hf_name
+from cpud.model.gguf_model import read_gguf_model
+from cpud.model.gguf_names import hf_name
+from cpud.model.model_config import ModelConfig
+from cpud.model.quant_check import DENSE_TYPES, HEAD_TYPE
+from cpud.ranks.checkpoint_targets import stacked_target
 from cpud.ranks.layers.embedding import ParallelLMHead
 from cpud.ranks.layers.linear import PackableLinear
-from cpud.ranks.loader import stacked_target
-from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.quant_check import DENSE_TYPES, HEAD_TYPE
 from cpud.ranks.quant_linear import FLOAT_TYPES, QuantPart, plan_layer, quantizable_layers
 
 EMBEDDING = "token_embd.weight"
@@ -46,10 +46,16 @@ def gguf_quant_plan(model: nn.Module, path: str | Path) -> tuple[dict[str, list[
     return plan, not model.cfg.tie_word_embeddings and embedding not in FLOAT_TYPES
 
 
-def _kernel(isa: str | None = None) -> str:
-    from cpud.native.quant import quant_kernel
+def _kernel(isa: str | None = None, qtype: str = "Q8_0") -> str:
+    """e.g. "avx2 avx-vnni int8 dot", or on AMX "amx int8 dot (AMX-INT8 tiles from 16 rows,
+    AMX-BF16 tiles from 64)" (the tiers and thresholds quant_gemm picks for qtype)."""
+    from cpud.native.quant import bf16_tile_rows, quant_kernel
 
-    return f"{quant_kernel(isa)} int8 dot"
+    name = quant_kernel(isa)
+    if "+bf16" not in name:
+        return f"{name} int8 dot"
+    tiles = bf16_tile_rows(qtype.split(" ")[0], isa)
+    return f"amx int8 dot (AMX-INT8 tiles from 16 rows, AMX-BF16 tiles from {tiles})"
 
 
 def _plural(n: int, word: str) -> str:
@@ -71,9 +77,8 @@ def describe_weights(model: nn.Module, isa: str | None = None) -> str:
         dense += not formats
         if isinstance(layer, ParallelLMHead):
             head = formats
-    kernel = _kernel(isa) if counts else ""
     parts = [
-        f"{q}: {kernel}, {_plural(n, 'linear')}" + (" (lm_head)" if q in head else "")
+        f"{q}: {_kernel(isa, q)}, {_plural(n, 'linear')}" + (" (lm_head)" if q in head else "")
         for q, n in counts.most_common()
     ]
     table = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -105,8 +110,12 @@ def weight_formats(
             return [("dense", linears + (not cfg.tie_word_embeddings), "dense GEMM")]
         at_load = " (quantized at load)"
         return [
-            (DENSE_TYPES[quantization] + at_load, linears, _kernel()),
-            (HEAD_TYPE + at_load, 1, _kernel()),
+            (
+                DENSE_TYPES[quantization] + at_load,
+                linears,
+                _kernel(None, DENSE_TYPES[quantization]),
+            ),
+            (HEAD_TYPE + at_load, 1, _kernel(None, HEAD_TYPE)),
             (f"embedding {HEAD_TYPE}", 1, "rows dequantized per token"),
         ]
     checked = read_gguf_model(path)
@@ -119,7 +128,7 @@ def weight_formats(
     blocks_run = fast and quantization == "auto"
     rows = []
     for qtype, count in counts.most_common():
-        kernel = _kernel() if blocks_run and qtype in QTYPES else "dense GEMM"
+        kernel = _kernel(None, qtype) if blocks_run and qtype in QTYPES else "dense GEMM"
         if kernel == "dense GEMM" and qtype not in FLOAT_TYPES:
             kernel += " (dequantized at load)"
         rows.append((qtype, count, kernel))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from cpud.protocol.step import SeqWork, StepPlan
-from cpud.ranks.layers.attention import AttentionMetadata
+from cpud.ranks.paged_kv import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def runner_config(engine: EngineSpec) -> RunnerConfig:
 def build_runner(
     engine: EngineSpec, group: object, progress: Callable[[int, int], None] | None = None
 ) -> ModelRunner:
-    from cpud.ranks.model_config import load_model_config
+    from cpud.model.load import load_model_config
     from cpud.ranks.model_runner import ModelRunner
 
     return ModelRunner(runner_config(engine), load_model_config(engine.model_dir), group, progress)

@@ -89,7 +89,7 @@ def hf_gguf():
     uses (Qwen3's attention.key_length; llama3 RoPE factors, which it ignores)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cpud.ranks.gguf_file import FastReader
+    from cpud.model.gguf_file import FastReader
 
     cache: dict[tuple, torch.nn.Module] = {}
     name_map = functools.lru_cache(gguf.get_tensor_name_map)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from cpud import LLM, SamplingParams
 from cpud.errors import ConfigError, RequestError
-from cpud.ranks.cpu_features import resolve_dtype
+from cpud.model.cpu_features import resolve_dtype
 
 
 @pytest.fixture

@@ -159,8 +159,8 @@ def test_resident_memory_is_about_file_size_plus_kv_and_runtime(tmp_path):
     """--quantization auto keeps no bf16 copy: the rank's resident memory stays under the file's
     size + KV cache + 512 MiB runtime, and below --quantization none's (which holds the bf16
     weights) by at least half the bf16 weights' excess over the file."""
+    from cpud.model.gguf_model import read_gguf_model
     from cpud.placement.memory_plan import RANK_RUNTIME_BYTES
-    from cpud.ranks.gguf_model import read_gguf_model
 
     path = default_model_path()
     file_bytes = path.stat().st_size

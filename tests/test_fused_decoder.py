@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from cpud import LLM, native
+from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.fused_decoder import FusedDecoder, unsupported_reason
-from cpud.ranks.model_config import load_model_config
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.stats import TimedGroup
 

@@ -25,10 +25,10 @@ from cpud import LLM, SamplingParams
 from cpud.config import EngineArgs, resolve_config
 from cpud.errors import ConfigError
 from cpud.llm import resolve_model_dir
+from cpud.model.gguf_model import SUPPORTED_TYPES, read_gguf_model
+from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
-from cpud.ranks.gguf_model import SUPPORTED_TYPES, read_gguf_model
 from cpud.ranks.layers.rotary import rope_inv_freq
-from cpud.ranks.model_config import load_model_config
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 from cpud.ranks.weight_cache import checkpoint_fingerprint

@@ -15,10 +15,10 @@ from test_gguf_model import default_model_file, prompt_of, reference
 
 import cpud.fixtures
 from cpud import LLM, SamplingParams, native
+from cpud.model.gguf_model import read_gguf_model
+from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.fused_decoder import FusedDecoder
-from cpud.ranks.gguf_model import read_gguf_model
-from cpud.ranks.model_config import load_model_config
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 from cpud.ranks.quant_linear import quant_bytes
@@ -151,9 +151,19 @@ def test_tp2_tokens_equal_tp1(which, gguf_file, mixed_file):
     path = mixed_file if which == "mixed" else gguf_file("llama", T.Q4_0)
     prompts = [[5, 6, 7, 8, 9], list(range(10, 90)), [300, 12, 44]]
     kw = dict(dtype="float32", kernels="native", weight_cache="off", quantization="auto")
-    expected = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, GREEDY)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    expected = [o.outputs[0] for o in LLM(path, **kw).generate(prompts, params)]
     with LLM(path, tp=2, bind="0|1", **kw) as llm:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for one, two in zip(expected, got):
+        # Tokens agree up to the first near tie of the one-rank run (the K halves' partial
+        # sums add in another order; on AMX a long prompt's bf16 tiles round differently).
+        for step, (token, top) in enumerate(zip(one.token_ids, one.logprobs)):
+            first, second = sorted((lp.logprob for lp in top.values()), reverse=True)[:2]
+            if first - second < 0.02:
+                break
+            assert two.token_ids[step] == token, (step, one.token_ids, two.token_ids)
+            assert abs(two.logprobs[step][token].logprob - top[token].logprob) < 0.05
 
 
 def test_weight_cache_round_trip(gguf_file, tmp_path):
@@ -196,7 +206,7 @@ def test_weight_cache_with_dense_and_quantized_linears(mixed_file, tmp_path, dty
 def test_weight_formats_of_a_file(mixed_file):
     rows = {fmt: (count, kernel) for fmt, count, kernel in weight_formats(mixed_file)}
     assert rows["Q5_0"] == (1, "dense GEMM (dequantized at load)")
-    assert rows["Q6_K"][1].endswith("int8 dot") and rows["Q4_K"][0] > rows["Q6_K"][0]
+    assert "int8 dot" in rows["Q6_K"][1] and rows["Q4_K"][0] > rows["Q6_K"][0]
     assert rows["embedding Q4_K"] == (1, "rows dequantized per token")
 
 

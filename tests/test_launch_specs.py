@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -84,11 +86,21 @@ def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_no_import_cycle_outside_the_model_code():
+def test_no_import_cycle_anywhere():
     graph = import_graph()
     assert "cpud.ranks.worker" in graph and "cpud.engine.multiproc" in graph
-    outside = [c for c in cycles(graph) if any(not m.startswith("cpud.ranks.") for m in c)]
-    assert outside == []
+    assert "cpud.ranks.layers.attention" in graph and "cpud.model.gguf_model" in graph
+    assert cycles(graph) == []
+
+
+def test_model_facts_never_import_the_ranks():
+    graph = import_graph()
+    for name in (m for m in graph if m.startswith("cpud.model")):
+        assert not {t for t in graph[name] if t.startswith("cpud.ranks")}, name
+    owners = ["cpud.config", *(m for m in graph if m.startswith("cpud.placement"))]
+    assert "cpud.placement.memory_plan" in owners
+    for owner in owners:
+        assert not {m for m in reaches(graph, owner) if m.startswith("cpud.ranks")}, owner
 
 
 def test_ranks_never_import_the_engine_or_the_frontend():
@@ -208,3 +220,11 @@ def test_every_engine_setting_has_a_serve_flag_and_reaches_doctor():
     argv = ["doctor", "--kv-cache-fraction", "0.5", "--kernels", "torch", "--collective", "gloo"]
     engine = inputs_from_args(build_parser().parse_args(argv)).engine
     assert (engine.kv_cache_fraction, engine.kernels, engine.collective) == (0.5, "torch", "gloo")
+
+
+def test_the_model_facts_load_without_torch():
+    names = sorted(m for m in import_graph() if m.startswith("cpud.model."))
+    assert "cpud.model.model_config" in names and "cpud.model.gguf_model" in names
+    code = f"import sys\nfor n in {names!r}: __import__(n)\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr

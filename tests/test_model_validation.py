@@ -18,7 +18,7 @@ import pytest
 from cpud import LLM
 from cpud.config import EngineArgs, resolve_config
 from cpud.errors import ConfigError
-from cpud.ranks.model_config import parse_model_config
+from cpud.model.model_config import parse_model_config
 from cpud_server_helpers import free_port
 
 
@@ -194,7 +194,7 @@ def test_tensor_in_two_shards(model_copy):
 def test_valid_fixtures_pass_and_open(model_factory, arch):
     from safetensors import safe_open
 
-    from cpud.ranks.safetensors_check import check_weights
+    from cpud.model.safetensors_check import check_weights
 
     for kwargs in ({}, {"max_shard_bytes": 40_000}):
         d = model_factory(arch, **kwargs)
@@ -208,7 +208,7 @@ def test_valid_fixtures_pass_and_open(model_factory, arch):
 
 def test_headers_only(tmp_path):
     """A 16 GiB tensor (a sparse file) is checked in milliseconds: only headers are read."""
-    from cpud.ranks.safetensors_check import check_safetensors
+    from cpud.model.safetensors_check import check_safetensors
 
     path = tmp_path / "model.safetensors"
     size = 1 << 34
@@ -227,7 +227,7 @@ def test_corrupt_files_also_fail_the_reader(tmp_path):
     reader's own rules (contiguous, fully covered) are applied before any rank starts."""
     from safetensors import safe_open
 
-    from cpud.ranks.safetensors_check import check_safetensors
+    from cpud.model.safetensors_check import check_safetensors
 
     path = tmp_path / "model.safetensors"
     a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
@@ -428,7 +428,7 @@ def test_random_header_damage_is_a_config_error_or_readable(model_factory, tmp_p
 
     from safetensors import safe_open
 
-    from cpud.ranks.safetensors_check import check_safetensors
+    from cpud.model.safetensors_check import check_safetensors
 
     raw = (model_factory("llama") / "model.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])

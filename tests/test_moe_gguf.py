@@ -132,11 +132,11 @@ def test_gguf_moe_metadata_and_tp_split_checks(moe_gguf):
     reader = gguf.GGUFReader(str(path))
     names = [t.name for t in reader.tensors]
     assert "blk.0.ffn_down_exps.weight" in names and "blk.1.ffn_down.weight" in names
-    from cpud.ranks.gguf_model import read_gguf_model
+    from cpud.model.gguf_model import read_gguf_model
 
     model = read_gguf_model(path)
     assert model.config.dense_layers == (1,) and model.config.num_experts_per_tok == 2
     with pytest.raises(ConfigError, match="--tp"):
-        from cpud.ranks.gguf_model import check_gguf_split
+        from cpud.model.gguf_model import check_gguf_split
 
         check_gguf_split(model, 3)

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
+from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
-from cpud.ranks.model_config import load_model_config
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 

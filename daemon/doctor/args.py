@@ -80,8 +80,8 @@ def inputs_from_args(args: argparse.Namespace) -> DoctorInputs:
     """The inputs to check; ConfigError (exit 2) where the arguments name nothing usable."""
     from cpud.config import EngineArgs, engine_kwargs
     from cpud.doctor.inputs import DoctorInputs
+    from cpud.model.cpu_features import parse_dtype
     from cpud.model_dir import resolve_model_dir
-    from cpud.ranks.cpu_features import parse_dtype
 
     if args.model is not None:
         resolve_model_dir(args.model)

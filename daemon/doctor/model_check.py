@@ -10,7 +10,7 @@ from cpud.doctor.report import Check, gib
 
 
 def _gguf_details(path: Path) -> tuple[dict[str, object], tuple[str, ...]]:
-    from cpud.ranks.gguf_model import read_gguf_model
+    from cpud.model.gguf_model import read_gguf_model
 
     model = read_gguf_model(path)
     counts: dict[str, int] = {}

@@ -16,6 +16,7 @@ from typing import TypeVar
 from cpud.config import EngineConfig
 from cpud.doctor.inputs import DoctorInputs
 from cpud.errors import CpudError
+from cpud.model.sizes import kv_block_bytes
 from cpud.placement.binding import BindingPlan, BindingSpec, binding_spec, plan_binding
 from cpud.placement.cgroup import CgroupCpuset, read_cpuset
 from cpud.placement.memory_plan import FRONTEND_BYTES, MemoryPlan, overhead_bytes
@@ -27,7 +28,6 @@ from cpud.placement.start import (
     size_kv_cache,
 )
 from cpud.placement.topology import Topology, discover_topology
-from cpud.ranks.sizes import kv_block_bytes
 
 GiB = 1 << 30
 T = TypeVar("T")

@@ -15,6 +15,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from cpud.config import EngineConfig
+from cpud.engine.admission import Admission
 from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.executor import Executor
@@ -114,8 +115,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Checks a request against the model; returns its effective max_tokens."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
+        """Checks a request against the model, once; RequestError for what does not fit. The
+        result carries what the checks worked out (the output budget, the compiled grammar)
+        to `admit`. Thread-safe: the server runs it before the request reaches the engine
+        thread, in a worker thread when it compiles a grammar."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", param="prompt")
         vocab = self.config.model.vocab_size
@@ -146,8 +150,9 @@ class LLMEngine:
                 f"logit_bias names token {bad}, outside the vocabulary [0, {vocab})",
                 param="logit_bias",
             )
+        grammar = None
         if params.structured is not None:
-            self.grammars.check(params.structured)
+            grammar = self.grammars.matcher(params.structured)
         max_tokens = params.max_tokens or room
         needed = -(-(len(prompt_token_ids) + max_tokens) // self.config.block_size)
         if needed > self.config.num_kv_blocks:
@@ -156,7 +161,7 @@ class LLMEngine:
                 f"{self.config.num_kv_blocks}: lower max_tokens or raise --kv-cache-space",
                 param="max_tokens",
             )
-        return max_tokens
+        return Admission(tuple(prompt_token_ids), params, max_tokens, grammar)
 
     def add_request(
         self,
@@ -165,10 +170,16 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> None:
-        """Admit a request, or raise (RequestError for its own faults) and change nothing."""
+        """Check and admit a request, or raise (RequestError for its own faults) and change
+        nothing."""
+        self.admit(request_id, self.validate(prompt_token_ids, params), prompt)
+
+    def admit(self, request_id: str, admission: Admission, prompt: str | None = None) -> None:
+        """Admit a request `validate` passed, or raise (RequestError for its own faults) and
+        change nothing."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
-        self.validate(prompt_token_ids, params)
+        params, prompt_token_ids = admission.params, admission.prompt_token_ids
         seqs = []
         for index in range(params.n):
             seed = None
@@ -181,10 +192,18 @@ class LLMEngine:
                 params.skip_special_tokens,
             )
             seq = Sequence(
-                next(self._seq_ids), request_id, index, list(prompt_token_ids), params, detok, seed
+                next(self._seq_ids),
+                request_id,
+                index,
+                list(prompt_token_ids),
+                params,
+                detok,
+                seed,
+                max_tokens=admission.max_tokens,
             )
-            if params.structured is not None:
-                seq.constraint = SequenceConstraint(self.grammars.matcher(params.structured))
+            if admission.grammar is not None:
+                grammar = admission.grammar if index == 0 else admission.grammar.deep_copy()
+                seq.constraint = SequenceConstraint(grammar)
             why = wire_error(self._work(seq, 0, 0, True))
             if why is not None:
                 raise RequestError(
@@ -383,9 +402,7 @@ class LLMEngine:
             self._finish(seq, "stop", stop)
         elif seq.constraint is not None and seq.constraint.complete:
             self._finish(seq, "stop", None)  # the grammar allows nothing but end of sequence
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            self._finish(seq, "length", None)
-        elif seq.num_tokens >= self.config.max_model_len:
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:

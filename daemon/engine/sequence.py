@@ -51,6 +51,7 @@ class Sequence:
     first_token_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     constraint: SequenceConstraint | None = None  # the output grammar's state, if any
+    max_tokens: int = 2**31 - 1  # output budget: the request's, else the context's room
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import LLMEngine, RequestFailedError, describe
 from cpud.engine.outputs import RequestOutput
 from cpud.errors import CpudError, RequestError
@@ -36,8 +37,7 @@ class QueueFullError(CpudError):
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    admission: Admission
     prompt: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -111,28 +111,28 @@ class AsyncEngine:
             step_seconds=self._step_seconds,
         )
 
+    async def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
+        """The engine's one check of a request (RequestError when it does not fit); what it
+        returns goes to `generate`. A constrained request compiles its grammar in a worker
+        thread, so the event loop never waits on a compile."""
+        if params.structured is not None:
+            return await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
+        return self.engine.validate(prompt_token_ids, params)
+
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
+        self, request_id: str, admission: Admission, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's output after every step that advanced it; the last one has
         finished=True. Leaving the iteration early (client gone) aborts the request."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        if params.structured is not None:  # compiles its grammar: off the event loop
-            await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
-        else:
-            self.engine.validate(prompt_token_ids, params)
         with self._lock:
             if self._pending >= self.max_waiting:
                 raise QueueFullError(f"{self._pending} requests in flight; retry shortly")
             self._pending += 1
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, sink, loop))
+        self._commands.put(_Add(request_id, admission, prompt, sink, loop))
         self._wake.set()
         finished = False
         try:
@@ -178,9 +178,7 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt_token_ids, command.params, command.prompt
-            )
+            self.engine.admit(command.request_id, command.admission, command.prompt)
         except RequestError as exc:
             self._post(command.sink, command.loop, exc)
             return

@@ -76,18 +76,18 @@ def engine_error(exc: Exception) -> APIError:
     raise exc
 
 
-def start_requests(
+async def start_requests(
     state: ServerState, base_id: str, prompts: list[Prompt], params: SamplingParams
 ) -> list[AsyncIterator[RequestOutput]]:
-    """Validate every prompt before anything runs, then start one engine request each."""
+    """Validate every prompt before anything runs, then start one engine request each with
+    what its validation found."""
     try:
-        for prompt in prompts:
-            state.engine.engine.validate(prompt.token_ids, params)
+        admitted = [await state.engine.validate(p.token_ids, params) for p in prompts]
     except RequestError as exc:
         raise engine_error(exc) from None
     return [
-        observed(state, state.engine.generate(f"{base_id}-{i}", p.token_ids, params, p.text))
-        for i, p in enumerate(prompts)
+        observed(state, state.engine.generate(f"{base_id}-{i}", admission, p.text))
+        for i, (p, admission) in enumerate(zip(prompts, admitted))
     ]
 
 
@@ -197,7 +197,7 @@ def prompt_text(state: ServerState, prompt: Prompt) -> str:
 
 
 async def respond(state: ServerState, request: Request, job: Job) -> Response:
-    streams = start_requests(state, job.request_id, job.prompts, job.params)
+    streams = await start_requests(state, job.request_id, job.prompts, job.params)
     note = access_note(request)
     note.request_id, note.model = job.request_id, job.model
     note.prompt_tokens = sum(len(p.token_ids) for p in job.prompts)

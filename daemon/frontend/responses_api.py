@@ -287,7 +287,7 @@ async def respond_responses(
     state: ServerState, request: Request, body: ResponsesRequest
 ) -> Response:
     job = await state.off_loop(lambda: chat_job(state, chat_request(body)))
-    streams = start_requests(state, job.request_id, job.prompts, job.params)
+    streams = await start_requests(state, job.request_id, job.prompts, job.params)
     answer = Answer(body, job, note=access_note(request))
     answer.note.request_id, answer.note.model = answer.id, job.model
     if body.stream:

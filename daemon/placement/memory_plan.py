@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Literal
 
 from cpud.errors import ConfigError
-from cpud.placement.binding import BindingPlan
-from cpud.placement.topology import Topology
-from cpud.ranks.model_config import ModelConfig
-from cpud.ranks.sizes import (
+from cpud.model.model_config import ModelConfig
+from cpud.model.sizes import (
     divide,
     dtype_bytes,
     kv_block_bytes,
@@ -27,6 +25,8 @@ from cpud.ranks.sizes import (
     moe_extra_params,
     vocab_shard_size,
 )
+from cpud.placement.binding import BindingPlan
+from cpud.placement.topology import Topology
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -120,7 +120,7 @@ def quantized_weight_bytes(
     at their size in the file under --quantization auto (a tied quantized table counts twice:
     the file's rows for lookups and the LM head's packed copy), the linears in their block
     type and the LM head and the table in Q8_0 under q8_0|q4_0|q4_k; the rest in `dtype`."""
-    from cpud.ranks.quant_check import BLOCKS, DENSE_TYPES, HEAD_TYPE, quantized_bytes
+    from cpud.model.quant_check import BLOCKS, DENSE_TYPES, HEAD_TYPE, quantized_bytes
 
     size = dtype_bytes(dtype)
     dense = weight_bytes(model, dtype, tp)
@@ -136,7 +136,7 @@ def quantized_weight_bytes(
         )
     if quantization != "auto" or not Path(model_dir).is_file():
         return dense
-    from cpud.ranks.gguf_model import read_gguf_model
+    from cpud.model.gguf_model import read_gguf_model
 
     checked = read_gguf_model(model_dir)
     total = dense

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpud.model.sizes import vocab_shard_size
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.linear import PackableLinear, check_shape, copy_checked, new_param
 from cpud.ranks.parallel import TPGroup
-from cpud.ranks.sizes import vocab_shard_size
 
 
 class VocabParallelEmbedding(Layer):
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(Layer):
 
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         if self.row_blocks is not None:
-            from cpud.ranks.quant_linear import dequantize_rows
+            from cpud.ranks.quant_compute import dequantize_rows
 
             return dequantize_rows(self.row_blocks, local_ids, self.dtype)
         if self.packed is None:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpud.errors import ConfigError
+from cpud.model.sizes import divide
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.parallel import TPGroup
-from cpud.ranks.sizes import divide
 
 
 def source_shape(source: Any) -> tuple[int, ...]:
@@ -99,7 +99,7 @@ class PackableLinear(Layer):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
-            from cpud.ranks.quant_linear import quant_matmul
+            from cpud.ranks.quant_compute import quant_matmul
 
             return quant_matmul(x, self.quant, self.out_rows)
         if self.packed is not None:

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpud.errors import ConfigError
+from cpud.model.model_config import ModelConfig
+from cpud.model.sizes import divide
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.linear import ReplicatedLinear, check_shape, new_param
-from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
-from cpud.ranks.sizes import divide
 
 ALL = "all"  # the shard id's expert for a stack of every expert (GGUF's *_exps tensors)
 # cpud_moe_flags (native/cpud_native.h)

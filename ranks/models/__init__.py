@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cpud.model.model_config import ModelConfig
 from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.layers.moe import MoEExperts
-from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.models.llama import LlamaForCausalLM
 from cpud.ranks.models.moe import MoeForCausalLM
 from cpud.ranks.models.opt import OPTForCausalLM

@@ -12,15 +12,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from cpud.ranks.layers.attention import AttentionMetadata, PagedAttention
+from cpud.model.model_config import ModelConfig
+from cpud.ranks.layers.attention import PagedAttention
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cpud.ranks.layers.norm import RMSNorm
 from cpud.ranks.layers.rotary import RotaryEmbedding
-from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.models.decoder_weights import DecoderLayerWeights, DecoderWeights
 from cpud.ranks.ops import Ops
+from cpud.ranks.paged_kv import AttentionMetadata
 from cpud.ranks.parallel import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpud.ranks.layers.attention import AttentionMetadata, PagedAttention
+from cpud.model.model_config import ModelConfig
+from cpud.ranks.layers.attention import PagedAttention
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import (
@@ -18,8 +19,8 @@ from cpud.ranks.layers.linear import (
     new_param,
 )
 from cpud.ranks.layers.norm import LayerNorm
-from cpud.ranks.model_config import ModelConfig
 from cpud.ranks.ops import Ops
+from cpud.ranks.paged_kv import AttentionMetadata
 from cpud.ranks.parallel import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -324,7 +324,8 @@ def run_async(llm, jobs: dict[str, SamplingParams], engine=None) -> dict[str, ob
 
     async def one(async_engine, request_id, params):
         final = None
-        async for out in async_engine.generate(request_id, [1, 2, 3], params):
+        admission = await async_engine.validate([1, 2, 3], params)
+        async for out in async_engine.generate(request_id, admission):
             final = out
         return final
 
@@ -411,7 +412,8 @@ def test_seconds_without_progress(llm):
         return stalled
 
     async def consume():
-        async for _ in async_engine.generate("r", [1, 2, 3], greedy()):
+        admission = await async_engine.validate([1, 2, 3], greedy())
+        async for _ in async_engine.generate("r", admission):
             pass
 
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cpud.errors import ConfigError
-from cpud.ranks.model_config import ModelConfig
+from cpud.model.model_config import ModelConfig
 
 # --quantization value -> GGUF type name of the linears (ranks/quantize_dense.py)
 DENSE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}
@@ -79,7 +79,7 @@ def check_gguf_dense(path: str | Path, quantization: str) -> None:
     """A GGUF file quantized already is not quantized again: ConfigError naming a tensor."""
     if quantization not in DENSE_TYPES:
         return
-    from cpud.ranks.gguf_model import read_gguf_model
+    from cpud.model.gguf_model import read_gguf_model
 
     for name, info in read_gguf_model(path).tensors.items():
         if len(info.shape) == 2 and info.type not in FLOAT_TYPES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpud.ranks.model_config import ModelConfig
+from cpud.model.model_config import ModelConfig
 
 ROWS = "rows"  # column-parallel and vocab-parallel: each rank reads whole rows
 COLUMNS = "columns"  # row-parallel: each rank reads a range of every row

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cpud.errors import ConfigError
-from cpud.ranks.model_config import is_int, read_json_object
+from cpud.model.model_config import is_int, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 # The safetensors reader refuses headers above 100 MB; real ones are well under 1 MB.

@@ -129,20 +129,6 @@ def read_json_object(path: str | Path, finite: bool = True) -> dict[str, Any]:
     return value
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """From a Hugging Face directory's config.json, or from a GGUF file's metadata."""
-    if Path(model_dir).is_file():
-        from cpud.ranks.gguf_model import gguf_model_config
-
-        return gguf_model_config(model_dir)
-    path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        raise ConfigError(f"model directory {model_dir} does not exist")
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json")
-    return parse_model_config(read_json_object(path), source=str(path))
-
-
 _REQUIRED = object()
 MAX_SIZE = 2**31 - 1
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpud.errors import ConfigError
-from cpud.ranks.model_config import ModelConfig
+from cpud.model.model_config import ModelConfig
 
 VOCAB_PADDING = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

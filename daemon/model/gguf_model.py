@@ -15,9 +15,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 
 from cpud.errors import ConfigError
-from cpud.ranks.gguf_file import array_length, field_value, open_gguf
-from cpud.ranks.gguf_names import COLUMNS, ROPE_FREQS, expected_tensors
-from cpud.ranks.model_config import ModelConfig
+from cpud.model.gguf_file import array_length, field_value, open_gguf
+from cpud.model.gguf_names import COLUMNS, ROPE_FREQS, expected_tensors
+from cpud.model.model_config import ModelConfig
 
 # GGUF general.architecture -> the Hugging Face architecture cpud runs it as.
 ARCHITECTURES = {
