@@ -159,8 +159,11 @@ class _AnyStats:
 
 class _FakeEngine:
     def __init__(self):
+        from cpud.structured.compiler import GrammarCompiler
+
         self.engine = self
         self.executor = self
+        self.grammars = GrammarCompiler(tokenizer=None)  # its statistics, nothing compiled
 
     def stats(self) -> _AnyStats:
         return _AnyStats()
