@@ -48,19 +48,21 @@ static int detect_isa(void) {
     return amx_usable(edx7, xcr0) ? CPUD_ISA_AMX : CPUD_ISA_AVX512BF16;
 }
 
-/* bit 0: AVX-VNNI (cpuid 7.1 EAX 4), bit 1: AVX512-VNNI (cpuid 7.0 ECX 11); each only where
- * the tier it extends is usable. */
+/* bit 0: AVX-VNNI (cpuid 7.1 EAX 4), bit 1: AVX512-VNNI (cpuid 7.0 ECX 11), bit 2: AMX-INT8
+ * (cpuid 7.0 EDX 25); each only where the tier it extends is usable. Read once: cpuid traps to
+ * the hypervisor in a VM, tens of microseconds a call. */
 static int detect_vnni(int isa) {
     unsigned a, b, c, d;
     if (isa < CPUD_ISA_AVX2) return 0;
     __cpuid_count(7, 0, a, b, c, d);
     const int v512 = isa >= CPUD_ISA_AVX512 && bit(c, 11);
+    const int amx8 = isa >= CPUD_ISA_AMX && bit(d, 25);
     int avx = 0;
     if (a >= 1) {
         __cpuid_count(7, 1, a, b, c, d);
         avx = bit(a, 4);
     }
-    return avx | v512 << 1;
+    return avx | v512 << 1 | amx8 << 2;
 }
 
 static int g_max_isa = CPUD_ISA_SCALAR; /* set once, at load */

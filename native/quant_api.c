@@ -1,19 +1,13 @@
 /* Public entry points of the quantized GEMM (cpud_native.h): argument checks, the kernel
  * variant for (isa, flags), and the int8 activation buffers of a call (the calling thread's
  * scratch, allocated once and grown as needed). */
-#include <cpuid.h>
 #include <stdlib.h>
 
 #include "dispatch.h"
 #include "quant.h"
 
-/* cpuid 7.0 EDX bit 25; the amx tier itself implies tile data permission (dispatch.c). */
-static int amx_int8(void) {
-    unsigned a, b, c, d;
-    if (!CPUD_CAN_AMX || __get_cpuid_max(0, NULL) < 7) return 0;
-    __cpuid_count(7, 0, a, b, c, d);
-    return (int)((d >> 25) & 1u);
-}
+/* The amx tier itself implies tile data permission (dispatch.c). */
+static int amx_int8(void) { return CPUD_CAN_AMX && (cpud_vnni_bits() & 4); }
 
 /* avx2 takes AVX-VNNI, the avx512 tiers AVX512-VNNI, the amx tier AMX-INT8 tiles, where the CPU
  * has them and flags allow. */

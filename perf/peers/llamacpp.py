@@ -53,6 +53,10 @@ PRE_TOKENIZERS = {
 # Installed by converter_pydeps(); pin as in llama.cpp's requirements-convert_legacy_llama.txt.
 CONVERTER_PYDEPS = ("sentencepiece>=0.1.98,<0.3.0",)
 NICE = ["nice", "-n", "10"]
+# llama-bench's switch off weight repacking (its CPU_REPACK / AMX buffer types): on some CPUs the
+# repacked batch kernels of this llama.cpp version crash (a general protection fault in
+# llama-bench -p 512 on Sapphire Rapids), while the plain kernels run.
+REPACK_OFF = ("--repack", "0")
 HERE = Path(__file__).resolve().parent
 
 # Wall seconds of the last build / conversion done by this process (None: cached, not run).
@@ -286,9 +290,11 @@ def bench_decode(
     reps: int = 3,
     bin_dir: Path | None = None,
     omp_wait: str | None = None,
+    repack: bool = True,
 ) -> dict:
-    """1-stream decode tok/s (llama-bench tg<n_gen>), after n_prompt tokens of context (-d)."""
-    args = ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]
+    """1-stream decode tok/s (llama-bench tg<n_gen>), after n_prompt tokens of context (-d).
+    repack=False: --repack 0 (weights used as stored, no CPU_REPACK / AMX buffers)."""
+    args = ["-p", "0", "-n", str(n_gen), "-d", str(n_prompt), *REPACK_OFF[: 2 * (not repack)]]
     (record,) = llama_bench(gguf, args, threads, reps, bin_dir, omp_wait)
     return summarize(record)
 
@@ -300,9 +306,10 @@ def bench_prefill(
     reps: int = 3,
     bin_dir: Path | None = None,
     omp_wait: str | None = None,
+    repack: bool = True,
 ) -> dict:
     """Prefill tok/s for one prompt of n_prompt tokens (llama-bench pp<n_prompt>)."""
-    args = ["-p", str(n_prompt), "-n", "0"]
+    args = ["-p", str(n_prompt), "-n", "0", *REPACK_OFF[: 2 * (not repack)]]
     (record,) = llama_bench(gguf, args, threads, reps, bin_dir, omp_wait)
     return summarize(record)
 
@@ -315,6 +322,7 @@ def bench_batched(
     threads: int = 2,
     bin_dir: Path | None = None,
     omp_wait: str | None = None,
+    repack: bool = True,
 ) -> dict:
     """Decode tok/s of `streams` sequences in one batch (llama-batched-bench, unified KV).
 
@@ -326,7 +334,7 @@ def bench_batched(
     ctx = streams * (n_prompt + n_gen) + 64
     cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-kvu"]
     cmd += ["-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", str(streams)]
-    cmd += ["--output-format", "jsonl"]
+    cmd += ["--output-format", "jsonl", *(["--no-repack"] if not repack else [])]
     env = {**os.environ, "OMP_WAIT_POLICY": omp_wait} if omp_wait else None
     log(("" if omp_wait is None else f"OMP_WAIT_POLICY={omp_wait} ") + "$ " + " ".join(cmd))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
