@@ -11,29 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from cpud.fixtures import make_model
+from slow_modules import SLOW_MODULES, TESTS
 
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
-TESTS = Path(__file__).resolve().parent
-# Modules that start daemons, run load and fuzzing sessions or compare real models with
-# transformers: most of the suite's wall time. `pytest -m "not slow"` leaves them out.
-SLOW_MODULES = frozenset(
-    {
-        "frontend/test_daemon_tp2.py",
-        "frontend/test_early_kill.py",
-        "frontend/test_lifecycle.py",
-        "frontend/test_lm_eval.py",
-        "frontend/test_load.py",
-        "frontend/test_request_bounds.py",
-        "frontend/test_schemathesis.py",
-        "frontend/test_supervisor.py",
-        "test_chat_template_sources.py",
-        "test_default_model.py",
-        "test_gguf_model.py",
-        "test_gguf_quantized.py",
-        "test_native_engine.py",
-        "test_tp_processes.py",
-    }
-)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

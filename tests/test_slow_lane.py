@@ -3,7 +3,7 @@ drop out of the slow lane unnoticed and slow the fast one down)."""
 
 from __future__ import annotations
 
-from conftest import SLOW_MODULES, TESTS
+from slow_modules import SLOW_MODULES, TESTS
 
 
 def test_every_slow_module_exists():
