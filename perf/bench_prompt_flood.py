@@ -53,12 +53,11 @@ def frontend_rss_bytes(supervisor_pid: int) -> int:
     raise RuntimeError("no frontend process found")
 
 
-def start(model: Path, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cpud.cli", "serve", "--model", str(model), "--port", str(port)]
-    cmd += ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
-    cmd += ["--kv-cache-space", "1"]
+def serve(flags: list[str], port: int, log: Path, timeout: float = 120) -> subprocess.Popen:
+    """`cpud serve --port PORT FLAGS...` with its output in log, once /health answers 200."""
+    cmd = [sys.executable, "-m", "cpud.cli", "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
@@ -71,6 +70,12 @@ def start(model: Path, port: int, args: argparse.Namespace, log: Path) -> subpro
         time.sleep(0.2)
     proc.kill()
     raise SystemExit(f"cpud serve did not become healthy: see {log}")
+
+
+def start(model: Path, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    flags = ["--model", str(model), "--max-model-len", str(args.max_model_len)]
+    flags += ["--dtype", args.dtype, "--kv-cache-space", "1"]
+    return serve(flags, port, log)
 
 
 async def stream_gaps(client: httpx.AsyncClient, tokens: int) -> list[float]:

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from bench_prompt_flood import free_port, serve  # noqa: E402
 from structured_schemas import SCHEMAS  # noqa: E402
 
 ITEM_SCHEMA = {
@@ -58,33 +57,6 @@ PROMPTS = [
     "Give me cities in South America with their countries and populations.",
     "Which are the largest cities in Africa? Country and population, please.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(model: str | None, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cpud.cli", "serve", "--port", str(port)]
-    cmd += ["--max-model-len", "2048", "--kv-cache-space", "1"]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
-            raise SystemExit(f"cpud serve exited {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"cpud serve did not become healthy: see {log}")
 
 
 def request_body(model: str, index: int, constrained: bool, max_tokens: int) -> dict:
@@ -187,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start(args.model, port, Path(tmp) / "serve.log")
+        flags = ["--max-model-len", "2048", "--kv-cache-space", "1"]
+        flags += ["--model", args.model] if args.model else []
+        proc = serve(flags, port, Path(tmp) / "serve.log", timeout=180)
         base = f"http://127.0.0.1:{port}"
         rounds = []
         try:
