@@ -142,25 +142,15 @@ def _kv_fraction(args: argparse.Namespace) -> float | None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    from cpud.config import engine_kwargs
+    from cpud.config import engine_kwargs, int8_kernels_quantization
 
-    return {
-        **engine_kwargs(vars(args)),
-        "kv_cache_fraction": _kv_fraction(args),
-        "quantization": _quantization(args),
-        "int8_kernels": None,  # read into quantization
-    }
-
-
-def _quantization(args: argparse.Namespace) -> str:
-    if args.int8_kernels is None:
-        return args.quantization
-    value = "auto" if args.int8_kernels else "none"
-    print(
-        f"cpud: warning: --int8-kernels is deprecated; it means --quantization {value}",
-        file=sys.stderr,
-    )
-    return value
+    if args.int8_kernels is not None:  # resolve_quantization reads it into quantization
+        value = int8_kernels_quantization(args.int8_kernels)
+        print(
+            f"cpud: warning: --int8-kernels is deprecated; it means --quantization {value}",
+            file=sys.stderr,
+        )
+    return {**engine_kwargs(vars(args)), "kv_cache_fraction": _kv_fraction(args)}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -232,13 +232,18 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     )
 
 
+def int8_kernels_quantization(int8_kernels: bool) -> str:
+    """The --quantization value the deprecated --int8-kernels / --no-int8-kernels means."""
+    return "auto" if int8_kernels else "none"
+
+
 def resolve_quantization(args: EngineArgs, model: ModelConfig, model_dir: Path, dtype: str) -> str:
     """The --quantization value checked against the model (ConfigError in one line)."""
     from cpud.model.quant_check import check_gguf_dense, check_quantization, check_runs_quantized
 
     value = args.quantization
     if args.int8_kernels is not None:
-        value = "auto" if args.int8_kernels else "none"
+        value = int8_kernels_quantization(args.int8_kernels)
     check_quantization(model, value, args.tp)
     check_runs_quantized(value, args.kernels, dtype)
     if model_dir.is_file():
