@@ -161,18 +161,16 @@ static ALWAYS_INLINE ATGT void epilogue(__m512 *acc, const int32_t *c, const flo
 #define EPI(i, u)                                                                                  \
     epilogue(acc, c[i], g->sw + (u) * 16, g->mw + (u) * 16, dx + (u) * 16, ex + (u) * 16, mins)
 
-/* res [16][16] = x rows [m0, m0 + 16) . the group's 16 w rows.  Four sub-blocks per step on
- * tiles 0-3, so the tile unit works on the next ones while the vector unit scales these. */
-static ALWAYS_INLINE ATGT void tile_rows(const int8_t *xq, int64_t K, int kt, int64_t nsub,
-                                         const qgroup *g, const float *dx, const float *ex,
-                                         float *res, const int mins) {
-    __m512 acc[16];
+/* acc[16] += x rows . the group's 16 w rows over sub-blocks [u0, u1).  Four sub-blocks per
+ * step on tiles 0-3, so the tile unit works on the next ones while the vector unit scales
+ * these. */
+static ALWAYS_INLINE ATGT void rows_range(const int8_t *xq, int64_t K, int kt, int64_t u0,
+                                          int64_t u1, const qgroup *g, const float *dx,
+                                          const float *ex, __m512 *acc, const int mins) {
     int32_t c[4][256] __attribute__((aligned(64)));
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
     const int64_t bstep = kt * 16;
-    int64_t u = 0;
-    for (; u + 3 < nsub; u += 4) {
+    int64_t u = u0;
+    for (; u + 3 < u1; u += 4) {
         TILE_STEP(0, 4, 6, u);
         TILE_STEP(1, 5, 7, u + 1);
         _tile_stored(0, c[0], 64);
@@ -186,13 +184,31 @@ static ALWAYS_INLINE ATGT void tile_rows(const int8_t *xq, int64_t K, int kt, in
         EPI(2, u + 2);
         EPI(3, u + 3);
     }
-    for (; u < nsub; u++) {
+    for (; u < u1; u++) {
         TILE_STEP(0, 4, 6, u);
         _tile_stored(0, c[0], 64);
         EPI(0, u);
     }
+}
+
+/* res [16][16] = x rows [m0, m0 + 16) . the group's 16 w rows, summed as the vector kernels do
+ * (quant_kernels.h, Q_HALF): sub-blocks [0, hu) and [hu, nsub) apart, then added. */
+static ALWAYS_INLINE ATGT void tile_rows(const int8_t *xq, int64_t K, int kt, int64_t nsub,
+                                         int64_t hu, const qgroup *g, const float *dx,
+                                         const float *ex, float *res, const int mins) {
+    __m512 acc[16];
 #pragma GCC unroll 16
-    for (int m = 0; m < 16; m++) _mm512_store_ps(res + m * 16, acc[m]);
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+    rows_range(xq, K, kt, 0, hu, g, dx, ex, acc, mins);
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) {
+        _mm512_store_ps(res + m * 16, acc[m]);
+        acc[m] = _mm512_setzero_ps();
+    }
+    rows_range(xq, K, kt, hu, nsub, g, dx, ex, acc, mins);
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++)
+        _mm512_store_ps(res + m * 16, _mm512_add_ps(_mm512_load_ps(res + m * 16), acc[m]));
 }
 
 /* q_store with whole rows of 16 outputs in vectors (bf16: round to nearest even, as st1). */
@@ -223,14 +239,14 @@ static ATGT void store_rows(const float *res, int mr, int64_t m0, int64_t g, int
     }
 }
 
-static ATGT void tile_rows_sym(const int8_t *xq, int64_t K, int kt, int64_t nsub,
+static ATGT void tile_rows_sym(const int8_t *xq, int64_t K, int kt, int64_t nsub, int64_t hu,
                                const qgroup *g, const float *dx, const float *ex, float *res) {
-    tile_rows(xq, K, kt, nsub, g, dx, ex, res, 0);
+    tile_rows(xq, K, kt, nsub, hu, g, dx, ex, res, 0);
 }
 
-static ATGT void tile_rows_min(const int8_t *xq, int64_t K, int kt, int64_t nsub,
+static ATGT void tile_rows_min(const int8_t *xq, int64_t K, int kt, int64_t nsub, int64_t hu,
                                const qgroup *g, const float *dx, const float *ex, float *res) {
-    tile_rows(xq, K, kt, nsub, g, dx, ex, res, 1);
+    tile_rows(xq, K, kt, nsub, hu, g, dx, ex, res, 1);
 }
 
 ATGT void cpud_qamx_unpack(int qt, const uint8_t *q, const uint8_t *s, int64_t nb, int8_t *b,
@@ -256,6 +272,7 @@ static ATGT void qgemm_amx(int qt, const qact *a, const uint8_t *qs, const uint8
     }
     const int kt = q_kt(qt), mins = qt == CPUD_Q4_1 || qt == CPUD_Q4_K || qt == CPUD_Q5_K;
     const int64_t K = a->K, nb = K / q_bs[qt], nsub = K / kt, Mpad = (M + 15) / 16 * 16;
+    const int64_t hu = Q_HALF(nb) * (q_bs[qt] / kt);
     const int64_t groups = (N + QR - 1) / QR, nmc = (M + AMC - 1) / AMC, tasks = groups * nmc;
     const int64_t qstride = nb * q_qbytes[qt], sstride = nb * q_sbytes[qt];
     float *dx = q_grow(&t_xs, &t_xs_cap, (size_t)(2 * Mpad * nsub) * sizeof(float));
@@ -291,7 +308,7 @@ static ATGT void qgemm_amx(int qt, const qact *a, const uint8_t *qs, const uint8
             have = gi;
             for (int64_t m0 = mc * AMC; m0 < m1; m0 += 16) {
                 const int64_t t = m0 / 16;
-                (mins ? tile_rows_min : tile_rows_sym)(a->q + m0 * K, K, kt, nsub, &g,
+                (mins ? tile_rows_min : tile_rows_sym)(a->q + m0 * K, K, kt, nsub, hu, &g,
                                                        dx + t * nsub * 16, ex + t * nsub * 16, res);
                 store_rows(res, m1 - m0 < 16 ? (int)(m1 - m0) : 16, m0, gi, N, bias, out, odt, os);
             }

@@ -5,6 +5,13 @@
  * 32) and mins come off through x's block sums. */
 #include <omp.h>
 
+/* Bytes ahead of the quants being read that each tile prefetches: the hardware prefetcher alone
+ * keeps too few lines in flight while the dots run, so loads and arithmetic would take turns. */
+#ifndef QPFD
+#define QPFD 4096
+#endif
+#define QPF(p) __builtin_prefetch((const char *)(p) + QPFD, 0, 2)
+
 /* Below this many multiply-adds a GEMM runs on the calling thread. */
 #define QPAR_MIN (1 << 16)
 
@@ -24,70 +31,106 @@ typedef struct qtile {
 #define XS(t, m, i) ((t)->a->s[((t)->m0 + (m)) * ((t)->a->K / 16) + (i)])
 #define XS32(t, m, i) (XS(t, m, 2 * (i)) + XS(t, m, 2 * (i) + 1))
 
-static ALWAYS_INLINE QTGT void tile_out(const qtile *t, const fv *acc, const int MR) {
-    for (int m = 0; m < MR; m++) fv_st(t->res + m * QR, acc[m]);
-}
+/* Blocks [0, h) of a group sum into one accumulator and [h, nb) into another, added at the end
+ * (h = Q_HALF(nb)): the two halves are read side by side, two streams from memory where one
+ * thread alone keeps too few lines in flight.  Every variant (and the AMX tiles) sums in this
+ * order, so a row's result does not depend on the rows beside it. */
+#define Q_HALF(nb) (((nb) + 1) / 2)
 
-/* Q8_0 / Q4_0 / Q4_1: one scale (and min) per 32-block; wide: Q8_0's byte quants. */
-static ALWAYS_INLINE QTGT void tile_b32(const qtile *t, const int MR, const int qt) {
+/* Q8_0 / Q4_0 / Q4_1 block b: one scale (and min) per 32; wide: Q8_0's byte quants. */
+static ALWAYS_INLINE QTGT void blk_b32(const qtile *t, const int MR, const int qt, int64_t b,
+                                       fv *acc) {
     const int wide = qt == CPUD_Q8_0, sb = q_sbytes[qt], off = wide ? Q8_OFF : qt == CPUD_Q4_0 ? 8 : 0;
-    fv acc[4];
-    for (int m = 0; m < MR; m++) acc[m] = fv_zero();
-    for (int64_t b = 0; b < t->nb; b++) {
-        const uint8_t *q = t->q + b * (wide ? 512 : 256);
-        const fv dw = fv_h16((const uint16_t *)(t->s + b * sb));
-        iv dot[4], dot2[4]; /* two chains per row: half the dependent dots */
-        for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
-        for (int c = 0; c < (wide ? 8 : 4); c++) {
-            const qv w = qv_ld(q + c * 64);
-            if (wide) {
-                for (int m = 0; m < MR; m++) {
-                    if (c & 1)
-                        dot2[m] = iv_dot8(dot2[m], w, XQ(t, m) + b * 32 + c * 4);
-                    else
-                        dot[m] = iv_dot8(dot[m], w, XQ(t, m) + b * 32 + c * 4);
-                }
-                continue;
-            }
-            const qv lo = qv_lo(w), hi = qv_hi(w);
+    const uint8_t *q = t->q + b * (wide ? 512 : 256);
+    const fv dw = fv_h16((const uint16_t *)(t->s + b * sb));
+    iv dot[4], dot2[4]; /* two chains per row: half the dependent dots */
+    for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
+    for (int c = 0; c < (wide ? 8 : 4); c++) {
+        QPF(q + c * 64);
+        const qv w = qv_ld(q + c * 64);
+        if (wide) {
             for (int m = 0; m < MR; m++) {
-                dot[m] = iv_dot(dot[m], lo, XQ(t, m) + b * 32 + c * 8);
-                dot2[m] = iv_dot(dot2[m], hi, XQ(t, m) + b * 32 + c * 8 + 4);
+                if (c & 1)
+                    dot2[m] = iv_dot8(dot2[m], w, XQ(t, m) + b * 32 + c * 4);
+                else
+                    dot[m] = iv_dot8(dot[m], w, XQ(t, m) + b * 32 + c * 4);
             }
+            continue;
         }
-        for (int m = 0; m < MR; m++) dot[m] = iv_add(dot[m], dot2[m]);
+        const qv lo = qv_lo(w), hi = qv_hi16(w);
         for (int m = 0; m < MR; m++) {
-            const float dx = XD(t, m, b);
-            const int32_t sx = XS32(t, m, b);
-            acc[m] = fv_fma(fv_cvt(iv_subs(dot[m], off * sx)), fv_mul(dw, fv_set1(dx)), acc[m]);
-            if (qt == CPUD_Q4_1)
-                acc[m] = fv_fma(fv_h16((const uint16_t *)(t->s + b * sb + 32)), fv_set1(dx * (float)sx), acc[m]);
+            dot[m] = iv_dot(dot[m], lo, XQ(t, m) + b * 32 + c * 8);
+            dot2[m] = iv_dot(dot2[m], hi, XQ(t, m) + b * 32 + c * 8 + 4);
         }
     }
-    tile_out(t, acc, MR);
+    for (int m = 0; m < MR; m++) dot[m] = wide ? iv_add(dot[m], dot2[m]) : iv_join_hi(dot[m], dot2[m]);
+    for (int m = 0; m < MR; m++) {
+        const float dx = XD(t, m, b);
+        const int32_t sx = XS32(t, m, b);
+        acc[m] = fv_fma(fv_cvt(iv_subs(dot[m], off * sx)), fv_mul(dw, fv_set1(dx)), acc[m]);
+        if (qt == CPUD_Q4_1)
+            acc[m] = fv_fma(fv_h16((const uint16_t *)(t->s + b * sb + 32)), fv_set1(dx * (float)sx), acc[m]);
+    }
 }
 
-/* Q4_K / Q5_K: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high bits. */
-static ALWAYS_INLINE QTGT void tile_k45(const qtile *t, const int MR, const int five) {
+/* Q4_K / Q5_K block b: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high
+ * bits. */
+static ALWAYS_INLINE QTGT void blk_k45(const qtile *t, const int MR, const int five, int64_t b,
+                                       fv *acc) {
     const int sub = five ? 320 : 256;
-    fv acc[4];
-    for (int m = 0; m < MR; m++) acc[m] = fv_zero();
-    for (int64_t b = 0; b < t->nb; b++) {
-        const uint8_t *s = t->s + b * 320, *q = t->q + b * 8 * sub;
-        const fv d = fv_h16((const uint16_t *)s), dmin = fv_h16((const uint16_t *)(s + 32));
-        for (int j = 0; j < 8; j++) {
-            const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
-            const uint8_t *qj = q + j * sub;
-            const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
+    const uint8_t *s = t->s + b * 320, *q = t->q + b * 8 * sub;
+    const fv d = fv_h16((const uint16_t *)s), dmin = fv_h16((const uint16_t *)(s + 32));
+    for (int j = 0; j < 8; j++) {
+        const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
+        const uint8_t *qj = q + j * sub;
+        const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
+        if (five) QPF(qj + 256);
+        iv dot[4], dot2[4];
+        for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
+        for (int c = 0; c < 4; c++) {
+            QPF(qj + c * 64);
+            const qv w = qv_ld(qj + c * 64);
+            qv lo = qv_lo(w), hi = five ? qv_hi(w) : qv_hi16(w);
+            if (five) {
+                lo = qv_or(lo, qv_b4(hb, 2 * c));
+                hi = qv_or(hi, qv_b4(hb, 2 * c + 1));
+            }
+            for (int m = 0; m < MR; m++) {
+                const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
+                dot[m] = iv_dot(dot[m], lo, x);
+                dot2[m] = iv_dot(dot2[m], hi, x + 4);
+            }
+        }
+        for (int m = 0; m < MR; m++)
+            dot[m] = five ? iv_add(dot[m], dot2[m]) : iv_join_hi(dot[m], dot2[m]);
+        for (int m = 0; m < MR; m++) {
+            const float dx = XD(t, m, b * 8 + j);
+            acc[m] = fv_fma(fv_cvt(dot[m]), fv_mul(sc, fv_set1(dx)), acc[m]);
+            acc[m] = fv_fnma(mn, fv_set1(dx * (float)XS32(t, m, b * 8 + j)), acc[m]);
+        }
+    }
+}
+
+/* Q6_K block b: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
+static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int unused, int64_t b,
+                                       fv *acc) {
+    (void)unused;
+    const uint8_t *s = t->s + b * 288, *q = t->q + b * 3072;
+    const fv d = fv_h16((const uint16_t *)s);
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *qj = q + j * 384;
+            const qv hb = qv_ld(qj + 256 + h * 64);
+            QPF(qj + 256 + h * 64);
+            const fv sc = fv_mul(d, fv_i8((const int8_t *)s + 32 + (2 * j + h) * 16));
             iv dot[4], dot2[4];
             for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
-            for (int c = 0; c < 4; c++) {
+            for (int cc = 0; cc < 2; cc++) {
+                const int c = 2 * h + cc;
+                QPF(qj + c * 64);
                 const qv w = qv_ld(qj + c * 64);
-                qv lo = qv_lo(w), hi = qv_hi(w);
-                if (five) {
-                    lo = qv_or(lo, qv_b4(hb, 2 * c));
-                    hi = qv_or(hi, qv_b4(hb, 2 * c + 1));
-                }
+                const qv lo = qv_or(qv_lo(w), qv_b6(hb, 2 * cc));
+                const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
                 for (int m = 0; m < MR; m++) {
                     const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
                     dot[m] = iv_dot(dot[m], lo, x);
@@ -96,49 +139,24 @@ static ALWAYS_INLINE QTGT void tile_k45(const qtile *t, const int MR, const int 
             }
             for (int m = 0; m < MR; m++) dot[m] = iv_add(dot[m], dot2[m]);
             for (int m = 0; m < MR; m++) {
-                const float dx = XD(t, m, b * 8 + j);
-                acc[m] = fv_fma(fv_cvt(dot[m]), fv_mul(sc, fv_set1(dx)), acc[m]);
-                acc[m] = fv_fnma(mn, fv_set1(dx * (float)XS32(t, m, b * 8 + j)), acc[m]);
+                const iv v = iv_subs(dot[m], 32 * XS(t, m, b * 16 + 2 * j + h));
+                acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(t, m, b * 8 + j))), acc[m]);
             }
         }
-    }
-    tile_out(t, acc, MR);
 }
 
-/* Q6_K: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
-static ALWAYS_INLINE QTGT void tile_q6k(const qtile *t, const int MR) {
-    fv acc[4];
-    for (int m = 0; m < MR; m++) acc[m] = fv_zero();
-    for (int64_t b = 0; b < t->nb; b++) {
-        const uint8_t *s = t->s + b * 288, *q = t->q + b * 3072;
-        const fv d = fv_h16((const uint16_t *)s);
-        for (int j = 0; j < 8; j++)
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *qj = q + j * 384;
-                const qv hb = qv_ld(qj + 256 + h * 64);
-                const fv sc = fv_mul(d, fv_i8((const int8_t *)s + 32 + (2 * j + h) * 16));
-                iv dot[4], dot2[4];
-                for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
-                for (int cc = 0; cc < 2; cc++) {
-                    const int c = 2 * h + cc;
-                    const qv w = qv_ld(qj + c * 64);
-                    const qv lo = qv_or(qv_lo(w), qv_b6(hb, 2 * cc));
-                    const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
-                    for (int m = 0; m < MR; m++) {
-                        const int8_t *x = XQ(t, m) + b * 256 + j * 32 + c * 8;
-                        dot[m] = iv_dot(dot[m], lo, x);
-                        dot2[m] = iv_dot(dot2[m], hi, x + 4);
-                    }
-                }
-                for (int m = 0; m < MR; m++) dot[m] = iv_add(dot[m], dot2[m]);
-                for (int m = 0; m < MR; m++) {
-                    const iv v = iv_subs(dot[m], 32 * XS(t, m, b * 16 + 2 * j + h));
-                    acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(t, m, b * 8 + j))), acc[m]);
-                }
-            }
-    }
-    tile_out(t, acc, MR);
-}
+/* The tile of t: blk over both halves of the group's blocks, res = first + second. */
+#define TILE_TWO_HALVES(t, MR, blk, arg)                                                           \
+    do {                                                                                           \
+        fv acc[4], acc2[4];                                                                        \
+        for (int m = 0; m < MR; m++) acc[m] = acc2[m] = fv_zero();                                 \
+        const int64_t h = Q_HALF((t)->nb);                                                         \
+        for (int64_t i = 0; i < h; i++) {                                                          \
+            blk(t, MR, arg, i, acc);                                                               \
+            if (h + i < (t)->nb) blk(t, MR, arg, h + i, acc2);                                     \
+        }                                                                                          \
+        for (int m = 0; m < MR; m++) fv_st((t)->res + m * QR, fv_add(acc[m], acc2[m]));           \
+    } while (0)
 
 typedef void (*tile_fn)(const qtile *t);
 
@@ -147,12 +165,12 @@ typedef void (*tile_fn)(const qtile *t);
     static QTGT void name##_2(const qtile *t) { call(t, 2); }                                     \
     static QTGT void name##_4(const qtile *t) { call(t, 4); }
 
-#define T_Q8_0(t, mr) tile_b32(t, mr, CPUD_Q8_0)
-#define T_Q4_0(t, mr) tile_b32(t, mr, CPUD_Q4_0)
-#define T_Q4_1(t, mr) tile_b32(t, mr, CPUD_Q4_1)
-#define T_Q4_K(t, mr) tile_k45(t, mr, 0)
-#define T_Q5_K(t, mr) tile_k45(t, mr, 1)
-#define T_Q6_K(t, mr) tile_q6k(t, mr)
+#define T_Q8_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q8_0)
+#define T_Q4_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_0)
+#define T_Q4_1(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_1)
+#define T_Q4_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 0)
+#define T_Q5_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 1)
+#define T_Q6_K(t, mr) TILE_TWO_HALVES(t, mr, blk_q6k, 0)
 TILE_MR(q8_0, T_Q8_0)
 TILE_MR(q4_0, T_Q4_0)
 TILE_MR(q4_1, T_Q4_1)

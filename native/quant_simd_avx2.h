@@ -33,6 +33,14 @@ static inline QTGT qv qv_lo(qv v) { return qv_and8(v, 0x0f); }
 static inline QTGT qv qv_hi(qv v) {
     return qv_and8((qv){_mm256_srli_epi16(v.a, 4), _mm256_srli_epi16(v.b, 4)}, 0x0f);
 }
+/* As quant_simd_avx512.h's: 16 x the high nibble in place with vpdpbusd, else qv_hi. */
+static inline QTGT qv qv_hi16(qv v) {
+#ifdef QUANT_VNNI
+    return qv_and8(v, (char)0xf0);
+#else
+    return qv_hi(v);
+#endif
+}
 static inline QTGT qv qv_or(qv x, qv y) { return QV2(_mm256_or_si256, x, y); }
 /* ((h >> s) as 16-bit words, s < 0: left) */
 static inline QTGT qv qv_shift(qv h, int s) {
@@ -47,6 +55,14 @@ static inline QTGT qv qv_b6(qv h, int t) { return qv_and8(qv_shift(h, 2 * t - 4)
 static inline QTGT iv iv_zero(void) { return (iv){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline QTGT iv iv_add(iv a, iv b) {
     return (iv){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)};
+}
+static inline QTGT iv iv_join_hi(iv lo, iv hi) {
+#ifdef QUANT_VNNI
+    return (iv){_mm256_add_epi32(lo.a, _mm256_srai_epi32(hi.a, 4)),
+                _mm256_add_epi32(lo.b, _mm256_srai_epi32(hi.b, 4))};
+#else
+    return iv_add(lo, hi);
+#endif
 }
 static inline QTGT iv iv_subs(iv v, int32_t s) {
     const __m256i k = _mm256_set1_epi32(s);
@@ -88,6 +104,9 @@ static inline QTGT fv fv_set1(float s) { return (fv){_mm256_set1_ps(s), _mm256_s
 static inline QTGT fv fv_cvt(iv v) { return (fv){_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 static inline QTGT fv fv_mul(fv x, fv y) {
     return (fv){_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)};
+}
+static inline QTGT fv fv_add(fv x, fv y) {
+    return (fv){_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)};
 }
 static inline QTGT fv fv_fma(fv x, fv y, fv z) {
     return (fv){_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};

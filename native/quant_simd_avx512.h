@@ -25,6 +25,15 @@ static inline QTGT qv qv_lo(qv v) { return _mm512_and_si512(v, _mm512_set1_epi8(
 static inline QTGT qv qv_hi(qv v) {
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
 }
+/* The high nibbles for iv_dot: with vpdpbusd, left in place (16 x the value, no shift; the
+ * products fit its int32 sums) and taken out of the sum by iv_join_hi; else qv_hi. */
+static inline QTGT qv qv_hi16(qv v) {
+#ifdef QUANT_VNNI
+    return _mm512_and_si512(v, _mm512_set1_epi8((char)0xf0));
+#else
+    return qv_hi(v);
+#endif
+}
 static inline QTGT qv qv_or(qv a, qv b) { return _mm512_or_si512(a, b); }
 /* ((h >> t) & 1) << 4 per byte, t in 0..7 */
 static inline QTGT qv qv_b4(qv h, int t) {
@@ -39,6 +48,14 @@ static inline QTGT qv qv_b6(qv h, int t) {
 
 static inline QTGT iv iv_zero(void) { return _mm512_setzero_si512(); }
 static inline QTGT iv iv_add(iv a, iv b) { return _mm512_add_epi32(a, b); }
+/* lo + hi of the dots of qv_lo and qv_hi16 quants (exact: hi's sum is 16 x an integer) */
+static inline QTGT iv iv_join_hi(iv lo, iv hi) {
+#ifdef QUANT_VNNI
+    return _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+#else
+    return _mm512_add_epi32(lo, hi);
+#endif
+}
 static inline QTGT iv iv_subs(iv a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
 
 /* acc + per row sum over i of w[row][i] * x4[i]; x4: [4] i8 */
@@ -70,6 +87,7 @@ static inline QTGT fv fv_zero(void) { return _mm512_setzero_ps(); }
 static inline QTGT fv fv_set1(float a) { return _mm512_set1_ps(a); }
 static inline QTGT fv fv_cvt(iv a) { return _mm512_cvtepi32_ps(a); }
 static inline QTGT fv fv_mul(fv a, fv b) { return _mm512_mul_ps(a, b); }
+static inline QTGT fv fv_add(fv a, fv b) { return _mm512_add_ps(a, b); }
 static inline QTGT fv fv_fma(fv a, fv b, fv c) { return _mm512_fmadd_ps(a, b, c); }
 static inline QTGT fv fv_fnma(fv a, fv b, fv c) { return _mm512_fnmadd_ps(a, b, c); }
 /* p: [16] fp16 */

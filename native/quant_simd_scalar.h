@@ -26,6 +26,7 @@ static inline qv qv_sm(qv v, int s, uint8_t m) {
 }
 static inline qv qv_lo(qv v) { return qv_sm(v, 0, 0x0f); }
 static inline qv qv_hi(qv v) { return qv_sm(v, 4, 0x0f); }
+static inline qv qv_hi16(qv v) { return qv_hi(v); }
 static inline qv qv_or(qv x, qv y) {
     for (int i = 0; i < 64; i++) x.b[i] |= y.b[i];
     return x;
@@ -46,6 +47,7 @@ static inline iv iv_add(iv a, iv b) {
     for (int r = 0; r < QR; r++) a.v[r] += b.v[r];
     return a;
 }
+static inline iv iv_join_hi(iv lo, iv hi) { return iv_add(lo, hi); }
 static inline iv iv_subs(iv a, int32_t s) {
     for (int r = 0; r < QR; r++) a.v[r] -= s;
     return a;
@@ -71,6 +73,10 @@ static inline fv fv_cvt(iv a) {
 }
 static inline fv fv_mul(fv x, fv y) {
     for (int i = 0; i < QR; i++) x.v[i] *= y.v[i];
+    return x;
+}
+static inline fv fv_add(fv x, fv y) {
+    for (int i = 0; i < QR; i++) x.v[i] += y.v[i];
     return x;
 }
 static inline fv fv_fma(fv x, fv y, fv z) {
