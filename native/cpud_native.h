@@ -332,6 +332,13 @@ int cpud_quant_gemm(int isa, int flags, int qtype,
                     intptr_t bias, /* [N] f32, or 0                                  */
                     intptr_t out,  /* [M][N], row stride out_stride, out_dtype      */
                     int out_dtype, int64_t out_stride, int64_t M, int64_t N, int64_t K);
+/* out[M][n[0] + .. + n[parts-1]] = x[M][K] @ the parts of q (parts 1..3) side by side, as
+ * cpud_quant_gemm per part gives bit for bit; x is quantized once, and where the vector kernels
+ * run (below 16 rows on the amx tier, every M on the others) one parallel region covers every
+ * part. */
+int cpud_quant_linear(int isa, int flags, const cpud_qlinear *q, intptr_t x, int x_dtype,
+                      int64_t x_stride, intptr_t out, int out_dtype, int64_t out_stride,
+                      int64_t M, int64_t K);
 /* Name of the kernel cpud_quant_gemm runs for (isa, flags), e.g. "avx512-vnni". */
 const char *cpud_quant_kernel(int isa, int flags);
 /* Rows of x from which cpud_quant_gemm runs qtype on AMX-BF16 tiles; 0: never at (isa, flags);

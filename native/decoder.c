@@ -38,7 +38,7 @@ static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
 }
 
 /* out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias): the packed bf16 GEMM,
- * or the quantized one part by part. */
+ * or the quantized one (every part in one call). */
 static int linear(int isa, const cpud_ops *ops, const cpud_decoder_dims *d, const cpud_qlinear *q,
                   intptr_t packed, intptr_t bias, const char *x, int64_t xs, char *out,
                   int64_t os, int64_t T, int64_t N, int64_t K) {
@@ -46,16 +46,8 @@ static int linear(int isa, const cpud_ops *ops, const cpud_decoder_dims *d, cons
     if (q->parts == 0)
         return ops->gemm_packed(x, dt, xs, (const uint16_t *)packed, (const void *)bias,
                                 CPUD_F32, out, dt, os, T, N, K);
-    int64_t col = 0;
-    for (int64_t p = 0; p < q->parts; p++) {
-        const int rc = cpud_quant_gemm(isa, d->quant_flags, q->qtype[p], (intptr_t)x, dt, xs,
-                                       q->qs[p], q->sc[p], q->bias[p],
-                                       (intptr_t)(out + col * dtype_size(dt)), dt, os, T, q->n[p],
-                                       K);
-        if (rc) return rc;
-        col += q->n[p];
-    }
-    return CPUD_OK;
+    return cpud_quant_linear(isa, d->quant_flags, q, (intptr_t)x, dt, xs, (intptr_t)out, dt, os, T,
+                             K);
 }
 
 static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {

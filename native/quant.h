@@ -35,6 +35,17 @@ static const int q_bs[] = {32, 32, 32, 256, 256, 256};
 static const int q_qbytes[] = {512, 256, 256, 2048, 2560, 3072};
 static const int q_sbytes[] = {32, 32, 64, 320, 320, 288};
 
+/* cpud_qlinear's parts, at most */
+#define CPUD_QPARTS_MAX 3
+
+/* One part of a linear: output columns [col, col + N) from weights of type qt. */
+typedef struct qpart {
+    int qt;
+    const uint8_t *qs, *sc;
+    const float *bias; /* [N] f32 or NULL */
+    int64_t N, col;
+} qpart;
+
 typedef struct cpud_qops {
     const char *name;
     /* x: [M][K] rows xs apart, dtype dt -> a's buffers */
@@ -43,6 +54,9 @@ typedef struct cpud_qops {
     /* out[M][N] (row stride os, dtype odt) = a @ W^T + bias (bias: [N] f32 or NULL) */
     void (*gemm)(int qtype, const qact *a, const uint8_t *qs, const uint8_t *sc,
                  const float *bias, void *out, int odt, int64_t os, int64_t M, int64_t N);
+    /* the vector kernels over np parts side by side in out's columns, one parallel region */
+    void (*gemm_parts)(const qpart *p, int np, const qact *a, void *out, int odt, int64_t os,
+                       int64_t M);
     double (*probe)(int64_t iters, float *sink);
     int mrows; /* gemm reads x's buffers in whole blocks of this many rows (pad rows zero) */
 } cpud_qops;

@@ -262,6 +262,39 @@ def quant_gemm(
     return out
 
 
+def quant_linear(
+    x: torch.Tensor,
+    parts: list[QuantWeight],
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+    vnni: bool = True,
+    amx: bool = True,
+    amx_bf16: bool = True,
+) -> torch.Tensor:
+    """out [M, sum of n] = x [M, k] @ the parts' W side by side (1 to 3 parts, types may
+    differ, one k): equal bit for bit to ``quant_gemm`` per part into its columns, with x
+    quantized once and, where the vector kernels run, one parallel region for every part."""
+    if not 1 <= len(parts) <= 3 or len({p.k for p in parts}) != 1:
+        raise ValueError(f"parts: 1 to 3 packed weights of one k, got {len(parts)}")
+    for p in parts:
+        if p.qs.data_ptr() % 64 or not p.qs.is_contiguous():
+            raise ValueError("parts: qs must be contiguous and 64-byte aligned")
+    code = _isa_code(isa)
+    xdt, xs, out, odt, os_ = gemm_io(x, sum(p.n for p in parts), parts[0].k, out)
+    q = _loader.ffi.new("cpud_qlinear *")
+    q.parts = len(parts)
+    for i, p in enumerate(parts):
+        q.qtype[i], q.n[i] = QTYPES[p.qtype][0], p.n
+        q.qs[i], q.sc[i] = p.qs.data_ptr(), p.sc.data_ptr()
+        q.bias[i] = 0 if p.bias is None else p.bias.data_ptr()
+    rc = _loader.lib.cpud_quant_linear(
+        code, _flags(vnni, amx, amx_bf16), q, x.data_ptr(), xdt, xs, out.data_ptr(), odt, os_,
+        x.shape[0], parts[0].k,
+    )  # fmt: skip
+    check_rc(rc, "quant_linear " + "+".join(p.qtype for p in parts))
+    return out
+
+
 def quant_kernel(
     isa: str | None = None, vnni: bool = True, amx: bool = True, amx_bf16: bool = True
 ) -> str:
@@ -305,4 +338,5 @@ __all__ = [
     "quant_compute_probe",
     "quant_gemm",
     "quant_kernel",
+    "quant_linear",
 ]

@@ -360,6 +360,7 @@ const cpud_qops cpud_qops_amx = {
     .name = "amx amx-int8",
     .quantize = quantize_k,
     .gemm = qgemm_amx,
+    .gemm_parts = qgemm_parts_k,
     .probe = probe_amx,
     .mrows = 16,
 };

@@ -30,14 +30,43 @@ static int bf16_tiles(int isa, int flags) {
 
 static int dt_ok(int dt) { return dt == CPUD_F32 || dt == CPUD_BF16; }
 
+static int part_ok(int qtype, intptr_t qs, intptr_t sc, int64_t N, int64_t K) {
+    return qtype >= CPUD_Q8_0 && qtype <= CPUD_Q6_K && qs && qs % 64 == 0 && sc && N >= 1 &&
+           K >= 1 && K % q_bs[qtype] == 0;
+}
+
+static int x_ok(intptr_t x, int x_dtype, int64_t x_stride, intptr_t out, int out_dtype,
+                int64_t out_stride, int64_t M, int64_t N, int64_t K) {
+    return dt_ok(x_dtype) && dt_ok(out_dtype) && x && out && M >= 0 &&
+           (M <= 1 || (x_stride >= K && out_stride >= N));
+}
+
+/* x [M][K] -> a: int8 blocks in the calling thread's scratch, padded to ops->mrows rows. */
+static int quantize_x(const cpud_qops *ops, intptr_t x, int x_dtype, int64_t x_stride, int64_t M,
+                      int64_t K, qact *a) {
+    static _Thread_local void *scratch;
+    static _Thread_local size_t cap;
+    const int64_t mp = (M + ops->mrows - 1) / ops->mrows * ops->mrows;
+    const size_t nq = (size_t)(mp * K + 63) / 64 * 64, nd = (size_t)(mp * K / 32) * sizeof(float);
+    char *buf = q_grow(&scratch, &cap, nq + nd + (size_t)(mp * K / 16) * sizeof(int32_t));
+    if (!buf) return CPUD_ENOMEM;
+    *a = (qact){(const int8_t *)buf, (const float *)(buf + nq), (const int32_t *)(buf + nq + nd), K};
+    ops->quantize((const void *)x, x_dtype, x_stride, M, K, (int8_t *)a->q, (float *)a->d,
+                  (int32_t *)a->s);
+    if (mp > M) {
+        memset((int8_t *)a->q + M * K, 0, (size_t)((mp - M) * K));
+        memset((float *)a->d + M * (K / 32), 0, (size_t)((mp - M) * (K / 32)) * sizeof(float));
+        memset((int32_t *)a->s + M * (K / 16), 0, (size_t)((mp - M) * (K / 16)) * sizeof(int32_t));
+    }
+    return CPUD_OK;
+}
+
 int cpud_quant_gemm(int isa, int flags, int qtype, intptr_t x, int x_dtype, int64_t x_stride,
                     intptr_t qs, intptr_t sc, intptr_t bias, intptr_t out, int out_dtype,
                     int64_t out_stride, int64_t M, int64_t N, int64_t K) {
     const cpud_qops *ops = qops_for(isa, flags);
     if (!ops) return CPUD_EISA;
-    if (qtype < CPUD_Q8_0 || qtype > CPUD_Q6_K || !dt_ok(x_dtype) || !dt_ok(out_dtype) || !x ||
-        !qs || qs % 64 || !sc || !out || M < 0 || N < 1 || K < 1 || K % q_bs[qtype] ||
-        (M > 1 && (x_stride < K || out_stride < N)))
+    if (!part_ok(qtype, qs, sc, N, K) || !x_ok(x, x_dtype, x_stride, out, out_dtype, out_stride, M, N, K))
         return CPUD_EARG;
     if (M == 0) return CPUD_OK;
 #if CPUD_CAN_AMX
@@ -47,23 +76,44 @@ int cpud_quant_gemm(int isa, int flags, int qtype, intptr_t x, int x_dtype, int6
                             out_stride, M, N, K) == CPUD_OK)
         return CPUD_OK; /* else (no memory for its scratch) the int8 kernels, which need less */
 #endif
-    static _Thread_local void *scratch;
-    static _Thread_local size_t cap;
-    const int64_t mp = (M + ops->mrows - 1) / ops->mrows * ops->mrows;
-    const size_t nq = (size_t)(mp * K + 63) / 64 * 64, nd = (size_t)(mp * K / 32) * sizeof(float);
-    char *buf = q_grow(&scratch, &cap, nq + nd + (size_t)(mp * K / 16) * sizeof(int32_t));
-    if (!buf) return CPUD_ENOMEM;
-    const qact a = {(const int8_t *)buf, (const float *)(buf + nq),
-                    (const int32_t *)(buf + nq + nd), K};
-    ops->quantize((const void *)x, x_dtype, x_stride, M, K, (int8_t *)a.q, (float *)a.d,
-                  (int32_t *)a.s);
-    if (mp > M) {
-        memset((int8_t *)a.q + M * K, 0, (size_t)((mp - M) * K));
-        memset((float *)a.d + M * (K / 32), 0, (size_t)((mp - M) * (K / 32)) * sizeof(float));
-        memset((int32_t *)a.s + M * (K / 16), 0, (size_t)((mp - M) * (K / 16)) * sizeof(int32_t));
-    }
+    qact a;
+    const int rc = quantize_x(ops, x, x_dtype, x_stride, M, K, &a);
+    if (rc) return rc;
     ops->gemm(qtype, &a, (const uint8_t *)qs, (const uint8_t *)sc, (const float *)bias,
               (void *)out, out_dtype, out_stride, M, N);
+    return CPUD_OK;
+}
+
+int cpud_quant_linear(int isa, int flags, const cpud_qlinear *q, intptr_t x, int x_dtype,
+                      int64_t x_stride, intptr_t out, int out_dtype, int64_t out_stride,
+                      int64_t M, int64_t K) {
+    const cpud_qops *ops = qops_for(isa, flags);
+    if (!ops) return CPUD_EISA;
+    if (!q || q->parts < 1 || q->parts > CPUD_QPARTS_MAX) return CPUD_EARG;
+    qpart p[CPUD_QPARTS_MAX];
+    int64_t N = 0;
+    for (int i = 0; i < q->parts; i++) {
+        if (!part_ok(q->qtype[i], q->qs[i], q->sc[i], q->n[i], K)) return CPUD_EARG;
+        p[i] = (qpart){q->qtype[i], (const uint8_t *)q->qs[i], (const uint8_t *)q->sc[i],
+                       (const float *)q->bias[i], q->n[i], N};
+        N += q->n[i];
+    }
+    if (!x_ok(x, x_dtype, x_stride, out, out_dtype, out_stride, M, N, K)) return CPUD_EARG;
+    if (M == 0) return CPUD_OK;
+    if (ops == &cpud_qops_amx && M >= 16) { /* tiles: each part its own call */
+        const int es = out_dtype == CPUD_F32 ? 4 : 2;
+        for (int i = 0; i < q->parts; i++) {
+            const int rc = cpud_quant_gemm(isa, flags, p[i].qt, x, x_dtype, x_stride, q->qs[i],
+                                           q->sc[i], q->bias[i], out + p[i].col * es, out_dtype,
+                                           out_stride, M, p[i].N, K);
+            if (rc) return rc;
+        }
+        return CPUD_OK;
+    }
+    qact a;
+    const int rc = quantize_x(ops, x, x_dtype, x_stride, M, K, &a);
+    if (rc) return rc;
+    ops->gemm_parts(p, (int)q->parts, &a, (void *)out, out_dtype, out_stride, M);
     return CPUD_OK;
 }
 

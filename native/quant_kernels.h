@@ -184,23 +184,44 @@ static const tile_fn q_tiles[6][3] = {
     {q4_k_1, q4_k_2, q4_k_4}, {q5_k_1, q5_k_2, q5_k_4}, {q6_k_1, q6_k_2, q6_k_4},
 };
 
-static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,
-                         const float *bias, void *out, int odt, int64_t os, int64_t M, int64_t N) {
-    const int64_t nb = a->K / q_bs[qt], groups = (N + QR - 1) / QR, nmc = (M + QMC - 1) / QMC;
-    const int64_t qstride = nb * q_qbytes[qt], sstride = nb * q_sbytes[qt], tasks = groups * nmc;
-#pragma omp parallel for schedule(static) if (tasks > 1 && M * N * a->K >= QPAR_MIN)
+/* Tasks: per part, its groups of 16 w rows times chunks of QMC x rows, parts one after another;
+ * a thread's share is a run of them (one stream through the weights). */
+static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out, int odt,
+                               int64_t os, int64_t M) {
+    const int64_t nmc = (M + QMC - 1) / QMC;
+    int64_t first[CPUD_QPARTS_MAX + 1], rows = 0;
+    first[0] = 0;
+    for (int i = 0; i < np; i++) {
+        first[i + 1] = first[i] + (p[i].N + QR - 1) / QR * nmc;
+        rows += p[i].N;
+    }
+    const int64_t tasks = first[np];
+#pragma omp parallel for schedule(static) if (tasks > 1 && M * rows * a->K >= QPAR_MIN)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t g = task / nmc, mc = task % nmc, m1 = (mc + 1) * QMC < M ? (mc + 1) * QMC : M;
+        int i = 0;
+        while (task >= first[i + 1]) i++;
+        const qpart *pp = p + i;
+        const int qt = pp->qt;
+        const int64_t local = task - first[i], g = local / nmc, mc = local % nmc;
+        const int64_t nb = a->K / q_bs[qt], m1 = (mc + 1) * QMC < M ? (mc + 1) * QMC : M;
+        char *o = (char *)out + pp->col * dtype_size(odt);
         float res[4 * QR];
-        qtile t = {qs + g * qstride, sc + g * sstride, a, mc * QMC, nb, res};
+        qtile t = {pp->qs + g * nb * q_qbytes[qt], pp->sc + g * nb * q_sbytes[qt], a, mc * QMC,
+                   nb, res};
         while (t.m0 < m1) {
             const int64_t left = m1 - t.m0;
             const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
             q_tiles[qt][mr == 1 ? 0 : mr == 2 ? 1 : 2](&t);
-            q_store(res, mr, t.m0, g, N, bias, out, odt, os);
+            q_store(res, mr, t.m0, g, pp->N, pp->bias, o, odt, os);
             t.m0 += mr;
         }
     }
+}
+
+static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,
+                         const float *bias, void *out, int odt, int64_t os, int64_t M, int64_t N) {
+    const qpart p = {qt, qs, sc, bias, N, 0};
+    qgemm_parts_k(&p, 1, a, out, odt, os, M);
 }
 
 static QTGT void quantize_k(const void *x, int dt, int64_t xs, int64_t M, int64_t K, int8_t *q,
@@ -221,4 +242,5 @@ static QTGT __attribute__((unused)) double probe_k(int64_t iters, float *sink) {
 }
 
 #define QUANT_OPS(sym, label)                                                                      \
-    const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k, .probe = probe_k, .mrows = 1}
+    const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k,                 \
+                           .gemm_parts = qgemm_parts_k, .probe = probe_k, .mrows = 1}

@@ -4,7 +4,8 @@ instruction peak, torch bf16 F.linear and cpud's bf16 gemm_packed, on Qwen3-0.6B
 Per format and shape: GEMV (M=1) GB/s of the GGUF bytes of the weight (the file's bytes, not
 the packed ones), with every timed sweep walking a pool of distinct weight copies of about
 --pool-mb so weights come from DRAM; the native AVX-512 read probe over a buffer of the same
-size is timed in the same rounds.  Batches (default M=32, 64, 512): one row per kernel path
+size is timed in the same rounds.  Copies and probe buffer sit on transparent huge pages, as
+the ranks' packed weights do.  Batches (default M=32, 64, 512): one row per kernel path
 quant_gemm can take at that M (on the amx tier: AMX-BF16 tiles on dequantized groups from
 bf16_tile_rows, AMX-INT8 tiles from 16 rows, AVX512-VNNI), GOP/s (2 M N K) on one
 cache-resident copy, against the int8 instruction peak of the int8 paths (independent
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 from cpud import native
 from cpud.native import quant
+from cpud.native.hugepages import huge_empty
 from cpud.native.kernels import Kernels
 
 # (layer, N, K) of Qwen3-0.6B: hidden 1024, q 2048, intermediate 3072, vocab 151936
@@ -70,15 +72,23 @@ def random_rows(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarr
     return blk.reshape(n, -1)
 
 
+def huge_copy(t: torch.Tensor) -> torch.Tensor:
+    """t on transparent huge pages, as the ranks hold their weights (4 KiB pages read ~30 %
+    slower here, and would make every figure, the probe's included, a page-walk figure)."""
+    out = huge_empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
 def copies_of(w: Any, nbytes: int, pool: int) -> list[Any]:
     count = max(1, -(-pool // nbytes))
     if isinstance(w, quant.QuantWeight):
         return [w] + [
-            dataclasses.replace(w, qs=w.qs.clone(), sc=w.sc.clone()) for _ in range(count - 1)
+            dataclasses.replace(w, qs=huge_copy(w.qs), sc=huge_copy(w.sc)) for _ in range(count - 1)
         ]
     if isinstance(w, native.PackedWeight):
-        return [w] + [dataclasses.replace(w, data=w.data.clone()) for _ in range(count - 1)]
-    return [w] + [w.clone() for _ in range(count - 1)]
+        return [w] + [dataclasses.replace(w, data=huge_copy(w.data)) for _ in range(count - 1)]
+    return [w] + [huge_copy(w) for _ in range(count - 1)]
 
 
 def raw_call(x: torch.Tensor, w: quant.QuantWeight, out: torch.Tensor, flags: int = 0) -> tuple:
@@ -206,7 +216,7 @@ def kernel_paths(name: str, m: int) -> dict[str, tuple[int, str | None]]:
 
 class ReadProbe:
     def __init__(self, nbytes: int) -> None:
-        self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.buf = huge_copy(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
         self.bytes = nbytes
         self.kern = Kernels("avx512" if "avx512" in native.supported_isas() else native.isa())
 
