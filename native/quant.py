@@ -22,6 +22,7 @@ kernel, runs at a third to a fifth of the AVX512-VNNI kernels' rate on these blo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,10 +175,12 @@ def pack_quantized(
     k: int,
     bias: torch.Tensor | None = None,
     huge_pages: bool = True,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> QuantWeight:
     """Repacks the GGUF blocks of W[n, k] (raw: [n, bytes per row] u8, numpy or torch, e.g. a
     view of the mapped file) for ``quant_gemm``; qtype: name or gguf GGMLQuantizationType.
-    Works through 1024 rows at a time; memory: the packed result plus a few MB."""
+    Works through 1024 rows at a time; memory: the packed result plus a few MB.  alloc(shape,
+    dtype) gives the result's two tensors (e.g. ``HugeArena.take``); default: huge pages."""
     name = qtype_name(qtype)
     _, bs, tsize, qbytes, sbytes = QTYPES[name]
     if n < 1 or k < 1 or k % bs:
@@ -189,7 +192,7 @@ def pack_quantized(
         )
     blocks = arr.reshape(n, k // bs, tsize)
     groups, nb = -(-n // ROWS), k // bs
-    new = huge_empty if huge_pages else torch.empty
+    new = alloc or (huge_empty if huge_pages else torch.empty)
     qs, sc = new((groups, nb, qbytes), torch.uint8), new((groups, nb, sbytes), torch.uint8)
     qs_np, sc_np = qs.numpy(), sc.numpy()
     for g0 in range(0, groups, _CHUNK_GROUPS):

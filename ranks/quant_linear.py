@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from cpud.errors import ConfigError
+from cpud.native.hugepages import HugeArena
 from cpud.native.quant import QTYPES, ROWS, QuantWeight, pack_quantized
 from cpud.ranks.gguf_blocks import Blocks
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -157,7 +158,10 @@ def finish_quant(
     """After loading: pack each planned layer's blocks (or take them from `cached`), drop the
     dense parameters; returns the packed tensors for the weight cache."""
     out: dict[str, torch.Tensor] = {}
-    for name, layer in quantizable_layers(model).items():
+    layers = quantizable_layers(model)
+    shapes = [s for lay in layers.values() for p in lay.quant_plan or () for s in p.shapes()]
+    arena = HugeArena(HugeArena.size_of(shapes)) if cached is None and shapes else None
+    for name, layer in layers.items():
         if layer.quant_plan is None:
             continue
         with_bias = not isinstance(layer, RowParallelLinear) and layer.bias is not None
@@ -170,7 +174,8 @@ def finish_quant(
                 qs, sc = cached[f"{key}.qs"], cached[f"{key}.sc"]
                 weight = QuantWeight(part.qtype, part.n, part.k, qs, sc, b)
             else:
-                weight = pack_quantized(_rows(layer, part), part.qtype, part.n, part.k, b)
+                raw = _rows(layer, part)
+                weight = pack_quantized(raw, part.qtype, part.n, part.k, b, alloc=arena.take)
             out[f"{key}.qs"], out[f"{key}.sc"] = weight.qs, weight.sc
             parts.append((part.offset, weight))
         layer.quant, layer.out_rows = parts, layer.weight.shape[0]
