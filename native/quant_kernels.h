@@ -8,9 +8,11 @@
 /* Bytes ahead of the quants being read that each tile prefetches: the hardware prefetcher alone
  * keeps too few lines in flight while the dots run, so loads and arithmetic would take turns. */
 #ifndef QPFD
-#define QPFD 4096
+#define QPFD 12288
 #endif
-#define QPF(p) __builtin_prefetch((const char *)(p) + QPFD, 0, 2)
+/* pfo: QPFD, plus a half's bytes where the target passes this half's end (it is then in the next
+ * group's same half, which that stream reads next). */
+#define QPF(p) __builtin_prefetch((const char *)(p) + pfo, 0, 2)
 
 /* Below this many multiply-adds a GEMM runs on the calling thread. */
 #define QPAR_MIN (1 << 16)
@@ -39,7 +41,7 @@ typedef struct qtile {
 
 /* Q8_0 / Q4_0 / Q4_1 block b: one scale (and min) per 32; wide: Q8_0's byte quants. */
 static ALWAYS_INLINE QTGT void blk_b32(const qtile *t, const int MR, const int qt, int64_t b,
-                                       fv *acc) {
+                                       int64_t pfo, fv *acc) {
     const int wide = qt == CPUD_Q8_0, sb = q_sbytes[qt], off = wide ? Q8_OFF : qt == CPUD_Q4_0 ? 8 : 0;
     const uint8_t *q = t->q + b * (wide ? 512 : 256);
     const fv dw = fv_h16((const uint16_t *)(t->s + b * sb));
@@ -76,7 +78,7 @@ static ALWAYS_INLINE QTGT void blk_b32(const qtile *t, const int MR, const int q
 /* Q4_K / Q5_K block b: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high
  * bits. */
 static ALWAYS_INLINE QTGT void blk_k45(const qtile *t, const int MR, const int five, int64_t b,
-                                       fv *acc) {
+                                       int64_t pfo, fv *acc) {
     const int sub = five ? 320 : 256;
     const uint8_t *s = t->s + b * 320, *q = t->q + b * 8 * sub;
     const fv d = fv_h16((const uint16_t *)s), dmin = fv_h16((const uint16_t *)(s + 32));
@@ -113,7 +115,7 @@ static ALWAYS_INLINE QTGT void blk_k45(const qtile *t, const int MR, const int f
 
 /* Q6_K block b: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
 static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int unused, int64_t b,
-                                       fv *acc) {
+                                       int64_t pfo, fv *acc) {
     (void)unused;
     const uint8_t *s = t->s + b * 288, *q = t->q + b * 3072;
     const fv d = fv_h16((const uint16_t *)s);
@@ -146,14 +148,15 @@ static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int u
 }
 
 /* The tile of t: blk over both halves of the group's blocks, res = first + second. */
-#define TILE_TWO_HALVES(t, MR, blk, arg)                                                           \
+#define TILE_TWO_HALVES(t, MR, blk, arg, bb)                                                       \
     do {                                                                                           \
         fv acc[4], acc2[4];                                                                        \
         for (int m = 0; m < MR; m++) acc[m] = acc2[m] = fv_zero();                                 \
         const int64_t h = Q_HALF((t)->nb);                                                         \
         for (int64_t i = 0; i < h; i++) {                                                          \
-            blk(t, MR, arg, i, acc);                                                               \
-            if (h + i < (t)->nb) blk(t, MR, arg, h + i, acc2);                                     \
+            const int64_t pfo = QPFD + ((i + 1) * (bb) + QPFD > h * (bb) ? h * (bb) : 0);          \
+            blk(t, MR, arg, i, pfo, acc);                                                          \
+            if (h + i < (t)->nb) blk(t, MR, arg, h + i, pfo, acc2);                                \
         }                                                                                          \
         for (int m = 0; m < MR; m++) fv_st((t)->res + m * QR, fv_add(acc[m], acc2[m]));           \
     } while (0)
@@ -165,12 +168,12 @@ typedef void (*tile_fn)(const qtile *t);
     static QTGT void name##_2(const qtile *t) { call(t, 2); }                                     \
     static QTGT void name##_4(const qtile *t) { call(t, 4); }
 
-#define T_Q8_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q8_0)
-#define T_Q4_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_0)
-#define T_Q4_1(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_1)
-#define T_Q4_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 0)
-#define T_Q5_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 1)
-#define T_Q6_K(t, mr) TILE_TWO_HALVES(t, mr, blk_q6k, 0)
+#define T_Q8_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q8_0, 512)
+#define T_Q4_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_0, 256)
+#define T_Q4_1(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_1, 256)
+#define T_Q4_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 0, 2048)
+#define T_Q5_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 1, 2560)
+#define T_Q6_K(t, mr) TILE_TWO_HALVES(t, mr, blk_q6k, 0, 3072)
 TILE_MR(q8_0, T_Q8_0)
 TILE_MR(q4_0, T_Q4_0)
 TILE_MR(q4_1, T_Q4_1)
