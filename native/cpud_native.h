@@ -268,6 +268,7 @@ typedef struct cpud_decoder_step {
                                           [T][2 I], [T][I] dtype, contiguous          */
     int64_t allreduce_ns, allreduce_calls; /* out: time in and number of all-reduces */
     int failed_collective; /* out: 1 when the return code is an all-reduce's (CPUD_E*) */
+    int64_t linear_ns;     /* out: time in the dense layers' linears (their GEMMs) */
 } cpud_decoder_step;
 
 /* Layers [0, n_layers) in order.  tp: the tensor-parallel group's handle, or

@@ -38,16 +38,19 @@ static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
 }
 
 /* out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias): the packed bf16 GEMM,
- * or the quantized one (every part in one call). */
+ * or the quantized one (every part in one call); its time is added to s->linear_ns. */
 static int linear(int isa, const cpud_ops *ops, const cpud_decoder_dims *d, const cpud_qlinear *q,
                   intptr_t packed, intptr_t bias, const char *x, int64_t xs, char *out,
-                  int64_t os, int64_t T, int64_t N, int64_t K) {
+                  int64_t os, int64_t T, int64_t N, int64_t K, cpud_decoder_step *s) {
     const int dt = d->dtype;
-    if (q->parts == 0)
-        return ops->gemm_packed(x, dt, xs, (const uint16_t *)packed, (const void *)bias,
-                                CPUD_F32, out, dt, os, T, N, K);
-    return cpud_quant_linear(isa, d->quant_flags, q, (intptr_t)x, dt, xs, (intptr_t)out, dt, os, T,
-                             K);
+    const int64_t t0 = cpud_now_ns();
+    const int rc = q->parts == 0
+                       ? ops->gemm_packed(x, dt, xs, (const uint16_t *)packed, (const void *)bias,
+                                          CPUD_F32, out, dt, os, T, N, K)
+                       : cpud_quant_linear(isa, d->quant_flags, q, (intptr_t)x, dt, xs,
+                                           (intptr_t)out, dt, os, T, K);
+    s->linear_ns += cpud_now_ns() - t0;
+    return rc;
 }
 
 static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {
@@ -92,6 +95,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     s->allreduce_ns = 0;
     s->allreduce_calls = 0;
     s->failed_collective = 0;
+    s->linear_ns = 0;
     if (!step_ok(d, s)) return CPUD_EARG;
     for (int64_t i = 0; i < n_layers; i++)
         if (!layer_ok(d, &layers[i])) return CPUD_EARG;
@@ -111,7 +115,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         const cpud_decoder_layer *l = &layers[i];
         int rc;
         ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, T, H, d->eps);
-        rc = linear(isa, ops, d, &l->q_qkv, l->qkv, l->qkv_bias, x, H, qkv, qn, T, qn, H);
+        rc = linear(isa, ops, d, &l->q_qkv, l->qkv, l->qkv_bias, x, H, qkv, qn, T, qn, H, s);
         if (rc) return rc;
         if (l->q_norm) {
             ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, T, nh, hd, d->eps);
@@ -125,7 +129,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
                                   (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
                                   qd, s->S, nh, nkv, hd, d->block_size, d->scale, d->window);
         if (rc) return rc;
-        rc = linear(isa, ops, d, &l->q_o, l->o, 0, attn, qd, x, H, T, H, qd);
+        rc = linear(isa, ops, d, &l->q_o, l->o, 0, attn, qd, x, H, T, H, qd, s);
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
         if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
@@ -136,10 +140,11 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
                                   (const uint16_t *)l->experts_gate_up,
                                   (const uint16_t *)l->experts_down);
         } else {
-            rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H);
+            rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H,
+                        s);
             if (rc) return rc;
             ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
-            rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I);
+            rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I, s);
         }
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;

@@ -3,7 +3,10 @@ ranks/quant_linear.py) against dequantized at load to bf16 (the packed bf16 GEMM
 activations, native kernels, one rank, fused decoder. Rounds alternate A B A B.
 
 Per round and engine: prefill of 512 tokens (tok/s), decode of 1 stream and of 32 streams
-(output tok/s over --steps steps, the LM head included), straight on ModelRunner steps.
+(output tok/s over --steps steps, the LM head included), straight on ModelRunner steps.  For
+decode 1 also the GB/s at which the layers' linears read their weights inside the fused decoder
+(its own timer around each GEMM call), against the AVX-512 read probe on 1 GiB of huge pages
+timed in the same round.
 
     python perf/bench_gguf_decode.py --make Q4_K [--workdir /tmp/gguf-bench] [--rounds 2]
     python perf/bench_gguf_decode.py --gguf FILE
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_quant_kernels import ReadProbe
 
 from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
@@ -63,16 +67,20 @@ def prefill(run: ModelRunner) -> float:
     return PREFILL / (time.perf_counter() - t0)
 
 
-def decode(run: ModelRunner, streams: int, steps: int) -> float:
+def decode(run: ModelRunner, streams: int, steps: int) -> tuple[float, float]:
+    """(output tok/s, GB/s the decoder's dense linears read their weights at)."""
     per = -(-(steps + 8) // BLOCK)
     tables = [list(range(s * per, (s + 1) * per)) for s in range(streams)]
     first = [SeqWork(s, [11 + s] * 8, 0, tables[s], True) for s in range(streams)]
     run.execute(StepPlan(0, first))
+    linear0 = run.decoder.linear_seconds
     t0 = time.perf_counter()
     for i in range(steps):
         seqs = [SeqWork(s, [20 + i], 8 + i, tables[s], True) for s in range(streams)]
         run.execute(StepPlan(1 + i, seqs))
-    return streams * steps / (time.perf_counter() - t0)
+    tok_s = streams * steps / (time.perf_counter() - t0)
+    linear = run.decoder.linear_seconds - linear0
+    return tok_s, run.decoder.linear_bytes * steps / linear / 1e9
 
 
 def main() -> None:
@@ -92,12 +100,20 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {
         name: {"prefill_512": [], "decode_1": [], "decode_32": []} for name in engines
     }
+    linear_gbs: dict[str, list[float]] = {name: [] for name in engines}
+    probe = ReadProbe(1 << 30)
+    probe_gbs: list[float] = []
     for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        probe()
+        probe_gbs.append(probe.bytes / (time.perf_counter() - t0) / 1e9)
         for name, run in engines.items():
             r = results[name]
             r["prefill_512"].append(prefill(run))
-            r["decode_1"].append(decode(run, 1, args.steps))
-            r["decode_32"].append(decode(run, STREAMS, args.steps))
+            tok_s, gbs = decode(run, 1, args.steps)
+            r["decode_1"].append(tok_s)
+            linear_gbs[name].append(gbs)
+            r["decode_32"].append(decode(run, STREAMS, args.steps)[0])
     summary = {
         "file": str(path),
         "threads": args.threads,
@@ -107,6 +123,13 @@ def main() -> None:
     }
     q, b = summary["tok_s"]["quantized"], summary["tok_s"]["bf16"]
     summary["ratio"] = {k: q[k] / b[k] for k in q}
+    # decode 1: the layers' linears inside the fused decoder against the read probe, per round
+    summary["read_probe_gbs"] = probe_gbs
+    summary["decode_1_linear_gbs"] = linear_gbs
+    summary["decode_1_linear_vs_probe"] = {
+        name: statistics.median(g / p for g, p in zip(v, probe_gbs))
+        for name, v in linear_gbs.items()
+    }
     print(json.dumps(summary, indent=1))
 
 

@@ -116,6 +116,9 @@ class FusedDecoder:
         dims.moe_flags = table.moe_flags
         self._dims = dims
         self._keep = [cos_sin]  # everything whose address the tables hold
+        # bytes of weights the dense linears read per step, and their time summed over steps
+        self.linear_bytes = 0
+        self.linear_seconds = 0.0
         self._layers = self._layer_table(kv_caches)
         self._peer = self._ffi.new("int *")
 
@@ -154,6 +157,7 @@ class FusedDecoder:
     def _linear(self, entry: Any, name: str, layer: Any) -> None:
         """The layer's weight in `entry`: packed bf16 address, or its quantized parts."""
         if layer.quant is None:
+            self.linear_bytes += layer.packed.data.nbytes
             setattr(entry, name, self._addr(layer.packed.data))
             if name == "qkv":
                 entry.qkv_bias = self._addr(layer.packed.bias, torch.float32)
@@ -163,6 +167,7 @@ class FusedDecoder:
         q = getattr(entry, f"q_{name}")
         q.parts = len(layer.quant)
         for i, (_, weight) in enumerate(layer.quant):
+            self.linear_bytes += weight.qs.nbytes + weight.sc.nbytes
             q.qtype[i] = QTYPES[weight.qtype][0]
             q.n[i] = weight.n
             q.qs[i] = self._addr(weight.qs)
@@ -224,6 +229,7 @@ class FusedDecoder:
         rc = self._lib.cpud_decoder_layers(
             self._isa, self._dims, self._layers, layers, step, handle, timeout_ns, peer
         )
+        self.linear_seconds += step.linear_ns / 1e9
         if step.allreduce_calls and hasattr(self.group, "seconds"):
             self.group.seconds += step.allreduce_ns / 1e9  # TimedGroup's all-reduce time
             self.group.calls += step.allreduce_calls

@@ -71,6 +71,25 @@ def test_fused_logits_equal_the_per_op_path(arch, model_factory):
         assert torch.equal(fused, per_op)
 
 
+def test_linear_time_and_bytes_are_counted(model_factory):
+    """The decoder times its dense linears (the figure perf/bench_gguf_decode.py divides the
+    weight bytes by): time grows with every step, the bytes are those of the packed weights."""
+    llm = LLM(model_factory("qwen3"), dtype="bfloat16", kernels="native")
+    runner = llm.engine.executor.runner
+    decoder = runner.decoder
+    packed = [
+        lin.packed.data.nbytes
+        for layer in decoder.table.layers
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    assert decoder.linear_bytes == sum(packed) > 0
+    before = decoder.linear_seconds
+    prefill_then_mixed(runner)
+    middle = decoder.linear_seconds
+    runner.prompt_logits(StepPlan(2, [SeqWork(0, [7], len(PROMPT_A) + 1, blocks_for(48, 0), True)]))
+    assert before < middle < decoder.linear_seconds
+
+
 def test_o_bias_and_sliding_window_match(model_factory):
     """Options no fixture checkpoint has: a row-parallel o_proj bias (added after the
     all-reduce) and a sliding window shorter than the prompt."""

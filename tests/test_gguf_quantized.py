@@ -248,6 +248,13 @@ def test_default_model_nll_within_1_percent(hf_gguf):
     for dtype in DTYPES.values():
         run = runner(path, dtype)
         assert run.model.lm_head.quant is not None and isinstance(run.decoder, FusedDecoder)
+        packed = [
+            w.qs.nbytes + w.sc.nbytes
+            for layer in run.decoder.table.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            for _, w in lin.quant
+        ]
+        assert run.decoder.linear_bytes == sum(packed) > 0
         got = nll(prefill_logits(run, tokens))
         assert abs(got / want - 1) < 0.01, (dtype, got, want)
         chunked = nll(prefill_logits(run, tokens, chunk=48))
