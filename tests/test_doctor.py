@@ -18,7 +18,7 @@ from cpud.cli import main
 from cpud.config import EngineArgs
 from cpud.doctor import syscalls
 from cpud.doctor.inputs import DoctorInputs
-from cpud.doctor.machine import dtype_check, native_check
+from cpud.doctor.machine import dtype_check, huge_pages_check, native_check
 from cpud.doctor.report import EXIT_FAIL, EXIT_OK, Check, exit_code, render, report
 from cpud.doctor.run import collect
 from cpud.doctor.runtime import openmp_check, openmp_runtimes
@@ -33,6 +33,7 @@ ITEMS = (
     "dtype",
     "model",
     "smt",
+    "huge pages",
     "numa",
     "cgroup",
     "binding",
@@ -556,3 +557,25 @@ def test_model_check_fails_with_the_reason_for_a_broken_model(tmp_path):
     bad.write_bytes(b"GGUF" + bytes(10))
     check = model_check(plan(DoctorInputs(engine=EngineArgs(model=bad))))
     assert check.status == "fail" and "bad.gguf" in check.summary
+
+
+@pytest.mark.parametrize(
+    "content, status, mode",
+    [
+        ("always [madvise] never\n", "ok", "madvise"),
+        ("[always] madvise never\n", "ok", "always"),
+        ("always madvise [never]\n", "warn", "never"),
+        (None, "warn", None),
+    ],
+)
+def test_huge_pages_mode_is_read_and_never_warns_with_the_fix(tmp_path, content, status, mode):
+    if content is not None:
+        thp = tmp_path / "kernel/mm/transparent_hugepage"
+        thp.mkdir(parents=True)
+        (thp / "enabled").write_text(content)
+    check = huge_pages_check(DoctorInputs(sysfs_root=tmp_path))
+    assert (check.status, check.value["mode"]) == (status, mode)
+    if status == "warn":
+        assert any("transparent_hugepage/enabled" in a for a in check.advice)
+    else:
+        assert check.advice == ()

@@ -185,3 +185,29 @@ def smt_check(inputs: DoctorInputs, planning: Planning) -> Check:
             "or host the frontend",
         )
     return Check("smt", "ok", summary, value, details=details)
+
+
+THP_ADVICE = (
+    "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root; a sysctl.d or "
+    "kernel command line transparent_hugepage=madvise keeps it): cpud asks for 2 MiB pages "
+    "for its weights, which decode reads ~20-30 % faster than 4 KiB pages"
+)
+
+
+def huge_pages_check(inputs: DoctorInputs) -> Check:
+    """Transparent huge pages: the ranks advise their packed weights MADV_HUGEPAGE, honoured in
+    the `always` and `madvise` modes."""
+    path = inputs.sysfs_root / "kernel/mm/transparent_hugepage/enabled"
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        summary = f"transparent huge pages unavailable ({path} unreadable): weights on 4 KiB pages"
+        return Check("huge pages", "warn", summary, {"mode": None}, (THP_ADVICE,))
+    mode = next((w[1:-1] for w in text.split() if w.startswith("[")), text)
+    value = {"mode": mode}
+    if mode in ("always", "madvise"):
+        return Check(
+            "huge pages", "ok", f"transparent huge pages {mode}: weights on 2 MiB pages", value
+        )
+    summary = f"transparent huge pages {mode}: weights stay on 4 KiB pages"
+    return Check("huge pages", "warn", summary, value, (THP_ADVICE,))

@@ -10,7 +10,13 @@ from collections.abc import Callable
 from cpud.doctor.args import inputs_from_args
 from cpud.doctor.binding_check import binding_check
 from cpud.doctor.inputs import DoctorInputs
-from cpud.doctor.machine import cpu_check, dtype_check, native_check, smt_check
+from cpud.doctor.machine import (
+    cpu_check,
+    dtype_check,
+    huge_pages_check,
+    native_check,
+    smt_check,
+)
 from cpud.doctor.memory_check import memory_check
 from cpud.doctor.model_check import model_check
 from cpud.doctor.planning import plan
@@ -55,6 +61,7 @@ def collect(inputs: DoctorInputs) -> list[Check]:
         ("dtype", lambda: dtype_check(inputs)),
         ("model", lambda: model_check(planning)),
         ("smt", lambda: smt_check(inputs, planning)),
+        ("huge pages", lambda: huge_pages_check(inputs)),
         ("numa", lambda: numa_check(planning)),
         ("cgroup", lambda: cgroup_check(inputs, planning)),
         ("binding", lambda: binding_check(inputs, planning)),
