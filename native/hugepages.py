@@ -41,22 +41,27 @@ class HugeArena:
         self._used = 0
 
     @staticmethod
+    def _next(used: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+        """(start, end) of the tensor taken after `used` bytes."""
+        start = -(-used // HugeArena.ALIGN) * HugeArena.ALIGN
+        return start, start + math.prod(shape) * dtype.itemsize
+
+    @staticmethod
     def size_of(shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.uint8) -> int:
         """Bytes an arena needs for tensors of these shapes taken in order."""
         total = 0
         for shape in shapes:
-            total = -(-total // HugeArena.ALIGN) * HugeArena.ALIGN
-            total += math.prod(shape) * dtype.itemsize
+            total = HugeArena._next(total, shape, dtype)[1]
         return total
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor from the arena's next free bytes (64-byte aligned)."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        start = -(-self._used // self.ALIGN) * self.ALIGN
-        if start + nbytes > self._region.numel():
+        start, end = self._next(self._used, shape, dtype)
+        nbytes = end - start
+        if end > self._region.numel():
             raise MemoryError(
                 f"arena of {self._region.numel()} bytes has {self._region.numel() - start} "
                 f"left, {nbytes} asked"
             )
-        self._used = start + nbytes
-        return self._region[start : start + nbytes].view(dtype).view(shape)
+        self._used = end
+        return self._region[start:end].view(dtype).view(shape)

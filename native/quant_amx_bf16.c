@@ -30,6 +30,8 @@ typedef struct {
     uint8_t rows[16];
 } bamx_cfg;
 
+/* Its own copy of quant_amx.c's configuration on purpose: one shared out-of-line function was
+ * compiled (gcc 12, -O3) without its stores to the configuration, so ldtilecfg loaded zeros. */
 static BTGT void tiles_config(void) {
     bamx_cfg c;
     memset(&c, 0, sizeof c);

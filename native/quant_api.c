@@ -101,10 +101,10 @@ int cpud_quant_linear(int isa, int flags, const cpud_qlinear *q, intptr_t x, int
     if (!x_ok(x, x_dtype, x_stride, out, out_dtype, out_stride, M, N, K)) return CPUD_EARG;
     if (M == 0) return CPUD_OK;
     if (ops == &cpud_qops_amx && M >= 16) { /* tiles: each part its own call */
-        const int es = out_dtype == CPUD_F32 ? 4 : 2;
         for (int i = 0; i < q->parts; i++) {
             const int rc = cpud_quant_gemm(isa, flags, p[i].qt, x, x_dtype, x_stride, q->qs[i],
-                                           q->sc[i], q->bias[i], out + p[i].col * es, out_dtype,
+                                           q->sc[i], q->bias[i],
+                                           out + p[i].col * dtype_size(out_dtype), out_dtype,
                                            out_stride, M, p[i].N, K);
             if (rc) return rc;
         }

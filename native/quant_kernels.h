@@ -168,12 +168,12 @@ typedef void (*tile_fn)(const qtile *t);
     static QTGT void name##_2(const qtile *t) { call(t, 2); }                                     \
     static QTGT void name##_4(const qtile *t) { call(t, 4); }
 
-#define T_Q8_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q8_0, 512)
-#define T_Q4_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_0, 256)
-#define T_Q4_1(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_1, 256)
-#define T_Q4_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 0, 2048)
-#define T_Q5_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 1, 2560)
-#define T_Q6_K(t, mr) TILE_TWO_HALVES(t, mr, blk_q6k, 0, 3072)
+#define T_Q8_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q8_0, q_qbytes[CPUD_Q8_0])
+#define T_Q4_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_0, q_qbytes[CPUD_Q4_0])
+#define T_Q4_1(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_1, q_qbytes[CPUD_Q4_1])
+#define T_Q4_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 0, q_qbytes[CPUD_Q4_K])
+#define T_Q5_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 1, q_qbytes[CPUD_Q5_K])
+#define T_Q6_K(t, mr) TILE_TWO_HALVES(t, mr, blk_q6k, 0, q_qbytes[CPUD_Q6_K])
 TILE_MR(q8_0, T_Q8_0)
 TILE_MR(q4_0, T_Q4_0)
 TILE_MR(q4_1, T_Q4_1)
