@@ -8,8 +8,11 @@ and the first touch of ~weights-sized fresh memory, which is most of the load ti
 mapping uses 2 MiB pages where the page cache holds 2 MiB folios (huge_file_map), so the
 weights stream from it as fast as from anonymous huge pages.
 
-A cache that is missing, stale or damaged is rebuilt; one that cannot be written (read-only or
-full disk) only costs the speed-up and says so in the log.
+Every tensor carries a CRC-32 (cpud.ranks.checksum) in the index, checked when the file is
+mapped: a cache that is missing, stale or damaged is rebuilt, with one log line naming the file
+(and the tensor whose bytes changed). Both files are synced to disk before they are renamed into
+place. One that cannot be written (read-only or full disk) only costs the speed-up and says so
+in the log.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from pathlib import Path
 
 import torch
 
+from cpud.ranks.checksum import checksums
 from cpud.ranks.huge_file_map import map_file_readonly
 
 log = logging.getLogger("cpud.ranks")
 
 # Bump when the packed layout or this file format changes: older files are then never read.
 # 2: entries carry a dtype (uint8 for quantized parts); the identity names the quantization.
-FORMAT = 2
+# 3: entries carry the CRC-32 of their bytes (cpud.ranks.checksum).
+FORMAT = 3
 ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
 
 
@@ -86,21 +91,23 @@ class WeightCache:
             index = json.loads(self.index_path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("weight cache %s unreadable (%s): rebuilding it", self.index_path, exc)
             return None
         try:
             entries = {
-                e["name"]: (int(e["offset"]), tuple(e["shape"]), str(e["dtype"]))
+                e["name"]: _Entry(
+                    int(e["offset"]), tuple(e["shape"]), str(e["dtype"]), int(e["crc32"])
+                )
                 for e in index["tensors"]
             }
             total = int(index["bytes"])
         except (KeyError, TypeError, ValueError):
             log.warning("weight cache %s has a damaged index: rebuilding it", self.index_path)
             return None
-        if {name: (shape, dt) for name, (_, shape, dt) in entries.items()} != wanted or any(
-            offset < 0 or offset + _nbytes(shape, dt) > total
-            for offset, shape, dt in entries.values()
+        if {name: (e.shape, e.dtype) for name, e in entries.items()} != wanted or any(
+            e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes > total
+            for e in entries.values()
         ):
             log.warning("weight cache %s does not match this model: rebuilding it", self.key)
             return None
@@ -108,7 +115,12 @@ class WeightCache:
             with open(self.data_path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != total:
-                    log.warning("weight cache %s is truncated: rebuilding it", self.data_path)
+                    log.warning(
+                        "weight cache %s is truncated or damaged (%d bytes, not %d): rebuilding it",
+                        self.data_path,
+                        size,
+                        total,
+                    )
                     return None
                 # Read-only and shared: the tensors are the page cache's own pages (a private
                 # writable mapping would be populated by copying every page), all mapped now
@@ -117,11 +129,21 @@ class WeightCache:
         except OSError as exc:
             log.warning("weight cache %s unreadable (%s): rebuilding it", self.data_path, exc)
             return None
+        whole = memoryview(region.buffer).cast("B")
+        found = checksums([whole[e.offset : e.offset + e.nbytes] for e in entries.values()])
+        for (name, entry), crc in zip(entries.items(), found):
+            if crc != entry.crc32:
+                log.warning(
+                    "weight cache %s is damaged (tensor %s fails its checksum): rebuilding it",
+                    self.data_path,
+                    name,
+                )
+                return None
         raw = torch.frombuffer(region.buffer, dtype=torch.uint8)
         views = {}
-        for name, (offset, shape, dt) in entries.items():
-            chunk = raw[offset : offset + _nbytes(shape, dt)]
-            views[name] = chunk.view(_DTYPES[dt]).view(shape)
+        for name, e in entries.items():
+            chunk = raw[e.offset : e.offset + e.nbytes]
+            views[name] = chunk.view(_DTYPES[e.dtype]).view(e.shape)
         log.info(
             "weight cache: packed weights mapped from %s, %.0f %% on 2 MiB pages%s",
             self.data_path,
@@ -137,26 +159,35 @@ class WeightCache:
             self.root.mkdir(parents=True, exist_ok=True)
             self._prune()
             entries, offset = [], 0
+            data = {
+                name: t.contiguous().view(torch.uint8).numpy().data.cast("B")
+                for name, t in tensors.items()
+            }
+            sums = dict(zip(data, checksums(list(data.values()))))
             fd, tmp = tempfile.mkstemp(prefix=f".{self.key}-", dir=self.root)
             with os.fdopen(fd, "wb") as f:
                 for name, tensor in tensors.items():
                     offset = -(-offset // ALIGN) * ALIGN
                     f.seek(offset)
-                    f.write(tensor.contiguous().view(torch.uint8).numpy().data)
+                    f.write(data[name])
                     entries.append(
                         {
                             "name": name,
                             "offset": offset,
                             "shape": list(tensor.shape),
                             "dtype": str(tensor.dtype),
+                            "crc32": sums[name],
                         }
                     )
-                    offset += tensor.numel() * tensor.element_size()
+                    offset += data[name].nbytes
                 f.truncate(offset)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.data_path)
             tmp = None
             index = {"tensors": entries, "bytes": offset, "shard": self.identity.__dict__}
             _write_atomic(self.index_path, json.dumps(index))
+            _sync_directory(self.root)
             log.info("weight cache: wrote %s (%.2f GiB)", self.data_path, offset / (1 << 30))
         except OSError as exc:
             log.warning(
@@ -186,12 +217,38 @@ class WeightCache:
 _DTYPES = {str(t): t for t in (torch.bfloat16, torch.uint8)}
 
 
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return math.prod(shape) * _DTYPES[dtype].itemsize
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the index."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype].itemsize
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by a file holding `text`, synced to disk before the rename."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sync_directory(path: Path) -> None:
+    """Make the renames inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
