@@ -66,11 +66,10 @@ def test_chat_renders_the_model_template(arch, model_factory):
 def test_logprob_tokens_show_special_tokens(llama):
     # A sequence ending on EOS reports the EOS token's text in its logprobs, as OpenAI and
     # vLLM do, instead of "" (which several special tokens would share as one top_logprobs key).
-    from cpud.engine.sequence import TokenLogprobs
+    from cpud.engine.output_builder import logprob_entry
 
     tokenizer = llama.engine.tokenizer
     eos = tokenizer.eos_token_ids[0]
-    entry = TokenLogprobs(eos, -0.5, 1, {eos: -0.5, 5: -1.5})
-    shown = llama.engine._logprob_dict(entry)
+    shown = logprob_entry(llama.engine.outputs.names, eos, -0.5, 1, [eos, 5], [-0.5, -1.5])
     assert shown[eos].decoded_token == tokenizer.eos_token != ""
     assert shown[5].decoded_token == tokenizer.decode([5])

@@ -10,8 +10,9 @@ import msgspec
 import pytest
 import torch
 
-from cpud import LLM, SamplingParams
-from cpud.engine.llm_engine import add_prompt_logprobs, prompt_scoring
+from cpud import LLM, Logprob, SamplingParams
+from cpud.engine.llm_engine import prompt_scoring
+from cpud.engine.output_builder import TokenNames, add_prompt_logprobs
 from cpud.engine.sequence import Sequence
 from cpud.protocol.control import FromRank
 from cpud.protocol.step import PromptLogprobs, PromptScoring, SeqWork, StepPlan, StepResult
@@ -179,10 +180,17 @@ def test_prompt_logprobs_cross_the_wire_and_land_in_order():
     result = StepResult(7, [], 0.1, [PromptLogprobs(0, values, [3, 4], [9, 8, 7, 6], tops)])
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=FromRank)
     assert decoded == result
-    add_prompt_logprobs(seq, decoded.prompt_logprobs[0])
-    assert [(e.token_id, e.logprob, e.rank, e.top) for e in seq.prompt_logprobs] == [
-        (4, -1.5, 3, {9: -0.5, 8: -1.0}),
-        (5, -2.5, 4, {7: -0.25, 6: -1.5}),
+    names = TokenNames(NameOnly())
+    add_prompt_logprobs(seq, decoded.prompt_logprobs[0], names)
+    assert seq.prompt_logprobs == [
+        {4: Logprob(-1.5, 3, "t4"), 9: Logprob(-0.5, 1, "t9"), 8: Logprob(-1.0, 2, "t8")},
+        {5: Logprob(-2.5, 4, "t5"), 7: Logprob(-0.25, 1, "t7"), 6: Logprob(-1.5, 2, "t6")},
     ]
+    assert [list(entry) for entry in seq.prompt_logprobs] == [[4, 9, 8], [5, 7, 6]]
     with pytest.raises(ValueError, match="do not fit"):
-        add_prompt_logprobs(seq, decoded.prompt_logprobs[0])  # one position is left
+        add_prompt_logprobs(seq, decoded.prompt_logprobs[0], names)  # one position is left
+
+
+class NameOnly:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"t{t}" for t in token_ids)

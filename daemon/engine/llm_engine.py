@@ -11,7 +11,6 @@ import hashlib
 import itertools
 import logging
 import time
-from array import array
 from dataclasses import dataclass, field
 
 from cpud.config import EngineConfig
@@ -19,12 +18,12 @@ from cpud.engine.admission import Admission
 from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.executor import Executor
-from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cpud.engine.output_builder import OutputBuilder
+from cpud.engine.outputs import Logprob, RequestOutput
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
-from cpud.engine.sequence import Sequence, TokenLogprobs
+from cpud.engine.sequence import Sequence
 from cpud.errors import CpudError, RequestError, one_line
 from cpud.protocol.step import (
-    PromptLogprobs,
     PromptScoring,
     SampledToken,
     SamplingSpec,
@@ -106,6 +105,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids)
         self.grammars.prepare_in_background()
+        self.outputs = OutputBuilder(tokenizer)
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
         # False (the offline API): step() raises a request's failure once it is cleaned up.
@@ -275,7 +275,7 @@ class LLMEngine:
             if seq is None or seq.finished:
                 continue
             try:
-                add_prompt_logprobs(seq, scored)
+                self.outputs.add_prompt(seq, scored)
             except Exception as exc:
                 self._fail(seq.request_id, exc, "reading its prompt logprobs")
         for sampled in result.tokens:
@@ -295,7 +295,7 @@ class LLMEngine:
             if request.awaits_prompt_logprobs:  # outputs are cumulative: the next one has all
                 continue
             try:
-                outputs.append(self._output(request))
+                outputs.append(self.outputs.output(request))
             except Exception as exc:
                 self._fail(request.request_id, exc, "building its output")
                 continue
@@ -383,10 +383,7 @@ class LLMEngine:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        if sampled.logprob is not None:
-            seq.cumulative_logprob += sampled.logprob
-            top = dict(zip(sampled.top_token_ids, sampled.top_logprobs))
-            seq.logprobs.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0, top))
+        self.outputs.add_sampled(seq, sampled)
         if seq.constraint is not None:
             seq.constraint.advance(token)
         params = seq.params
@@ -412,58 +409,6 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq)
 
-    def _output(self, request: Request) -> RequestOutput:
-        outputs = []
-        for seq in request.seqs:
-            logprobs = None
-            if seq.params.logprobs is not None:
-                logprobs = [self._logprob_dict(entry) for entry in seq.logprobs]
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    # While running, hold back what could still turn out to be a stop string.
-                    text=seq.text[: seq.detokenizer.stable_length(seq.finished)],
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
-                    logprobs=logprobs,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        scorer = request.seqs[0]
-        if scorer.scores_prompt and request.prompt_logprobs is None:
-            names: dict[int, str] = {}
-            request.prompt_logprobs = [None]
-            request.prompt_logprobs += [
-                self._logprob_dict(e, names) for e in scorer.prompt_logprobs
-            ]
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            outputs,
-            request.finished,
-            prompt_logprobs=request.prompt_logprobs,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-        )
-
-    def _logprob_dict(
-        self, entry: TokenLogprobs, names: dict[int, str] | None = None
-    ) -> dict[int, Logprob]:
-        """The entry's token first, then its alternatives by rank, as vLLM; `names` memoizes
-        decoded tokens across calls."""
-        names = {} if names is None else names
-
-        def name(token: int) -> str:
-            if token not in names:
-                names[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-            return names[token]
-
-        result = {entry.token_id: Logprob(entry.logprob, entry.rank, name(entry.token_id))}
-        for rank, (token, value) in enumerate(entry.top.items(), start=1):
-            result.setdefault(token, Logprob(value, rank, name(token)))
-        return result
-
 
 def prompt_scoring(seq: Sequence, start: int, num_tokens: int) -> PromptScoring | None:
     """Which of the positions [start, start + num_tokens) the step scores for the sequence's
@@ -479,20 +424,3 @@ def prompt_scoring(seq: Sequence, start: int, num_tokens: int) -> PromptScoring 
         return None
     next_token = seq.token_ids[end] if end == start + num_tokens else None
     return PromptScoring(first - start, end - first, seq.params.prompt_logprobs, next_token)
-
-
-def add_prompt_logprobs(seq: Sequence, scored: PromptLogprobs) -> None:
-    """Append a step's scored prompt positions (they continue where the last step ended)."""
-    values, tops = array("f"), array("f")
-    values.frombytes(scored.logprobs)
-    tops.frombytes(scored.top_logprobs)
-    count = len(values)
-    done = len(seq.prompt_logprobs)
-    targets = seq.prompt_token_ids[done + 1 : done + 1 + count]
-    ids = scored.top_token_ids
-    if len(targets) != count or len(scored.ranks) != count or len(tops) != len(ids):
-        raise ValueError(f"{count} prompt logprobs do not fit the prompt's unscored positions")
-    width = len(ids) // count if count else 0
-    for row, token in enumerate(targets):
-        top = dict(zip(ids[row * width : (row + 1) * width], tops[row * width : (row + 1) * width]))
-        seq.prompt_logprobs.append(TokenLogprobs(token, values[row], scored.ranks[row], top))

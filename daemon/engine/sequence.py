@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cpud.engine.block_manager import BlockTable
 from cpud.engine.detokenizer import IncrementalDetokenizer
+from cpud.engine.outputs import Logprob
 from cpud.sampling_params import SamplingParams
 from cpud.structured.matcher import SequenceConstraint
 
@@ -18,14 +19,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprob of the sampled token and the top alternatives at one position."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: dict[int, float]
+# One position's logprobs as users get them: its token first, then the top alternatives by
+# rank. Built once, when the position is computed, and kept.
+LogprobEntry = dict[int, Logprob]
 
 
 @dataclass
@@ -44,8 +40,8 @@ class Sequence:
     blocks: BlockTable = field(default_factory=BlockTable)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1..
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)  # of prompt tokens 1..
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     first_token_time: float | None = None
