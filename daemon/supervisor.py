@@ -23,7 +23,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import msgspec
 import zmq
 
 from cpud import envs
+from cpud.child_process import module_command
 from cpud.config import EngineArgs, ServeArgs
 from cpud.engine.multiproc import make_runtime_dir
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
@@ -119,7 +119,7 @@ class Supervisor:
             spec_path = Path(frontend_spec_file(runtime_dir))
             spec_path.write_bytes(msgspec.json.encode(spec))
             frontend = subprocess.Popen(
-                [sys.executable, "-m", "cpud.frontend.server", str(spec_path), str(os.getpid())],
+                module_command("cpud.frontend.server", str(spec_path), str(os.getpid())),
                 stdin=subprocess.PIPE,
                 env=envs.without_secrets(os.environ),
             )

@@ -10,6 +10,7 @@ TESTS = Path(__file__).resolve().parent
 SLOW_MODULES = frozenset(
     {
         "frontend/test_daemon_tp2.py",
+        "frontend/test_decoy_folder.py",
         "frontend/test_early_kill.py",
         "frontend/test_lifecycle.py",
         "frontend/test_lm_eval.py",

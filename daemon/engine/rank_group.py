@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import msgspec
 import zmq
 
 from cpud import envs
+from cpud.child_process import module_command
 from cpud.errors import ConfigError, CpudError
 from cpud.protocol.control import Shutdown, encoder
 from cpud.protocol.launch import EngineSpec, RankSlot, RankSpec, plan_socket, rank_spec_file
@@ -105,7 +105,7 @@ class RankGroup:
             )
             path = Path(rank_spec_file(self.runtime_dir, rank))
             path.write_bytes(msgspec.json.encode(spec))
-            command = [sys.executable, "-m", "cpud.ranks.worker", str(path), str(os.getpid())]
+            command = module_command("cpud.ranks.worker", str(path), str(os.getpid()))
             self.procs.append(subprocess.Popen(command, env=envs.without_secrets(os.environ)))
             self.last_beat[rank] = now
 
