@@ -2,11 +2,13 @@
 preemption by recompute.
 
 Every sequence is "tokens computed so far" vs "tokens known"; a step gives each scheduled
-sequence a number of tokens to compute. Running sequences come first (decodes and unfinished
-prefill chunks, oldest first); waiting ones are admitted in arrival order while budget,
-sequence slots and KV blocks last. When a running sequence cannot get a block, the newest
-running sequence is preempted: its blocks are freed and it recomputes later. A sequence that
-still owes prompt logprobs skips the prefix cache (cached blocks have no logits to score);
+sequence a number of tokens to compute. Running sequences come first (decodes, then unfinished
+prefill chunks, each oldest first); waiting ones are admitted in arrival order while budget,
+sequence slots and KV blocks last. While requests wait, a running prefill leaves a quarter of
+the budget to admit them, so a short request is not held until a long prompt (one scored for
+prompt logprobs, say) is prefilled to its end. When a running sequence cannot get a block, the
+newest running sequence is preempted: its blocks are freed and it recomputes later. A sequence
+that still owes prompt logprobs skips the prefix cache (cached blocks have no logits to score);
 its own blocks are cached for others as usual.
 """
 
@@ -46,6 +48,7 @@ class Scheduler:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.admission_reserve = max(1, max_batched_tokens // 4)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,17 +62,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        # Decodes first, then prefill chunks, each kind oldest first: a long prefill never
+        # holds back the next token of a running stream.
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+            budget = self.max_batched_tokens - out.num_tokens
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted for an older one's blocks
+                continue
             count = min(seq.num_uncomputed, budget)
+            if count > 1 and self.waiting and len(self.running) < self.max_num_seqs:
+                count = min(count, max(1, budget - self.admission_reserve))
             if self._make_room(seq, seq.num_computed_tokens + count, out):
                 out.scheduled.append(ScheduledSeq(seq, count))
-                budget -= count
-                index += 1
         if out.preempted:
             return out
+        budget = self.max_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = NO_HIT if seq.needs_prompt_logprobs else self.blocks.find_prefix(seq.token_ids)
@@ -95,6 +103,7 @@ class Scheduler:
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
+            out.scheduled = [item for item in out.scheduled if item.seq is not victim]
             if victim is seq:
                 return False
         self.blocks.allocate(seq.blocks, num_tokens)

@@ -21,6 +21,7 @@ from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import LLMEngine, RequestFailedError, describe
 from cpud.engine.outputs import RequestOutput
 from cpud.errors import CpudError, RequestError
+from cpud.frontend.compute_activity import ComputeActivity
 from cpud.sampling_params import SamplingParams
 
 log = logging.getLogger("cpud.engine")
@@ -32,6 +33,15 @@ class EngineDeadError(CpudError):
 
 class QueueFullError(CpudError):
     """Too many requests are waiting; the client should retry later."""
+
+
+class StoppingError(CpudError):
+    """The server is stopping: a request it did not admit ("draining"), or one the drain
+    timeout ended ("drain_timeout")."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,9 @@ class AsyncEngine:
         self._pending = 0
         self._lock = threading.Lock()
         self.error: BaseException | None = None
+        self._refusal: StoppingError | None = None  # set once the server stops admitting
+        # The sinks of the requests being served, by the event loop's thread only.
+        self._open: dict[str, asyncio.Queue] = {}
         self._steps = 0
         self._step_seconds = 0.0
         # Set by the engine thread only: None while idle, else when the last step ended (or
@@ -79,6 +92,10 @@ class AsyncEngine:
         self._last_progress: float | None = None
         self._thread = threading.Thread(target=self._run, name="cpud-engine", daemon=True)
         self._thread.start()
+        # Read by the caller asking about progress (the event loop): a long step that keeps
+        # the engine computing is progress too.
+        self._activity = ComputeActivity(self._thread.ident or 0)
+        self._busy_at = 0.0
 
     # ---- caller side (any thread / event loop) -----------------------------------------------
 
@@ -93,9 +110,13 @@ class AsyncEngine:
 
     def seconds_without_progress(self) -> float:
         """0.0 while there is nothing to do; else seconds since a step last completed (or since
-        work arrived, if none has completed since). Grows while a rank's step hangs."""
-        since = self._last_progress
-        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+        work arrived, if none has completed since), unless the engine has been computing since
+        the last call: a large step on a slow machine is busy, not stalled. Grows while a
+        rank's step hangs. Called from one thread (the event loop)."""
+        since, now = self._last_progress, time.monotonic()
+        if self._activity.busy():  # asked while idle too, so that the next answer is fresh
+            self._busy_at = now
+        return 0.0 if since is None else max(0.0, now - max(since, self._busy_at))
 
     def stats(self) -> EngineStats:
         sched = self.engine.scheduler
@@ -119,20 +140,45 @@ class AsyncEngine:
             return await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
         return self.engine.validate(prompt_token_ids, params)
 
+    def _refuse(self) -> None:
+        """Raise what a request arriving now gets instead of admission (with the lock held)."""
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running: {self.error}")
+        if self._refusal is not None:
+            raise self._refusal
+        if self._pending >= self.max_waiting:
+            raise QueueFullError(f"{self._pending} requests in flight; retry shortly")
+
+    def check_admission(self) -> None:
+        """Raise now what `generate` would raise instead of admitting a request."""
+        with self._lock:
+            self._refuse()
+
+    def stop_admitting(self, refusal: StoppingError) -> None:
+        """From now on `generate` raises `refusal`; requests admitted before go on."""
+        with self._lock:
+            self._refusal = refusal
+
+    def fail_open(self, error: BaseException) -> None:
+        """End every request being served with `error`, wherever it is (queued for the engine
+        thread, inside a step that hangs, streaming), whatever the engine thread is doing.
+        Call from the event loop that runs the requests."""
+        for sink in self._open.values():
+            sink.put_nowait(error)
+
     async def generate(
         self, request_id: str, admission: Admission, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's output after every step that advanced it; the last one has
         finished=True. Leaving the iteration early (client gone) aborts the request."""
-        if not self.alive:
-            raise EngineDeadError(f"the engine is not running: {self.error}")
-        with self._lock:
-            if self._pending >= self.max_waiting:
-                raise QueueFullError(f"{self._pending} requests in flight; retry shortly")
-            self._pending += 1
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._commands.put(_Add(request_id, admission, prompt, sink, loop))
+        with self._lock:
+            self._refuse()
+            self._pending += 1
+            # Under the lock: a failing engine thread fails every command queued before.
+            self._commands.put(_Add(request_id, admission, prompt, sink, loop))
+        self._open[request_id] = sink
         self._wake.set()
         finished = False
         try:
@@ -146,6 +192,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self._open.pop(request_id, None)
             with self._lock:
                 self._pending -= 1
             if not finished:
@@ -234,10 +281,22 @@ class AsyncEngine:
                 log.error("engine loop stopped: %s", exc)
             else:
                 log.exception("engine loop failed")
-            self.error = exc
+            with self._lock:
+                self.error = exc
             dead = EngineDeadError(f"the engine failed: {describe(exc)}")
             for request_id in list(self._sinks):
                 self._deliver(request_id, dead)
             self._sinks.clear()
+            self._fail_queued(dead)
         finally:
             self._last_progress = None
+
+    def _fail_queued(self, error: EngineDeadError) -> None:
+        """Requests that arrived while the failed step ran: never added, they fail too."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._post(command.sink, command.loop, error)

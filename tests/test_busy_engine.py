@@ -1,0 +1,100 @@
+"""A long prompt scored for prompt logprobs shares the engine: a short request admitted
+meanwhile finishes between its chunks; a long step that computes is busy, not stalled."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from cpud import LLM, SamplingParams
+from cpud.engine.block_manager import BlockManager
+from cpud.engine.detokenizer import IncrementalDetokenizer
+from cpud.engine.scheduler import Scheduler
+from cpud.engine.sequence import Sequence
+from cpud.frontend.compute_activity import ComputeActivity
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(
+        model_factory("qwen3"), dtype="float32", max_model_len=1024, max_num_batched_tokens=64
+    )
+
+
+def test_a_short_request_finishes_while_a_long_prompt_is_still_scored(llm):
+    engine = llm.engine
+    vocab = llm.config.model.vocab_size
+    rng = random.Random(3)
+    long_prompt = [rng.randrange(10, vocab) for _ in range(900)]
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    engine.step()
+    engine.step()
+    engine.add_request("short", [11, 12, 13, 14], SamplingParams(max_tokens=2, ignore_eos=True))
+    finished: dict[str, int] = {}
+    finals = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id], finals[out.request_id] = steps, out
+    # 900 tokens at 64 a step take 15 steps; the short request needs two of them
+    assert finished["short"] <= 3, f"the short request took {finished['short']} steps"
+    assert finished["long"] >= 12, finished
+    assert (
+        len(finals["long"].prompt_logprobs) == 900
+        and len(finals["short"].outputs[0].token_ids) == 2
+    )
+
+
+class NullDecoder:
+    def decode(self, token_ids, skip_special_tokens=True):
+        return ""
+
+
+def make_seq(seq_id: int, length: int) -> Sequence:
+    prompt = list(range(10, 10 + length))
+    detokenizer = IncrementalDetokenizer(NullDecoder())
+    return Sequence(seq_id, str(seq_id), 0, prompt, SamplingParams(), detokenizer, None)
+
+
+def run_step(scheduler: Scheduler) -> list[tuple[int, int]]:
+    out = scheduler.schedule()
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_tokens
+        if item.seq.num_uncomputed == 0:
+            item.seq.token_ids.append(1)
+    return [(item.seq.seq_id, item.num_tokens) for item in out.scheduled]
+
+
+def test_running_prefill_leaves_room_for_waiting_requests():
+    scheduler = Scheduler(BlockManager(100, 16, False), max_num_seqs=8, max_batched_tokens=64)
+    scheduler.add(make_seq(0, 600))
+    assert run_step(scheduler) == [(0, 64)]  # alone: the whole budget
+    scheduler.add(make_seq(1, 10))
+    assert run_step(scheduler) == [(0, 48), (1, 10)]  # a quarter left to admit seq 1
+    # seq 1 decodes first; nothing waits, so seq 0 takes the rest of the budget again
+    assert run_step(scheduler) == [(1, 1), (0, 63)]
+
+
+def spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def test_compute_activity_tells_a_computing_thread_from_a_blocked_one():
+    stop = threading.Event()
+    for target, busy in ((spin, True), (stop.wait, False)):
+        stop.clear()
+        thread = threading.Thread(target=target, args=(stop,) if busy else ())
+        thread.start()
+        try:
+            activity = ComputeActivity(thread.ident)
+            time.sleep(0.3)
+            assert activity.busy() is busy
+        finally:
+            stop.set()
+            thread.join()
