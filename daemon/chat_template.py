@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cpud.errors import ConfigError, RequestError, one_line
+from cpud.user_files import MAX_SIDE_FILE_BYTES, MAX_TEMPLATE_BYTES, read_text
 
 JINJA_CHARS = "{}\n"
 
@@ -24,7 +25,9 @@ def load_chat_template(value: str) -> str:
     """vLLM's --chat-template: the text of the file it names, else the value itself as a
     template (backslash escapes such as \\n decoded)."""
     try:
-        return Path(value).expanduser().read_text(encoding="utf-8")
+        return read_text(Path(value).expanduser(), MAX_TEMPLATE_BYTES, "--chat-template ")
+    except ConfigError:
+        raise
     except (OSError, ValueError) as exc:
         if not any(c in value for c in JINJA_CHARS):
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
@@ -57,7 +60,7 @@ def _named(value: Any, source: Path) -> dict[str, str]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return read_text(path, MAX_SIDE_FILE_BYTES)
     except OSError as exc:
         raise ConfigError(f"{path} cannot be read: {exc.strerror}") from None
     except UnicodeDecodeError:

@@ -199,9 +199,10 @@ def read_api_key_file(path: str) -> str:
     that cannot be read, is empty or holds more than a key; a warning when every user may read
     it."""
     from cpud.errors import ConfigError
+    from cpud.user_files import open_regular
 
     try:
-        with open(path, "rb") as file:
+        with open_regular(path, "--api-key-file ") as file:
             mode = os.fstat(file.fileno()).st_mode
             raw = file.read(MAX_API_KEY_BYTES + 1)
     except OSError as exc:

@@ -17,6 +17,7 @@ from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.model.safetensors_check import check_weights
 from cpud.model.sizes import kv_block_bytes
 from cpud.protocol.launch import EngineSpec
+from cpud.user_files import check_model_files_are_regular
 
 GiB = 1 << 30
 KERNEL_KINDS = ("auto", "native", "torch")
@@ -157,6 +158,7 @@ def check_model_files(model_dir: Path) -> ModelConfig:
     the tokenizer's JSON side files readable: a corrupt model is a ConfigError naming the file
     before any rank starts. Reads headers only: milliseconds for any model size. A GGUF file:
     its metadata and tensor headers checked (about 0.5 s for a 50k-token vocabulary)."""
+    check_model_files_are_regular(model_dir)
     if model_dir.is_file():
         from cpud.model.gguf_model import gguf_model_config
 
