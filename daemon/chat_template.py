@@ -1,10 +1,12 @@
 """Chat templates: where models keep them, vLLM's --chat-template, and rendering as transformers
 renders them (sandboxed jinja, trim_blocks/lstrip_blocks, tojson without HTML escaping,
-raise_exception, strftime_now, the special tokens and tools in the context)."""
+raise_exception, strftime_now, the special tokens and tools in the context), each render under
+a budget of CPU time and characters (cpud.template_budget)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -13,12 +15,24 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cpud.errors import ConfigError, RequestError, one_line
+from cpud.template_budget import BudgetedEnvironment, RenderBudget, TemplateBudgetError
 from cpud.user_files import MAX_SIDE_FILE_BYTES, MAX_TEMPLATE_BYTES, read_text
 
+log = logging.getLogger(__name__)
+DEFAULT_BUDGET = RenderBudget()
 JINJA_CHARS = "{}\n"
+# What a template must render within its budget before the daemon starts with it.
+PROBES = (
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello, who are you?"},
+        {"role": "assistant", "content": "I am an assistant. How can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ],
+    [{"role": "user", "content": "Hello!"}],
+)
 
 
 def load_chat_template(value: str) -> str:
@@ -128,11 +142,12 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BudgetedEnvironment:
+    env = BudgetedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.meter_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -142,11 +157,24 @@ class ChatTemplates:
     """A model's chat templates by name ("default", "tool_use", ...), compiled once each.
 
     strict: a template that does not parse is a ConfigError now (--chat-template); otherwise the
-    chat requests that need it fail with a 400."""
+    chat requests that need it fail with a 400. source: where the templates come from, as
+    messages name it. Each render runs under `budget`: past it, the request gets a 400 that
+    names the template (probe() refuses such a template before the daemon starts)."""
 
-    def __init__(self, templates: Mapping[str, str], origin: str, strict: bool = False):
+    def __init__(
+        self,
+        templates: Mapping[str, str],
+        origin: str,
+        strict: bool = False,
+        source: str | None = None,
+        budget: RenderBudget = DEFAULT_BUDGET,
+    ):
         self.templates = dict(templates)
         self.origin = origin
+        if source is None:
+            source = origin if origin == "--chat-template" else "the model's chat template"
+        self.source = source
+        self.budget = budget
         self._env = _environment()
         self._compiled: dict[str, jinja2.Template] = {}
         if strict:
@@ -214,8 +242,11 @@ class ChatTemplates:
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
+        name = self._pick(context["tools"])
         try:
-            return self._compile(self._pick(context["tools"])).render(context)
+            return self._env.render(lambda: self._compile(name), context, self.budget)
+        except TemplateBudgetError as exc:
+            raise self._over_budget(name, exc) from None
         except RequestError:
             raise
         except Exception as exc:  # the template runs on request data: any failure is a 400
@@ -223,3 +254,37 @@ class ChatTemplates:
             raise RequestError(
                 f"chat template failed: {one_line(str(detail))}", param="messages"
             ) from None
+
+    def _label(self, name: str) -> str:
+        return self.source if len(self.templates) == 1 else f"{self.source} {name!r}"
+
+    def _over_budget(self, name: str, exc: TemplateBudgetError) -> RequestError:
+        """The template's fault more than the request's, so the operator hears of it too."""
+        label = self._label(name)
+        log.warning("chat template %s went past its render budget: %s", label, exc)
+        return RequestError(
+            f"the chat template ({label}) went past its render budget on this conversation: "
+            f"{exc}; shorten the conversation, or ask the server's operator to fix the template",
+            param="messages",
+            code="chat_template_budget",
+        )
+
+    def probe(self, specials: Mapping[str, str | None]) -> None:
+        """ConfigError unless every template renders short sample conversations within its
+        budget; other failures (a template that refuses a system message) are left to the
+        requests, which get a 400."""
+        for name in self.templates:
+            for messages in PROBES:
+                context = {"bos_token": "", "eos_token": "", "tools": None, "documents": None}
+                context.update({k: v for k, v in specials.items() if v is not None})
+                context.update(messages=messages, add_generation_prompt=True)
+                try:
+                    self._env.render(lambda n=name: self._compile(n), context, self.budget)
+                except TemplateBudgetError as exc:
+                    raise ConfigError(
+                        f"{self._label(name)} cannot render a {len(messages)}-message sample "
+                        f"conversation within its budget ({self.budget.describe()}): {exc}; "
+                        "fix the template or pass another with --chat-template"
+                    ) from None
+                except Exception:  # noqa: S112 - the requests that hit it get a 400
+                    continue

@@ -50,16 +50,38 @@ def check_tokenizer(model: Path, chat_template: str | None = None) -> None:
     """ConfigError (one line) for what Tokenizer(model, chat_template) would refuse, found
     before any rank starts: a GGUF tokenizer cpud cannot build (about 0.6 s for 49k tokens),
     a model's chat template file that cannot be read, a --chat-template that cannot be read or
-    does not parse."""
+    does not parse, a chat template that cannot render a sample conversation within its
+    render budget."""
     found = gguf_file(model)
     if found is not None:
-        from cpud.gguf_tokenizer import check_gguf_tokenizer
+        from cpud.gguf_tokenizer import check_gguf_tokenizer, read_vocab
 
         check_gguf_tokenizer(found)
-    elif chat_template is None:
-        hf_chat_templates(model, _read_json(model / "tokenizer_config.json"))
+        vocab = read_vocab(found)
+        specials = _gguf_specials(vocab)
+        source = f"tokenizer.chat_template of {found.name}"
+        templates = ChatTemplates(vocab.chat_templates, source, source=source)
+    else:
+        tok_cfg = _read_json(model / "tokenizer_config.json")
+        specials = {name: _token_text(tok_cfg.get(name)) for name in ("bos_token", "eos_token")}
+        if chat_template is None:
+            source = f"the chat template of {model}"
+            templates = ChatTemplates(hf_chat_templates(model, tok_cfg), source, source=source)
     if chat_template is not None:
-        chat_template_override(chat_template)
+        templates = chat_template_override(chat_template)
+    templates.probe(specials)
+
+
+def _gguf_specials(vocab: Any) -> dict[str, str | None]:
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else vocab.tokens[token_id]
+
+    return {
+        "bos_token": text(vocab.bos_id),
+        "eos_token": text(vocab.eos_id),
+        "unk_token": text(vocab.unk_id),
+        "pad_token": text(vocab.pad_id),
+    }
 
 
 class Tokenizer:
@@ -96,6 +118,7 @@ class Tokenizer:
         self.chat_templates = ChatTemplates(
             hf_chat_templates(model_dir, tok_cfg),
             "none in chat_template.jinja, tokenizer_config.json or chat_template.json",
+            source=f"the chat template of {model_dir}",
         )
         self.specials = {
             name: _token_text(tok_cfg.get(name))
@@ -114,18 +137,11 @@ class Tokenizer:
         vocab = read_vocab(path)
         self._tok = build_tokenizer(vocab)
         self.chat_templates = ChatTemplates(
-            vocab.chat_templates, f"no tokenizer.chat_template in {path.name}"
+            vocab.chat_templates,
+            f"no tokenizer.chat_template in {path.name}",
+            source=f"tokenizer.chat_template of {path.name}",
         )
-
-        def text(token_id: int | None) -> str | None:
-            return None if token_id is None else vocab.tokens[token_id]
-
-        self.specials = {
-            "bos_token": text(vocab.bos_id),
-            "eos_token": text(vocab.eos_id),
-            "unk_token": text(vocab.unk_id),
-            "pad_token": text(vocab.pad_id),
-        }
+        self.specials = _gguf_specials(vocab)
         self.bos_token = self.specials["bos_token"]
         self.eos_token = self.specials["eos_token"]
         self.eos_token_ids = vocab.eog_ids
