@@ -60,6 +60,9 @@ class SamplingParams:
     # in JSON) and kept as (id, bias) pairs sorted by id. Ids are checked against the model's
     # vocabulary when the engine admits the request.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same salt
+    # (a tenant's secret keeps others from learning, by cache hits, what it sent).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -200,6 +203,10 @@ class SamplingParams:
             fail("stop_token_ids", f"entries must be token ids in [0, {TOKEN_ID_LIMIT})")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             fail("seed", f"must be between {SEED_MIN} and {SEED_MAX} (a signed 64-bit integer)")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            fail("cache_salt", "must be a non-empty string")
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,8 @@
 
 A block is free when no sequence references it. Free blocks that hold a full, hashed block
 of tokens stay findable by hash (a prefix-cache hit revives them) until they are reused;
-reuse takes the least recently freed block first.
+reuse takes the least recently freed block first. A request's cache salt seeds its hash
+chain: requests share cached blocks only when their salts (or their lack of one) match.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
     return digest.digest()
 
 
+def salt_root(salt: str | None) -> bytes:
+    """The seed of a hash chain: empty without a salt, else a digest of it that no chain of
+    token blocks can produce."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cpud-cache-salt").digest()
+
+
 @dataclass
 class KVBlock:
     block_id: int
@@ -29,10 +38,12 @@ class KVBlock:
 
 @dataclass
 class BlockTable:
-    """The blocks of one sequence and the hashes of its full, computed blocks."""
+    """The blocks of one sequence and the hashes of its full, computed blocks; root seeds
+    their hash chain (salt_root of the request's cache salt)."""
 
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    root: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -71,15 +82,16 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, token_ids: Seq[int]) -> PrefixHit:
-        """Longest run of cached full blocks at the start of token_ids, leaving one token
-        to compute (the step that samples must run at least one token)."""
+    def find_prefix(self, token_ids: Seq[int], root: bytes = b"") -> PrefixHit:
+        """Longest run of cached full blocks at the start of token_ids whose chain starts at
+        root, leaving one token to compute (the step that samples must run at least one
+        token)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], [])
         usable = (len(token_ids) - 1) // self.block_size
         block_ids: list[int] = []
         hashes: list[bytes] = []
-        parent = b""
+        parent = root
         for index in range(usable):
             chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
             parent = block_hash(parent, chunk)
@@ -128,7 +140,7 @@ class BlockManager:
         """Register every full block whose KV is now computed under its chained hash."""
         if not self.enable_prefix_caching:
             return
-        parent = table.hashes[-1] if table.hashes else b""
+        parent = table.hashes[-1] if table.hashes else table.root
         for index in range(len(table.hashes), num_computed // self.block_size):
             chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
             parent = block_hash(parent, chunk)

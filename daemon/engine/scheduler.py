@@ -80,7 +80,11 @@ class Scheduler:
         budget = self.max_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = NO_HIT if seq.needs_prompt_logprobs else self.blocks.find_prefix(seq.token_ids)
+            hit = (
+                NO_HIT
+                if seq.needs_prompt_logprobs
+                else self.blocks.find_prefix(seq.token_ids, seq.blocks.root)
+            )
             cached = hit.num_blocks * self.blocks.block_size
             count = min(seq.num_tokens - cached, budget)
             if not self.blocks.can_allocate(seq.blocks, cached + count, hit):

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cpud.engine.block_manager import BlockTable
+from cpud.engine.block_manager import BlockTable, salt_root
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.outputs import Logprob
 from cpud.sampling_params import SamplingParams
@@ -51,6 +51,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.blocks.root = salt_root(self.params.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -152,6 +152,7 @@ def sampling_params(
             ),
             structured=structured,
             logit_bias=body.logit_bias or (),
+            cache_salt=body.cache_salt,
         )
     except RequestError as exc:
         raise bad_request(str(exc), param=exc.param) from None

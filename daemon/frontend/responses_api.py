@@ -165,6 +165,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         response_format=response_format,
         stream=body.stream,
         user=body.user,
+        cache_salt=body.cache_salt,
         **extra,
     )
 

@@ -26,6 +26,7 @@ from cpud.sampling_params import (
 MAX_TOKEN_LIST = 1 << 20  # token ids in one prompt list: beyond any model's context
 MAX_NAME_CHARS = 1024  # model names, roles, user tags
 MAX_TOOLS = 128
+MAX_SALT_CHARS = 4096
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 means greedy")]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -38,6 +39,14 @@ Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS
 Bias = Annotated[float, Meta(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 TokenId = Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_LIST)]
+CacheSalt = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=MAX_SALT_CHARS,
+        description="vLLM: prefix-cache blocks are shared only among requests of one salt",
+    ),
+]
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -114,6 +123,7 @@ class SamplingFields(Strict, kw_only=True):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -245,6 +255,7 @@ class ResponsesRequest(Strict, kw_only=True):
     include: (
         Annotated[list[Name], Meta(max_length=0, description="no extra output data: empty")] | None
     ) = None
+    cache_salt: CacheSalt | None = None
 
 
 REQUEST_TYPES = {
