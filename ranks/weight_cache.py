@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from cpud.errors import ConfigError
 from cpud.ranks.checksum import checksums
 from cpud.ranks.huge_file_map import map_file_readonly
+from cpud.user_files import open_regular, read_text
 
 log = logging.getLogger("cpud.ranks")
 
@@ -38,6 +40,7 @@ log = logging.getLogger("cpud.ranks")
 # 3: entries carry the CRC-32 of their bytes (cpud.ranks.checksum).
 FORMAT = 3
 ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
+MAX_INDEX_BYTES = 64 << 20  # an index names a few hundred tensors: ~100 KB
 
 
 def checkpoint_fingerprint(model_dir: Path) -> list[tuple[str, int, int]]:
@@ -88,7 +91,7 @@ class WeightCache:
         dtypes = dtypes or {}
         wanted = {n: (tuple(s), str(dtypes.get(n, torch.bfloat16))) for n, s in shapes.items()}
         try:
-            index = json.loads(self.index_path.read_text())
+            index = json.loads(read_text(self.index_path, MAX_INDEX_BYTES))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, RecursionError) as exc:
@@ -112,7 +115,7 @@ class WeightCache:
             log.warning("weight cache %s does not match this model: rebuilding it", self.key)
             return None
         try:
-            with open(self.data_path, "rb") as f:
+            with open_regular(self.data_path) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != total:
                     log.warning(
@@ -126,7 +129,7 @@ class WeightCache:
                 # writable mapping would be populated by copying every page), all mapped now
                 # rather than on the first steps, on 2 MiB pages where the page cache allows.
                 region = map_file_readonly(f.fileno(), size)
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             log.warning("weight cache %s unreadable (%s): rebuilding it", self.data_path, exc)
             return None
         whole = memoryview(region.buffer).cast("B")
@@ -206,7 +209,7 @@ class WeightCache:
             if index_path == self.index_path:
                 continue
             try:
-                shard = json.loads(index_path.read_text())["shard"]
+                shard = json.loads(read_text(index_path, MAX_INDEX_BYTES))["shard"]
             except (OSError, ValueError, KeyError):
                 continue
             if shard == self.identity.__dict__ or not Path(shard.get("model_dir", "")).exists():

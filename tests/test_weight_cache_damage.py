@@ -121,6 +121,23 @@ def test_the_exact_damage_names_the_file_and_the_tensor(pristine, tmp_path, capl
     assert str(cache.data_path) in line and "tensor layers.0.qkv fails its checksum" in line
 
 
+@pytest.mark.parametrize("which", ["data_path", "index_path"])
+def test_a_fifo_in_place_of_a_cache_file_is_rebuilt_not_waited_on(
+    pristine, tmp_path, which, caplog
+):
+    root = Path(shutil.copytree(pristine, tmp_path / "cache"))
+    cache = _cache(root)
+    getattr(cache, which).unlink()
+    os.mkfifo(getattr(cache, which))
+    with caplog.at_level(logging.WARNING, logger="cpud.ranks"):
+        assert cache.load(SHAPES, DTYPES) is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "FIFO" in line and "rebuilding" in line
+    cache.store(TENSORS)
+    views = cache.load(SHAPES, DTYPES)
+    assert views is not None and all(torch.equal(views[n], t) for n, t in TENSORS.items())
+
+
 def test_both_files_are_synced_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
