@@ -89,9 +89,12 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
         kind = item.get("type", "message")
         if kind == "message":
             _check_keys(item, MESSAGE_KEYS, where)
-            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            given = item.get("role")
+            role = ROLES.get(given) if isinstance(given, str) else None
             if role is None:
-                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", where)
+                raise bad_request(
+                    f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role"
+                )
             messages.append(ChatMessage(role=role, content=_message_text(item, where)))
         elif kind == "function_call":
             _check_keys(item, CALL_KEYS, where)
@@ -183,6 +186,9 @@ class Answer:
     cached_tokens: int = 0
     output_tokens: int = 0
     note: AccessNote = field(default_factory=AccessNote)  # the request's access line
+    # report the prompt tokens the prefix cache served (else 0: a Response always has
+    # input_tokens_details)
+    details: bool = True
 
     def snapshot(self, status: str, reason: str | None = None) -> dict:
         body = self.body
@@ -226,7 +232,7 @@ class Answer:
 
     def measure(self, final: RequestOutput, out: CompletionOutput) -> None:
         self.input_tokens = len(final.prompt_token_ids)
-        self.cached_tokens = final.num_cached_tokens
+        self.cached_tokens = final.num_cached_tokens if self.details else 0
         self.output_tokens = len(out.token_ids)
         self.note.prompt_tokens = self.input_tokens
         self.note.completion_tokens = self.output_tokens
@@ -289,7 +295,8 @@ async def respond_responses(
 ) -> Response:
     job = await state.off_loop(lambda: chat_job(state, chat_request(body)))
     streams = await start_requests(state, job.request_id, job.prompts, job.params)
-    answer = Answer(body, job, note=access_note(request))
+    details = state.config.prompt_tokens_details
+    answer = Answer(body, job, note=access_note(request), details=details)
     answer.note.request_id, answer.note.model = answer.id, job.model
     if body.stream:
         return StreamingResponse(
@@ -321,6 +328,7 @@ class EventStream:
     message: dict | None = None
     text: str = ""
     calls: dict[int, dict] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)  # output index by item id
 
     def event(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
@@ -375,6 +383,7 @@ class EventStream:
         index = len(self.answer.output)
         if self.message is None:
             self.message = message_item("", "in_progress")
+            self.positions[self.message["id"]] = index
             self.answer.output.append(self.message)
             chunks.append(
                 self.event("response.output_item.added", output_index=index, item=self.message)
@@ -394,7 +403,7 @@ class EventStream:
             self.event(
                 "response.output_text.delta",
                 item_id=self.message["id"],
-                output_index=self.answer.output.index(self.message),
+                output_index=self.positions[self.message["id"]],
                 content_index=0,
                 delta=content,
                 logprobs=[],
@@ -409,6 +418,7 @@ class EventStream:
             chunks += self.close_message()
             item = call_item(delta["id"], fn["name"], "", "in_progress")
             self.calls[delta["index"]] = item
+            self.positions[item["id"]] = len(self.answer.output)
             self.answer.output.append(item)
             index = len(self.answer.output) - 1
             chunks.append(self.event("response.output_item.added", output_index=index, item=item))
@@ -419,7 +429,7 @@ class EventStream:
                 self.event(
                     "response.function_call_arguments.delta",
                     item_id=item["id"],
-                    output_index=self.answer.output.index(item),
+                    output_index=self.positions[item["id"]],
                     delta=fn["arguments"],
                 )
             )
