@@ -274,6 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rank_timeout=args.rank_timeout,
         step_timeout=args.step_timeout,
         stall_timeout=args.stall_timeout,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return serve(engine_args, serve_args)
 

@@ -83,6 +83,9 @@ class ServeArgs:
     rank_timeout: float = 30.0  # seconds without a heartbeat before a child counts as lost
     step_timeout: float = 300.0  # seconds one step may run before its rank counts as hung
     stall_timeout: float = 10.0  # seconds without a finished step before /health says 503
+    # usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details);
+    # off: omitted, so no client learns from it what others sent
+    enable_prompt_tokens_details: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -80,6 +80,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds queued work may wait for a step to finish before /health answers 503",
     )
     parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix "
+        "cache served (on by default); --no-enable-prompt-tokens-details leaves it out so that "
+        "no client learns from it what others sent (send cache_salt for that too)",
+    )
+    parser.add_argument(
         "--chat-template",
         metavar="FILE_OR_STRING",
         help="chat template (jinja) replacing the model's, or for a model without one: a file, "

@@ -54,14 +54,17 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    details: bool = True  # prompt_tokens_details (--no-enable-prompt-tokens-details: left out)
 
     def as_dict(self) -> dict:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -211,6 +214,7 @@ async def respond(state: ServerState, request: Request, job: Job) -> Response:
     usage = Usage(
         prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
         cached_tokens=sum(f.num_cached_tokens for f in finals),
+        details=state.config.prompt_tokens_details,
     )
     choices = []
     for p_index, (prompt, final) in enumerate(zip(job.prompts, finals)):
@@ -317,7 +321,10 @@ async def stream_events(
         for p in range(len(job.prompts))
         for i in range(n)
     }
-    usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in job.prompts))
+    usage = Usage(
+        prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
+        details=state.config.prompt_tokens_details,
+    )
     cached: dict[int, int] = {}
     generated: dict[tuple[int, int], int] = {}
     object_name = "text_completion" if job.kind == "completion" else "chat.completion.chunk"

@@ -114,6 +114,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
             metrics_need_key=serve_args.metrics_need_key,
             stall_seconds=serve_args.stall_timeout,
             tool_call_parser=spec.tool_call_parser,
+            prompt_tokens_details=serve_args.enable_prompt_tokens_details,
         ),
         tokenizer,
     )
