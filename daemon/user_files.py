@@ -51,19 +51,6 @@ def open_regular(path: str | os.PathLike, what: str = "") -> BinaryIO:
         raise
 
 
-def read_regular(path: str | os.PathLike, limit: int, what: str = "") -> bytes:
-    """The bytes of the regular file `path`, at most `limit` of them: ConfigError (naming it as
-    `what` + path) when it cannot be read, is not a regular file or is longer."""
-    try:
-        with open_regular(path, what) as file:
-            data = file.read(limit + 1)
-    except OSError as exc:
-        raise ConfigError(f"{what}{path} cannot be read: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise ConfigError(f"{what}{path} is over {limit} bytes: too long for this file")
-    return data
-
-
 def read_text(path: str | os.PathLike, limit: int, what: str = "") -> str:
     """The UTF-8 text of `path` as Path.read_text gives it (OSError, UnicodeDecodeError as it
     raises them), but ConfigError for a file that is not regular or is over `limit` bytes."""

@@ -14,7 +14,7 @@ import pytest
 
 from cpud.chat_template import load_chat_template
 from cpud.errors import ConfigError
-from cpud.user_files import check_model_files_are_regular, open_regular, read_regular, read_text
+from cpud.user_files import check_model_files_are_regular, open_regular, read_text
 
 
 def serve_exits(*args: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -67,18 +67,16 @@ def test_a_model_file_that_is_a_fifo_exits_2_naming_it(model_factory, tmp_path, 
 
 def test_devices_directories_and_long_files_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="/dev/zero is a character device, not a regular file"):
-        read_regular("/dev/zero", 100, "--api-key-file ")
+        read_text("/dev/zero", 100, "--api-key-file ")
     with pytest.raises(ConfigError, match=f"{tmp_path} is a directory"):
         open_regular(tmp_path)
     long = tmp_path / "long.jinja"
     long.write_bytes(b"x" * 101)
     with pytest.raises(ConfigError, match="is over 100 bytes"):
-        read_regular(long, 100)
-    with pytest.raises(ConfigError, match="is over 100 bytes"):
         read_text(long, 100)
-    assert read_regular(long, 101) == b"x" * 101
-    with pytest.raises(ConfigError, match="cannot be read: No such file"):
-        read_regular(tmp_path / "missing", 100)
+    assert read_text(long, 101) == "x" * 101
+    with pytest.raises(FileNotFoundError):
+        open_regular(tmp_path / "missing")
 
 
 def test_text_reads_as_path_read_text_does(tmp_path):
