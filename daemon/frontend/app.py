@@ -23,6 +23,7 @@ from cpud.errors import RequestError, one_line
 from cpud.frontend.access_log import AccessLog, access_note, logs_access
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.jobs import chat_job, completion_job
+from cpud.frontend.lifecycle import Tracked
 from cpud.frontend.openai_api import respond
 from cpud.frontend.openapi import openapi_document
 from cpud.frontend.pacing import BodyPacer
@@ -167,7 +168,10 @@ def guarded(
                     state.phase.value,
                     {"Retry-After": "5"},
                 )
-            response = await handler(request, state)
+            work = handler(request, state)
+            if endpoint in NEED_ENGINE:
+                work = state.lifecycle.until_cut(work)
+            response = await work
         except APIError as exc:
             error = exc
         except RequestError as exc:
@@ -186,6 +190,8 @@ def guarded(
         if error is None:
             state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
             return response
+        if error.code == Phase.DRAINING.value:
+            state.lifecycle.refused += 1
         answered(state, request.scope, endpoint, error, detail)
         return error.response()
 
@@ -377,4 +383,4 @@ def create_app(state: ServerState) -> ASGIApp:
             open_paths,
             lambda scope, error: answered(state, scope, "unauthenticated", error),
         )
-    return AccessLog(app)
+    return AccessLog(Tracked(app, state.lifecycle, NEED_ENGINE))

@@ -18,7 +18,7 @@ from cpud.engine.llm_engine import RequestFailedError
 from cpud.engine.outputs import CompletionOutput, RequestOutput
 from cpud.errors import RequestError
 from cpud.frontend.access_log import AccessNote, access_note
-from cpud.frontend.async_engine import EngineDeadError, QueueFullError
+from cpud.frontend.async_engine import EngineDeadError, QueueFullError, StoppingError
 from cpud.frontend.errors import APIError, bad_request
 from cpud.frontend.jobs import Job
 from cpud.frontend.logprobs import (
@@ -33,7 +33,7 @@ from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.sampling_params import SamplingParams
 
-ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError)
+ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
 
 
 @dataclass
@@ -74,6 +74,8 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+    if isinstance(exc, StoppingError):
+        return APIError(503, str(exc), "service_unavailable", None, exc.code, {"Retry-After": "5"})
     if isinstance(exc, RequestFailedError):
         return APIError(500, str(exc), "internal_error", None, "request_failed")
     raise exc
@@ -83,10 +85,13 @@ async def start_requests(
     state: ServerState, base_id: str, prompts: list[Prompt], params: SamplingParams
 ) -> list[AsyncIterator[RequestOutput]]:
     """Validate every prompt before anything runs, then start one engine request each with
-    what its validation found."""
+    what its validation found. A server that would not admit them says so first (a stream
+    gets the status, not an error event)."""
     try:
+        state.engine.check_admission()
         admitted = [await state.engine.validate(p.token_ids, params) for p in prompts]
-    except RequestError as exc:
+        state.engine.check_admission()
+    except ENGINE_ERRORS as exc:
         raise engine_error(exc) from None
     return [
         observed(state, state.engine.generate(f"{base_id}-{i}", admission, p.text))
@@ -165,12 +170,15 @@ async def collect_or_abort(
             finals[index] = out
 
     task = asyncio.create_task(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "client disconnected", "client_closed_request")
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                raise APIError(499, "client disconnected", "client_closed_request")
+    except BaseException:  # the client left, or this handler was cancelled
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # its outcome, whatever it was
+        raise
     try:
         task.result()
     except ENGINE_ERRORS as exc:

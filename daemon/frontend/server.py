@@ -87,7 +87,6 @@ def api_key_line(api_key: str | None, metrics_need_key: bool) -> str:
 
 async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) -> int:
     import asyncio
-    import time
 
     import zmq
     from hypercorn.asyncio import serve as hypercorn_serve
@@ -98,6 +97,8 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     from cpud.frontend.app import create_app
     from cpud.frontend.async_engine import AsyncEngine
     from cpud.frontend.state import Phase, ServerConfig, ServerState
+    from cpud.frontend.stopping import drain as drain_requests
+    from cpud.frontend.stopping import fail
     from cpud.frontend.supervisor_link import SupervisorLink
     from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
     from cpud.tokenizer import Tokenizer
@@ -127,20 +128,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     async def drain() -> None:
         if state.phase is Phase.DRAINING:
             return
-        state.phase = Phase.DRAINING
-        started, running = time.monotonic(), state.in_flight
-        log.info("draining: %d request(s) in flight, up to %g s", running, serve_args.drain_timeout)
-        deadline = started + serve_args.drain_timeout
-        while state.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        cut = state.in_flight
-        log.log(
-            logging.WARNING if cut else logging.INFO,
-            "drained in %.1f s: %d request(s) finished, %d cut at the drain timeout",
-            time.monotonic() - started,
-            running - cut,
-            cut,
-        )
+        await drain_requests(state, engine, serve_args.drain_timeout)
         stop.set()
 
     async def heartbeat() -> None:
@@ -152,11 +140,11 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     log.info("%s", api_key_line(state.config.api_key, serve_args.metrics_need_key))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(drain()))
+    engine: AsyncEngine | None = None
     beats = asyncio.ensure_future(heartbeat())
     server = asyncio.ensure_future(
         hypercorn_serve(create_app(state), hypercorn_config(serve_args), shutdown_trigger=stop.wait)
     )
-    engine: AsyncEngine | None = None
     try:
         while (ranks := link.ranks_ready()) is None:
             if link.down is not None:
@@ -188,9 +176,8 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
         failed = False
         while not server.done():
             if not engine.alive and not failed:
-                # The engine has failed its requests already; stop for a restart.
-                log.error("engine stopped (%s): exiting for a restart", engine.error)
                 failed = True
+                await fail(state, engine)
                 stop.set()
             await asyncio.sleep(0.1)
         return EXIT_CHILD_LOST if failed else 0

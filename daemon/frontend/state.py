@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.errors import APIError
+from cpud.frontend.lifecycle import Lifecycle
 from cpud.frontend.metrics import FrontendMetrics
 from cpud.frontend.pacing import BodyPacer
 from cpud.tokenizer import Tokenizer
@@ -66,6 +67,7 @@ class ServerState:
         self.tokenizer = tokenizer
         self.metrics = FrontendMetrics()
         self.phase = Phase.LOADING
+        self.lifecycle = Lifecycle()
         self._engine: AsyncEngine | None = None
         # A text of more characters needs more tokens than the context holds: no token of the
         # vocabulary decodes to more than max_token_bytes bytes, nor a character to fewer than 1.
@@ -92,7 +94,8 @@ class ServerState:
             )
         self._tokenizing += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
+            work = asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
+            return await self.lifecycle.before_admission(work)
         finally:
             self._tokenizing -= 1
 
