@@ -275,6 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         step_timeout=args.step_timeout,
         stall_timeout=args.stall_timeout,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        http2=args.http2,
     )
     return serve(engine_args, serve_args)
 

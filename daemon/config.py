@@ -86,6 +86,7 @@ class ServeArgs:
     # usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details);
     # off: omitted, so no client learns from it what others sent
     enable_prompt_tokens_details: bool = True
+    http2: bool = False  # cleartext HTTP/2 (prior knowledge, h2c upgrade) beside HTTP/1.1
 
     def __post_init__(self) -> None:
         for name in (

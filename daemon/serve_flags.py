@@ -80,6 +80,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds queued work may wait for a step to finish before /health answers 503",
     )
     parser.add_argument(
+        "--http2",
+        action="store_true",
+        help="also speak cleartext HTTP/2 (prior knowledge or an h2c upgrade); a connection "
+        "that resets more than 100 streams within 10 s is closed",
+    )
+    parser.add_argument(
         "--enable-prompt-tokens-details",
         action=argparse.BooleanOptionalAction,
         default=True,

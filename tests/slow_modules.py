@@ -14,6 +14,7 @@ SLOW_MODULES = frozenset(
         "frontend/test_drain_cut.py",
         "frontend/test_early_kill.py",
         "frontend/test_guarded_serve.py",
+        "frontend/test_http2.py",
         "frontend/test_hung_engine.py",
         "frontend/test_lifecycle.py",
         "frontend/test_lm_eval.py",

@@ -27,9 +27,8 @@ from cpud.parent_death import die_with_parent
 from cpud.protocol.launch import FrontendSecrets, FrontendSpec
 
 if TYPE_CHECKING:
-    from hypercorn.config import Config as HypercornConfig
-
     from cpud.config import EngineArgs, EngineConfig, ServeArgs
+    from cpud.frontend.http_versions import ServerHttpConfig
 
 log = logging.getLogger("cpud.frontend")
 EXIT_CONFIG = 2
@@ -62,11 +61,13 @@ def send_secrets(stdin: BinaryIO, serve_args: ServeArgs) -> None:
         pass  # it exited already; its exit code tells why
 
 
-def hypercorn_config(serve_args: ServeArgs) -> HypercornConfig:
-    from hypercorn.config import Config as HypercornConfig
+def hypercorn_config(serve_args: ServeArgs) -> ServerHttpConfig:
+    from cpud.frontend.http_versions import Http2Policy, ServerHttpConfig
 
-    hyper = HypercornConfig()
+    hyper = ServerHttpConfig()
     hyper.bind = [f"{serve_args.host}:{serve_args.port}"]
+    hyper.http2 = Http2Policy(enabled=serve_args.http2)
+    hyper.alpn_protocols = ["h2", "http/1.1"] if serve_args.http2 else ["http/1.1"]
     hyper.accesslog = None  # cpud.access logs each request (access_log.py)
     # The root handler prints hypercorn's lines; its default "-" would add a second handler.
     hyper.errorlog = logging.getLogger("hypercorn.error")
@@ -89,13 +90,13 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     import asyncio
 
     import zmq
-    from hypercorn.asyncio import serve as hypercorn_serve
 
     from cpud.config import config_from_spec
     from cpud.engine.llm_engine import LLMEngine
     from cpud.engine.rank_client import RankClient
     from cpud.frontend.app import create_app
     from cpud.frontend.async_engine import AsyncEngine
+    from cpud.frontend.http_versions import serve as serve_http
     from cpud.frontend.state import Phase, ServerConfig, ServerState
     from cpud.frontend.stopping import drain as drain_requests
     from cpud.frontend.stopping import fail
@@ -143,7 +144,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     engine: AsyncEngine | None = None
     beats = asyncio.ensure_future(heartbeat())
     server = asyncio.ensure_future(
-        hypercorn_serve(create_app(state), hypercorn_config(serve_args), shutdown_trigger=stop.wait)
+        serve_http(create_app(state), hypercorn_config(serve_args), stop.wait)
     )
     try:
         while (ranks := link.ranks_ready()) is None:
