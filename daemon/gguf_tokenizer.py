@@ -187,6 +187,8 @@ def _read_vocab(path: Path, meta: dict[str, Any]) -> GGUFVocab:
 
     def token_id(name: str, default: int | None) -> int | None:
         value = get(name, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{_KEY}{name} is {value!r}, not a token id")
         return value if value is not None and 0 <= value < n else default
 
     spm = model == "llama"

@@ -5,10 +5,12 @@ table, to patch a valid file (tests/gguf_writer.py) in place."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -97,6 +99,37 @@ def tensor_offset_positions(path: Path) -> dict[str, int]:
         parts = tensor.field.parts  # name length, name, n_dims, dims, type, offset
         positions[tensor.name] = tensor.field.offset + sum(int(p.nbytes) for p in parts[:5])
     return positions
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(path: Path, mtime_ns: int) -> tuple[int, dict[str, tuple[int, int]], int, int, int]:
+    """Key count, each key's byte range, the tensor table's range and the data offset."""
+    reader = open_gguf(path)
+
+    def extent(field: Any) -> tuple[int, int]:
+        return field.offset, field.offset + sum(int(p.nbytes) for p in field.parts)
+
+    keys = {k: extent(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    table = [extent(t.field) for t in reader.tensors]
+    end_of_keys = max(end for _, end in keys.values())
+    table_start, table_end = (table[0][0], table[-1][1]) if table else (end_of_keys,) * 2
+    return len(keys), keys, table_start, table_end, reader.data_offset
+
+
+def with_value(path: Path, key: str, vtype: int, payload: bytes) -> bytes:
+    """The file at path with metadata `key` set to (or, when absent, given) a value of type
+    `vtype` encoded as `payload`, its tensor table and data moved to keep the data section
+    aligned."""
+    n_keys, keys, table_start, table_end, data_offset = _layout(path, path.stat().st_mtime_ns)
+    data = path.read_bytes()
+    if key in keys:
+        start, end = keys[key]
+    else:  # a new key, last of the metadata
+        start = end = table_start
+        n_keys += 1
+    head = data[:16] + u64(n_keys) + data[24:start] + key_value(key, vtype, payload)
+    head += data[end:table_end]
+    return head + bytes(-len(head) % ALIGNMENT) + data[data_offset:]
 
 
 def patched(data: bytes, position: int, value: bytes) -> bytes:

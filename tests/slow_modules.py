@@ -24,6 +24,7 @@ SLOW_MODULES = frozenset(
         "frontend/test_supervisor.py",
         "test_chat_template_sources.py",
         "test_default_model.py",
+        "test_gguf_fuzz.py",
         "test_gguf_model.py",
         "test_gguf_quantized.py",
         "test_native_engine.py",

@@ -143,6 +143,14 @@ HOSTILE = {
         gguf_bytes([ARCH, key_value("x", V.ARRAY, u32(99) + u64(0))]),
         "the items of metadata key x has value type 99",
     ),
+    "key with a newline": (
+        gguf_bytes([ARCH, key_value("a\nb", 13, b"")]),
+        "metadata key 'a\\nb' has value type 13",
+    ),
+    "long tensor name": (
+        _with_tensor(tensor_info("t" * 1000, (4,), 1000, 0)),
+        f"tensor {'t' * 80!r}... has type 1000",
+    ),
     "key twice": (gguf_bytes([ARCH, ARCH]), "metadata key general.architecture appears twice"),
     "key not utf-8": (
         gguf_bytes([ARCH, string(b"\xff\xfe") + u32(V.UINT8) + b"\x00"]),

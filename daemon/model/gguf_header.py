@@ -67,6 +67,14 @@ class GGUFHeader:
     tensors: tuple[TensorSpan, ...]  # in the order the file lists them
 
 
+def shown(name: str, limit: int = 80) -> str:
+    """A name from a file as an error message shows it: as it is when printable and short,
+    else quoted with escapes and cut, so that the message stays one short line."""
+    if name.isprintable() and 0 < len(name) <= limit and name.strip() == name:
+        return name
+    return repr(name[:limit]) + ("..." if len(name) > limit else "")
+
+
 class _Cursor:
     """Reads forward through the header; a read that would pass the end is a ConfigError."""
 
@@ -193,12 +201,13 @@ def _metadata(cur: _Cursor, n_keys: int) -> tuple[tuple[str, ...], int]:
     alignment = GGUF_DEFAULT_ALIGNMENT
     for i in range(n_keys):
         key = cur.text(f"the name of metadata key {i}")
+        label = f"metadata key {shown(key)}"
         if key in keys:
-            raise cur.error(f"metadata key {key} appears twice")
+            raise cur.error(f"{label} appears twice")
         keys[key] = None
-        vtype = walk.value_type(f"metadata key {key}")
+        vtype = walk.value_type(label)
         at = cur.pos
-        walk.value(vtype, f"metadata key {key}")
+        walk.value(vtype, label)
         if key == "general.alignment":
             alignment = _alignment(cur, vtype, at)
     return tuple(keys), alignment
@@ -206,30 +215,31 @@ def _metadata(cur: _Cursor, n_keys: int) -> tuple[tuple[str, ...], int]:
 
 def _tensor_info(cur: _Cursor, index: int, alignment: int, names: set[str]) -> TensorSpan:
     name = cur.text(f"the name of tensor {index}")
+    label = shown(name)
     if name in names:
-        raise cur.error(f"tensor {name} appears twice")
+        raise cur.error(f"tensor {label} appears twice")
     names.add(name)
-    n_dims = cur.u32(f"the dimension count of tensor {name}")
+    n_dims = cur.u32(f"the dimension count of tensor {label}")
     if not 1 <= n_dims <= MAX_DIMS:
-        raise cur.error(f"tensor {name} has {n_dims} dimensions (GGUF allows 1 to {MAX_DIMS})")
-    dims = tuple(cur.u64(f"dimension {d} of tensor {name}") for d in range(n_dims))
-    raw_type = cur.u32(f"the type of tensor {name}")
-    offset = cur.u64(f"the data offset of tensor {name}")
+        raise cur.error(f"tensor {label} has {n_dims} dimensions (GGUF allows 1 to {MAX_DIMS})")
+    dims = tuple(cur.u64(f"dimension {d} of tensor {label}") for d in range(n_dims))
+    raw_type = cur.u32(f"the type of tensor {label}")
+    offset = cur.u64(f"the data offset of tensor {label}")
     if not all(0 < d < 1 << 62 for d in dims):
-        raise cur.error(f"tensor {name} has dimensions {list(dims)}: each must be positive")
+        raise cur.error(f"tensor {label} has dimensions {list(dims)}: each must be positive")
     try:
         qtype = GGMLQuantizationType(raw_type)
     except ValueError:
-        raise cur.error(f"tensor {name} has type {raw_type}, which GGML does not define") from None
+        raise cur.error(f"tensor {label} has type {raw_type}, which GGML does not define") from None
     block, type_size = GGML_QUANT_SIZES[qtype]
     if dims[0] % block:
         raise cur.error(
-            f"tensor {name} ({qtype.name}) has rows of {dims[0]} values, not whole blocks of "
+            f"tensor {label} ({qtype.name}) has rows of {dims[0]} values, not whole blocks of "
             f"{block}"
         )
     if offset % alignment:
         raise cur.error(
-            f"tensor {name} starts at offset {offset} of the data section, which is not a "
+            f"tensor {label} starts at offset {offset} of the data section, which is not a "
             f"multiple of the file's alignment {alignment}"
         )
     n_values = 1
@@ -246,7 +256,7 @@ def _place(cur: _Cursor, spans: list[TensorSpan], data_offset: int) -> tuple[Ten
     for span in placed:
         if span.end > cur.size:
             raise cur.error(
-                f"tensor {span.name} ({span.type.name}, {span.n_bytes} bytes "
+                f"tensor {shown(span.name)} ({span.type.name}, {span.n_bytes} bytes "
                 f"at offset {span.start - data_offset} of the data section) ends at byte "
                 f"{span.end}, past the end of the file ({cur.size} bytes)"
             )
@@ -254,7 +264,8 @@ def _place(cur: _Cursor, spans: list[TensorSpan], data_offset: int) -> tuple[Ten
     for before, after in zip(ordered, ordered[1:]):
         if after.start < before.end:
             raise cur.error(
-                f"tensors {before.name} (bytes {before.start}-{before.end}) and {after.name} "
+                f"tensors {shown(before.name)} (bytes {before.start}-{before.end}) and "
+                f"{shown(after.name)} "
                 f"(from byte {after.start}) share bytes of the data section"
             )
     return placed

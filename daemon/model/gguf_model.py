@@ -14,8 +14,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 
-from cpud.errors import ConfigError
+from cpud.errors import ConfigError, one_line
 from cpud.model.gguf_file import array_length, field_value, open_gguf
+from cpud.model.gguf_header import shown
 from cpud.model.gguf_names import COLUMNS, ROPE_FREQS, expected_tensors
 from cpud.model.model_config import ModelConfig
 
@@ -74,6 +75,11 @@ class GGUFModel:
         return totals
 
 
+def _short(value: Any) -> str:
+    """A metadata value as an error message shows it: its repr, cut to one short line."""
+    return one_line(repr(value), 80)
+
+
 class _Meta:
     """Typed reads of `{arch}.` metadata keys; errors name the file and the key."""
 
@@ -81,7 +87,9 @@ class _Meta:
         self.reader, self.arch, self.source = reader, arch, source
 
     def error(self, key: str, wanted: str, value: Any) -> ConfigError:
-        return ConfigError(f"{self.source}: GGUF metadata {key} must be {wanted}, got {value!r}")
+        return ConfigError(
+            f"{self.source}: GGUF metadata {key} must be {wanted}, got {_short(value)}"
+        )
 
     def get(self, key: str, default: Any = None) -> Any:
         return field_value(self.reader, f"{self.arch}.{key}", default)
@@ -124,7 +132,8 @@ def _rope_scaling(
     if freqs is not None:
         if kind not in (None, "none"):
             raise ConfigError(
-                f"{m.source}: {ROPE_FREQS} together with {kind} RoPE scaling is not supported"
+                f"{m.source}: {ROPE_FREQS} together with {_short(kind)} RoPE scaling is not "
+                f"supported"
             )
         if freqs.tensor_type.name not in ("F32", "F16") or int(freqs.n_elements) != rotary_dim // 2:
             raise ConfigError(
@@ -161,7 +170,7 @@ def _rope_scaling(
             "attention_factor": m.number("rope.scaling.yarn_attn_factor", 1.0) * mscale,
         }
     raise ConfigError(
-        f"{m.source}: RoPE scaling {kind!r} is not supported (none, linear, yarn, "
+        f"{m.source}: RoPE scaling {_short(kind)} is not supported (none, linear, yarn, "
         f"and llama3 as a {ROPE_FREQS} tensor)"
     )
 
@@ -169,6 +178,17 @@ def _rope_scaling(
 def _token_id(reader: GGUFReader, key: str) -> int | None:
     value = field_value(reader, f"tokenizer.ggml.{key}", None)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _layers(m: _Meta, tensors: dict[str, TensorInfo]) -> int:
+    """block_count, at most the number of tensors (every layer has some): the tensor names a
+    config implies are listed per layer."""
+    layers = m.size("block_count")
+    if layers > len(tensors):
+        raise m.error(
+            f"{m.arch}.block_count", f"at most the file's tensor count {len(tensors)}", layers
+        )
+    return layers
 
 
 def _checkpoint_dtype(tensors: dict[str, TensorInfo]) -> str | None:
@@ -217,7 +237,7 @@ def _config(
         architecture=architecture,
         model_type=arch,
         hidden_size=hidden,
-        num_layers=m.size("block_count"),
+        num_layers=_layers(m, tensors),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -247,7 +267,7 @@ def _moe_fields(m: _Meta, arch: str, tensors: dict[str, TensorInfo]) -> dict[str
     experts, top_k = m.size("expert_count"), m.size("expert_used_count")
     if top_k > experts:
         raise m.error(f"{arch}.expert_used_count", f"at most expert_count {experts}", top_k)
-    layers = m.size("block_count")
+    layers = _layers(m, tensors)
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
     inter_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
     return dict(
@@ -277,7 +297,7 @@ def _check_tensors(model: GGUFModel) -> None:
     for info in model.tensors.values():
         if info.type not in SUPPORTED_TYPES:
             raise ConfigError(
-                f"{source}: tensor {info.name} is {info.type}, a type cpud does not load "
+                f"{source}: tensor {shown(info.name)} is {info.type}, a type cpud does not load "
                 f"(supported: {', '.join(SUPPORTED_TYPES)}); use a file quantized to one of those"
             )
     expected = expected_tensors(model.config)
@@ -287,8 +307,8 @@ def _check_tensors(model: GGUFModel) -> None:
         spec = expected.get(name)
         if spec is None:
             raise ConfigError(
-                f"{source} holds tensor {name}, which cpud's {model.architecture} decoder does "
-                f"not have: the file's metadata does not match its tensors (convert it again)"
+                f"{source} holds tensor {shown(name)}, which cpud's {model.architecture} decoder "
+                f"does not have: the file's metadata does not match its tensors (convert it again)"
             )
         if spec.shape != info.shape:
             raise ConfigError(
@@ -319,16 +339,16 @@ def _read(identity: tuple[str, int, int]) -> GGUFModel:
     path = Path(identity[0])
     reader = open_gguf(path)
     arch = field_value(reader, "general.architecture", None)
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ConfigError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"{path}: GGUF architecture {_short(arch)} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     splits = field_value(reader, "split.count", 1)
     if splits != 1:
         raise ConfigError(
-            f"{path} is one part of a {splits}-file split GGUF: merge the parts into one file "
-            f"(llama-gguf-split --merge) and pass that"
+            f"{path} is one part of a {_short(splits)}-file split GGUF: merge the parts into one "
+            f"file (llama-gguf-split --merge) and pass that"
         )
     tensors = _tensor_infos(reader)
     config = _config(reader, arch, str(path), tensors)
