@@ -153,6 +153,25 @@ def _environment() -> BudgetedEnvironment:
     return env
 
 
+def _context(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    specials: Mapping[str, str | None],
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What a template sees, as transformers passes it."""
+    return {
+        "bos_token": "",
+        "eos_token": "",
+        "tools": None,
+        "documents": None,
+        **{k: v for k, v in specials.items() if v is not None},
+        **extra,  # chat_template_kwargs override the special tokens, as in transformers
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+    }
+
+
 class ChatTemplates:
     """A model's chat templates by name ("default", "tool_use", ...), compiled once each.
 
@@ -232,16 +251,7 @@ class ChatTemplates:
                 "start cpud with --chat-template",
                 param="messages",
             )
-        context = {
-            "bos_token": "",
-            "eos_token": "",
-            "tools": None,
-            "documents": None,
-            **{k: v for k, v in specials.items() if v is not None},
-            **extra,  # chat_template_kwargs override the special tokens, as in transformers
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
-        }
+        context = _context(messages, add_generation_prompt, specials, extra)
         name = self._pick(context["tools"])
         try:
             return self._env.render(lambda: self._compile(name), context, self.budget)
@@ -259,7 +269,10 @@ class ChatTemplates:
         return self.source if len(self.templates) == 1 else f"{self.source} {name!r}"
 
     def _over_budget(self, name: str, exc: TemplateBudgetError) -> RequestError:
-        """The template's fault more than the request's, so the operator hears of it too."""
+        """A 400, not a 500: the start-up probe refused templates that fail any conversation,
+        so this one fails on what this conversation holds; the client can shorten it, and
+        resending it as is (as clients retry 5xx answers) would only spend the budget again.
+        The template is as much at fault, so the operator hears of it in the log."""
         label = self._label(name)
         log.warning("chat template %s went past its render budget: %s", label, exc)
         return RequestError(
@@ -275,9 +288,7 @@ class ChatTemplates:
         requests, which get a 400."""
         for name in self.templates:
             for messages in PROBES:
-                context = {"bos_token": "", "eos_token": "", "tools": None, "documents": None}
-                context.update({k: v for k, v in specials.items() if v is not None})
-                context.update(messages=messages, add_generation_prompt=True)
+                context = _context(messages, True, specials, {})
                 try:
                     self._env.render(lambda n=name: self._compile(n), context, self.budget)
                 except TemplateBudgetError as exc:
