@@ -12,7 +12,7 @@ from typing import Any
 from cpud import envs
 from cpud.errors import ConfigError
 from cpud.model.cpu_features import resolve_dtype
-from cpud.model.load import load_model_config
+from cpud.model.load import config_from_facts, load_model_config, model_facts
 from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.model.safetensors_check import check_weights
 from cpud.model.sizes import kv_block_bytes
@@ -141,15 +141,20 @@ class EngineConfig:
     def spec(self) -> EngineSpec:
         """This config as it travels to the frontend and the ranks."""
         fields = {name: getattr(self, name) for name in EngineSpec.__struct_fields__}
-        return EngineSpec(**{**fields, "model_dir": str(self.model_dir)})
+        model = model_facts(self.model_dir, self.model)
+        return EngineSpec(**{**fields, "model_dir": str(self.model_dir), "model": model})
 
 
 def config_from_spec(spec: EngineSpec) -> EngineConfig:
-    """The config a spec carries, with the model facts read again from its model_dir (no
-    setting is resolved again)."""
+    """The config a spec carries, with the model facts it carries (else read again from its
+    model_dir); no setting is resolved again."""
     fields = {name: getattr(spec, name) for name in EngineSpec.__struct_fields__}
     model_dir = Path(spec.model_dir)
-    return EngineConfig(**{**fields, "model_dir": model_dir, "model": load_model_config(model_dir)})
+    if spec.model is not None:
+        model = config_from_facts(spec.model)
+    else:
+        model = load_model_config(model_dir)
+    return EngineConfig(**{**fields, "model_dir": model_dir, "model": model})
 
 
 def _positive(name: str, value: int | float | None) -> None:

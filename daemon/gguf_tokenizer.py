@@ -106,8 +106,14 @@ _ALPHABET = frozenset(_SPELLING.values())
 
 
 def _tokenizer_metadata(path: Path) -> dict[str, Any]:
-    """The tokenizer keys (and general.architecture) of the file, read with the gguf package's
-    reader over its memory map."""
+    """The tokenizer keys (and general.architecture) of the file: those this process's read of
+    the model found (cpud.model.gguf_model), else read with the gguf package's reader over its
+    memory map."""
+    from cpud.model.gguf_model import cached_gguf_model
+
+    model = cached_gguf_model(path)
+    if model is not None and model.tokenizer_keys:
+        return model.tokenizer_keys
     reader = open_gguf(path)
     keys = [k for k in reader.fields if k.startswith("tokenizer.") or k == "general.architecture"]
     return {key: field_value(reader, key) for key in keys}

@@ -48,6 +48,7 @@ from cpud.protocol.supervision import (
     frontend_control_socket,
 )
 from cpud.sd_notify import Notifier
+from cpud.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.supervisor")
 LOOP_S = 0.1
@@ -115,16 +116,8 @@ class Supervisor:
         frontend: subprocess.Popen | None = None
         group: RankGroup | None = None
         try:
-            spec = frontend_spec(runtime_dir, config, self.engine_args, self.serve_args)
-            spec_path = Path(frontend_spec_file(runtime_dir))
-            spec_path.write_bytes(msgspec.json.encode(spec))
-            frontend = subprocess.Popen(
-                module_command("cpud.frontend.server", str(spec_path), str(os.getpid())),
-                stdin=subprocess.PIPE,
-                env=envs.without_secrets(os.environ),
-            )
-            send_secrets(frontend.stdin, self.serve_args)
-            self.frontend_beat = time.monotonic()
+            # The ranks take longest to load: they start first, and the frontend's tokenizer
+            # is built (checked already) while they import torch and map their weights.
             group = RankGroup(
                 ctx,
                 runtime_dir,
@@ -134,6 +127,17 @@ class Supervisor:
                 self.timeouts,
                 on_message=self._on_message,
             )
+            tokenizer = Tokenizer(config.model_dir, self.engine_args.chat_template).facts()
+            spec = frontend_spec(runtime_dir, config, self.engine_args, self.serve_args, tokenizer)
+            spec_path = Path(frontend_spec_file(runtime_dir))
+            spec_path.write_bytes(msgspec.json.encode(spec))
+            frontend = subprocess.Popen(
+                module_command("cpud.frontend.server", str(spec_path), str(os.getpid())),
+                stdin=subprocess.PIPE,
+                env=envs.without_secrets(os.environ),
+            )
+            send_secrets(frontend.stdin, self.serve_args)
+            self.frontend_beat = time.monotonic()
             to_frontend = ctx.socket(zmq.PUSH)
             to_frontend.setsockopt(zmq.LINGER, 1000)
             to_frontend.connect(frontend_control_socket(runtime_dir))

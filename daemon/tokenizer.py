@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from cpud.chat_template import ChatTemplates, hf_chat_templates, load_chat_template
 from cpud.errors import ConfigError
 from cpud.model.model_config import read_json_object
+from cpud.protocol.launch import TokenizerFacts
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -102,6 +103,32 @@ class Tokenizer:
         if chat_template is not None:
             self.chat_templates = chat_template_override(chat_template)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def facts(self) -> TokenizerFacts:
+        """This tokenizer as from_facts rebuilds it in another process."""
+        return TokenizerFacts(
+            json=self._tok.to_str(),
+            specials=dict(self.specials),
+            eos_token_ids=list(self.eos_token_ids),
+            chat_templates=dict(self.chat_templates.templates),
+            template_origin=self.chat_templates.origin,
+            template_source=self.chat_templates.source,
+        )
+
+    @classmethod
+    def from_facts(cls, facts: TokenizerFacts) -> Tokenizer:
+        """The tokenizer `facts()` described, rebuilt without reading the model's files."""
+        self = cls.__new__(cls)
+        self._tok = HFTokenizer.from_str(facts.json)
+        self.chat_templates = ChatTemplates(
+            facts.chat_templates, facts.template_origin, source=facts.template_source
+        )
+        self.specials = dict(facts.specials)
+        self.bos_token = self.specials.get("bos_token")
+        self.eos_token = self.specials.get("eos_token")
+        self.eos_token_ids = tuple(facts.eos_token_ids)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        return self
 
     def _from_hf(self, model_dir: Path) -> None:
         path = model_dir / "tokenizer.json"

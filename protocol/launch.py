@@ -2,8 +2,9 @@
 frontend, and the names of the IPC sockets in a runtime directory.
 
 The supervisor (or the offline `LLM`) resolves the configuration once; every child receives it
-as an EngineSpec inside its spec file (msgspec JSON) and never resolves it again. Only model
-facts (config.json, GGUF metadata) are read again where they are needed, from `model_dir`.
+as an EngineSpec inside its spec file (msgspec JSON) and never resolves it again. The model's
+facts travel too (ModelFacts: its config, and a GGUF file's tensor table; TokenizerFacts: the
+tokenizer the supervisor built), so that no child parses the model's metadata again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,39 @@ from typing import Generic, TypeVar
 import msgspec
 
 Serve = TypeVar("Serve")
+
+
+class TensorFacts(msgspec.Struct, frozen=True, array_like=True):
+    """Where one tensor of a GGUF file lies, as its checked header says."""
+
+    name: str
+    type: int  # GGMLQuantizationType value
+    dims: list[int]  # GGUF order: the row length first
+    offset: int  # absolute byte offset of its data in the file
+    n_bytes: int
+
+
+class ModelFacts(msgspec.Struct, frozen=True):
+    """The model as the supervisor read and checked it. For a GGUF file, the file's version
+    (size, mtime) they describe: a process that finds another version reads the file itself."""
+
+    config: msgspec.Raw  # cpud.model.model_config.ModelConfig as JSON
+    file_size: int = 0
+    file_mtime_ns: int = 0
+    architecture: str | None = None  # a GGUF file's general.architecture
+    tensors: list[TensorFacts] | None = None  # a GGUF file's tensors, in file order
+
+
+class TokenizerFacts(msgspec.Struct, frozen=True):
+    """A tokenizer built by the supervisor, as the frontend rebuilds it without the model's
+    files: the `tokenizers` serialization and what the model files say around it."""
+
+    json: str
+    specials: dict[str, str | None]  # bos_token, eos_token, unk_token, pad_token
+    eos_token_ids: list[int]
+    chat_templates: dict[str, str]
+    template_origin: str  # what a request that needs a missing one is told
+    template_source: str  # how errors name them ("--chat-template", "the chat template of ...")
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
@@ -33,6 +67,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     weight_cache: str | None = None  # directory of packed weight shards; None: off
     kv_pretouch: bool = True
     quantization: str = "auto"
+    model: ModelFacts | None = None  # None: read them from model_dir
 
 
 class RankSlot(msgspec.Struct, frozen=True):
@@ -65,6 +100,7 @@ class FrontendSpec(msgspec.Struct, Generic[Serve], frozen=True):
     serve_args: Serve
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    tokenizer: TokenizerFacts | None = None  # None: load it from the model's files
 
 
 class FrontendSecrets(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ from cpud.protocol.launch import EngineSpec, RankSpec, plan_socket, results_sock
 from cpud.ranks.binding import bind_memory, die_with_parent, pin_threads, set_affinity
 
 if TYPE_CHECKING:
+    from cpud.model.model_config import ModelConfig
     from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger("cpud.rank")
@@ -55,13 +56,30 @@ def runner_config(engine: EngineSpec) -> RunnerConfig:
     )
 
 
+def model_config(engine: EngineSpec) -> ModelConfig:
+    """The model's config from the facts the spec carries (a GGUF file's tensors are then mapped
+    from its tensor table, no metadata parsed), else read from the model's files."""
+    from cpud.model.load import config_from_facts, load_model_config
+
+    if engine.model is None:
+        return load_model_config(engine.model_dir)
+    config = config_from_facts(engine.model)
+    path = Path(engine.model_dir)
+    if engine.model.tensors is not None:
+        from cpud.model.gguf_facts import adopt_gguf_facts
+
+        if not adopt_gguf_facts(path, engine.model, config):
+            log.info("%s changed since the supervisor read it: reading it again", path)
+            return load_model_config(path)
+    return config
+
+
 def build_runner(
     engine: EngineSpec, group: object, progress: Callable[[int, int], None] | None = None
 ) -> ModelRunner:
-    from cpud.model.load import load_model_config
     from cpud.ranks.model_runner import ModelRunner
 
-    return ModelRunner(runner_config(engine), load_model_config(engine.model_dir), group, progress)
+    return ModelRunner(runner_config(engine), model_config(engine), group, progress)
 
 
 def make_group(spec: RankSpec):

@@ -28,6 +28,7 @@ SLOW_MODULES = frozenset(
         "test_gguf_model.py",
         "test_gguf_quantized.py",
         "test_native_engine.py",
+        "test_startup_work.py",
         "test_tp_processes.py",
     }
 )

@@ -24,7 +24,7 @@ import msgspec
 
 from cpud.errors import CpudError
 from cpud.parent_death import die_with_parent
-from cpud.protocol.launch import FrontendSecrets, FrontendSpec
+from cpud.protocol.launch import FrontendSecrets, FrontendSpec, TokenizerFacts
 
 if TYPE_CHECKING:
     from cpud.config import EngineArgs, EngineConfig, ServeArgs
@@ -36,9 +36,14 @@ EXIT_CHILD_LOST = 3
 
 
 def frontend_spec(
-    runtime_dir: str, config: EngineConfig, engine_args: EngineArgs, serve_args: ServeArgs
+    runtime_dir: str,
+    config: EngineConfig,
+    engine_args: EngineArgs,
+    serve_args: ServeArgs,
+    tokenizer: TokenizerFacts | None = None,
 ) -> FrontendSpec[ServeArgs]:
-    """The frontend's spec: the resolved config, and the settings only the frontend reads."""
+    """The frontend's spec: the resolved config, the tokenizer (the supervisor's: the frontend
+    then reads no model file), and the settings only the frontend reads."""
     from cpud.default_model import DEFAULT_MODEL_NAME
 
     public = dataclasses.replace(serve_args, api_key=None)
@@ -49,6 +54,7 @@ def frontend_spec(
         serve_args=public,
         chat_template=engine_args.chat_template,
         tool_call_parser=engine_args.tool_call_parser,
+        tokenizer=tokenizer,
     )
 
 
@@ -107,7 +113,10 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
     config = config_from_spec(spec.engine)  # resolved by the supervisor, not again here
     names = serve_args.served_model_names or (spec.model_name,)
-    tokenizer = Tokenizer(config.model_dir, spec.chat_template)
+    if spec.tokenizer is not None:
+        tokenizer = Tokenizer.from_facts(spec.tokenizer)
+    else:
+        tokenizer = Tokenizer(config.model_dir, spec.chat_template)
     state = ServerState(
         ServerConfig(
             served_model_names=names,

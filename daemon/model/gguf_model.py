@@ -67,6 +67,9 @@ class GGUFModel:
     # The tensors' data, memory mapped, in file order, until mapped_tensors hands it to a
     # loader; the reader's parsed metadata (tens of MB for a large vocabulary) is not kept.
     data: dict[str, ReaderTensor] = field(default_factory=dict, repr=False, compare=False)
+    # The tokenizer.* keys (and general.architecture) as values, read in the same parse so
+    # that cpud.gguf_tokenizer does not parse the file again; empty when built from facts.
+    tokenizer_keys: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def bytes_by_type(self) -> dict[str, int]:
         totals: dict[str, int] = {}
@@ -145,7 +148,7 @@ def _rope_scaling(
             raise ConfigError(
                 f"{m.source}: {ROPE_FREQS} holds values that are not positive numbers"
             )
-        return {"rope_type": "factors", "factors": tuple(float(f) for f in factors)}
+        return {"rope_type": "factors", "factors": [float(f) for f in factors]}  # as JSON reads
     if kind in (None, "none"):
         return None
     if kind == "linear":
@@ -352,7 +355,11 @@ def _read(identity: tuple[str, int, int]) -> GGUFModel:
         )
     tensors = _tensor_infos(reader)
     config = _config(reader, arch, str(path), tensors)
-    model = GGUFModel(path, arch, config, tensors, {t.name: t for t in reader.tensors})
+    keys = [k for k in reader.fields if k.startswith("tokenizer.") or k == "general.architecture"]
+    data = {t.name: t for t in reader.tensors}
+    model = GGUFModel(
+        path, arch, config, tensors, data, {key: field_value(reader, key) for key in keys}
+    )
     _check_tensors(model)
     return model
 
@@ -367,6 +374,27 @@ def read_gguf_model(path: str | os.PathLike) -> GGUFModel:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[identity] = model
     return model
+
+
+def cached_gguf_model(path: str | os.PathLike) -> GGUFModel | None:
+    """The file's model if this process has read this version of it already (no parse)."""
+    try:
+        return _CACHE.get(_identity(Path(path)))
+    except ConfigError:
+        return None
+
+
+def remember_gguf_model(model: GGUFModel, size: int, mtime_ns: int) -> bool:
+    """Files `model`, built from what a checked read of the file found (in another process),
+    as this process's read of it; False (nothing filed) when the file is no longer of that
+    size and mtime."""
+    identity = _identity(model.path)
+    if identity[1:] != (size, mtime_ns):
+        return False
+    while len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[identity] = model
+    return True
 
 
 def mapped_tensors(path: str | os.PathLike) -> dict[str, ReaderTensor]:

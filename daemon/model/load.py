@@ -1,11 +1,15 @@
-"""A model's config from where it lives: a Hugging Face directory or a GGUF file."""
+"""A model's config from where it lives (a Hugging Face directory or a GGUF file), and as it
+travels to the children (ModelFacts), read from the files once, by the supervisor."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig, parse_model_config, read_json_object
+from cpud.protocol.launch import ModelFacts
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -20,3 +24,18 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json")
     return parse_model_config(read_json_object(path), source=str(path))
+
+
+def model_facts(model_dir: str | Path, config: ModelConfig) -> ModelFacts:
+    """The facts a child needs of the model this process has read: its config, and a GGUF
+    file's tensor table."""
+    raw = msgspec.Raw(msgspec.json.encode(config))
+    if not Path(model_dir).is_file():
+        return ModelFacts(raw)
+    from cpud.model.gguf_facts import gguf_facts
+
+    return gguf_facts(Path(model_dir), raw)
+
+
+def config_from_facts(facts: ModelFacts) -> ModelConfig:
+    return msgspec.json.decode(facts.config, type=ModelConfig)
