@@ -107,6 +107,10 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self._u64.unpack_from(self.buf, self.skip(8, what))[0]
 
+    def u32_at(self, position: int) -> int:
+        """The u32 at an offset already read past."""
+        return self._u32.unpack_from(self.buf, position)[0]
+
     def text(self, what: str) -> str:
         n = self.u64(f"the length of {what}")
         start = self.skip(n, what)
@@ -188,7 +192,7 @@ class _Walk:
 def _alignment(cur: _Cursor, vtype: GGUFValueType, at: int) -> int:
     if vtype != _V.UINT32:
         raise cur.error(f"general.alignment is a {vtype.name}, not a UINT32")
-    value = cur._u32.unpack_from(cur.buf, at)[0]
+    value = cur.u32_at(at)
     if value == 0 or value & (value - 1):
         raise cur.error(f"general.alignment is {value}, not a power of two")
     return value
