@@ -3,6 +3,7 @@ meanwhile finishes between its chunks; a long step that computes is busy, not st
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -98,3 +99,64 @@ def test_compute_activity_tells_a_computing_thread_from_a_blocked_one():
         finally:
             stop.set()
             thread.join()
+
+
+class PausingExecutor:
+    """The real executor, whose third step first computes (a large step on a slow machine) or
+    sleeps (a hung rank) for `pause` seconds."""
+
+    def __init__(self, inner, computes: bool, pause: float = 1.0):
+        self.inner, self.computes, self.pause = inner, computes, pause
+        self.steps = 0
+
+    def execute(self, plan):
+        self.steps += 1
+        if self.steps == 3:
+            deadline = time.monotonic() + self.pause
+            if self.computes:
+                while time.monotonic() < deadline:
+                    sum(range(1000))
+            else:
+                time.sleep(self.pause)
+        return self.inner.execute(plan)
+
+    def shutdown(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("computes", [True, False])
+def test_a_long_step_that_computes_is_progress_and_one_that_waits_is_a_stall(
+    model_factory, computes
+):
+    from cpud.frontend.async_engine import AsyncEngine
+
+    llm = LLM(model_factory("qwen3"), dtype="float32", max_model_len=256)
+    llm.engine.executor = PausingExecutor(llm.engine.executor, computes)
+    engine = AsyncEngine(llm.engine)
+
+    async def run() -> float:
+        admission = await engine.validate([11, 12, 13], SamplingParams(max_tokens=6))
+        worst = 0.0
+        outputs = engine.generate("r", admission).__aiter__()
+        task = asyncio.ensure_future(collect(outputs))
+        while not task.done():
+            worst = max(worst, engine.seconds_without_progress())
+            await asyncio.sleep(0.05)
+        assert len((await task)[-1].outputs[0].token_ids) == 6
+        return worst
+
+    try:
+        worst = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    if computes:
+        assert worst < 0.6, f"a computing step read as {worst:.2f} s without progress"
+    else:
+        assert worst > 0.7, f"a sleeping step read as only {worst:.2f} s without progress"
+
+
+async def collect(outputs) -> list:
+    return [out async for out in outputs]
