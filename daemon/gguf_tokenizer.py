@@ -378,9 +378,3 @@ def _build(vocab: GGUFVocab) -> HFTokenizer:
     if post is not None:
         tok.post_processor = post
     return tok
-
-
-def check_gguf_tokenizer(path: str | Path) -> None:
-    """Raise ConfigError (one line) when the file's tokenizer is one cpud cannot build: for
-    the supervisor, before any rank starts (about 0.6 s for a 49k-token vocabulary)."""
-    build_tokenizer(read_vocab(path))

@@ -55,10 +55,10 @@ def check_tokenizer(model: Path, chat_template: str | None = None) -> None:
     render budget."""
     found = gguf_file(model)
     if found is not None:
-        from cpud.gguf_tokenizer import check_gguf_tokenizer, read_vocab
+        from cpud.gguf_tokenizer import build_tokenizer, read_vocab
 
-        check_gguf_tokenizer(found)
         vocab = read_vocab(found)
+        build_tokenizer(vocab)  # ConfigError when cpud cannot build it
         specials = _gguf_specials(vocab)
         source = f"tokenizer.chat_template of {found.name}"
         templates = ChatTemplates(vocab.chat_templates, source, source=source)

@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from cpud.errors import ConfigError
-from cpud.model.safetensors_check import weight_files
 from cpud.ranks.checkpoint_targets import check_complete, stacked_target
 
 
 def _open(path: Path):
+    from safetensors import SafetensorError, safe_open  # not for GGUF files
+
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as exc:
@@ -34,6 +34,8 @@ def load_weights(
         from cpud.ranks.gguf_loader import load_gguf_weights
 
         return load_gguf_weights(model, model_dir, progress, skip)
+    from cpud.model.safetensors_check import weight_files
+
     params = dict(model.named_parameters())
     tied = model.cfg.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
