@@ -1,9 +1,9 @@
 """Which HTTP versions the cleartext port speaks. HTTP/1.1 always. HTTP/2 (with prior knowledge,
 or after an `Upgrade: h2c` request) only when turned on, and then with a bound on stream resets:
 a connection whose client resets more than `max_resets` streams within `reset_window_s` seconds
-is closed with GOAWAY (ENHANCE_YOUR_CALM). Each reset stream has started a request on the
-server, so without the bound one client opening and resetting streams in a loop ("rapid reset")
-starts requests faster than any limit on concurrent streams can hold back.
+is closed with GOAWAY (ENHANCE_YOUR_CALM), and a stream opened and reset within what one read
+brought starts no request. Without these a client opening and resetting streams in a loop
+("rapid reset") starts requests faster than any limit on concurrent streams can hold back.
 
 Off, a prior-knowledge preface gets a 505 naming the flag and the connection is closed; an
 `Upgrade: h2c` request is answered in HTTP/1.1, as a server that ignores an upgrade does.
@@ -97,7 +97,7 @@ class ResetLimitedH2(H2Protocol):
         while resets and now - resets[0] > limits.reset_window_s:
             resets.popleft()
         if len(resets) <= limits.max_resets:
-            return await super()._handle_events(events)
+            return await super()._handle_events(self._unstarted(events))
         # None of this batch's requests start: the connection ends here.
         log.warning(
             "closed an HTTP/2 connection from %s: more than %d stream resets in %g s",
@@ -109,6 +109,24 @@ class ResetLimitedH2(H2Protocol):
         self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         await self._flush()
         await self.send(Closed())
+
+    def _unstarted(self, events: list[h2.events.Event]) -> list[h2.events.Event]:
+        """The events less those of streams opened and reset within them: the client gave up
+        on those requests before the server read them, so none of them starts."""
+        reset = {e.stream_id for e in events if isinstance(e, h2.events.StreamReset)}
+        if not reset:
+            return events
+        opened = {e.stream_id for e in events if isinstance(e, h2.events.RequestReceived)}
+        gone = reset & opened
+        kept = []
+        for event in events:
+            if getattr(event, "stream_id", None) not in gone:
+                kept.append(event)
+            elif isinstance(event, h2.events.DataReceived):  # its bytes still count as read
+                self.connection.acknowledge_received_data(
+                    event.flow_controlled_length, event.stream_id
+                )
+        return kept
 
 
 class GuardedProtocols(ProtocolWrapper):
