@@ -37,34 +37,37 @@ class Lifecycle:
         self._cut: asyncio.Future | None = None
 
     @staticmethod
-    def _signal(current: asyncio.Future | None) -> asyncio.Future:
-        return current if current is not None else asyncio.get_running_loop().create_future()
+    def _signal(current: asyncio.Future | None, fired: bool) -> asyncio.Future:
+        """The signal's future on the running loop (a state served by a second loop, as tests
+        do, gets a new one), done once the signal has fired."""
+        loop = asyncio.get_running_loop()
+        if current is None or current.get_loop() is not loop:
+            current = loop.create_future()
+        if fired and not current.done():
+            current.set_result(None)
+        return current
 
     def refuse(self, error: APIError) -> None:
         """Requests not yet admitted get `error` now (the first refusal stays)."""
         if self.refusal is None:
             self.refusal = error
-        self._refused = self._signal(self._refused)
-        if not self._refused.done():
-            self._refused.set_result(None)
+        self._refused = self._signal(self._refused, True)
 
     def cut(self, error: APIError) -> None:
         """Every open request gets `error` now; a refusal too, for those still arriving."""
         self.refuse(error)
         if self.cut_error is None:
             self.cut_error = error
-        self._cut = self._signal(self._cut)
-        if not self._cut.done():
-            self._cut.set_result(None)
+        self._cut = self._signal(self._cut, True)
 
     async def before_admission(self, work: Awaitable[T]) -> T:
         """`work` (tokenizing, templating), unless the server stops admitting meanwhile."""
-        self._refused = self._signal(self._refused)
+        self._refused = self._signal(self._refused, self.refusal is not None)
         return await self._unless(work, self._refused, lambda: self.refusal)
 
     async def until_cut(self, work: Awaitable[T]) -> T:
         """`work` (a request's handler), unless the open requests are cut meanwhile."""
-        self._cut = self._signal(self._cut)
+        self._cut = self._signal(self._cut, self.cut_error is not None)
         return await self._unless(work, self._cut, lambda: self.cut_error)
 
     @staticmethod
