@@ -13,8 +13,8 @@ from request_outcomes import Requests
 
 from cpud_server_helpers import metric, start_server
 
-# Rendering this template takes a while (2 million empty loop turns): requests queue
-# for the two tokenizer threads.
+# Rendering this template takes a while (2 million empty loop turns, within the render
+# budget): requests queue for the two tokenizer threads.
 SLOW_TEMPLATE = (
     "{% for i in range(1500) %}{% for j in range(1500) %}{% endfor %}{% endfor %}"
     "{{ messages[0]['content'] }}"
@@ -41,8 +41,9 @@ def test_drain_refuses_what_it_has_not_admitted_and_cuts_with_an_error(model_fac
         deadline = time.monotonic() + 20
         while metric(srv, "cpud_requests_running") < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        templated = [sent.send("/v1/chat/completions", CHAT) for _ in range(12)]
-        time.sleep(1.0)
+        # ~0.3 s of template each, two at a time: seconds of work queued for the tokenizer
+        templated = [sent.send("/v1/chat/completions", CHAT) for _ in range(24)]
+        time.sleep(0.7)
         srv.proc.send_signal(signal.SIGTERM)
         sent.wait(30)
         assert srv.proc.wait(30) == 0, srv.log()
