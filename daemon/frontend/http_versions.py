@@ -171,7 +171,11 @@ def guarded_protocols() -> Iterator[None]:
     """hypercorn's TCP server uses GuardedProtocols for the connections it accepts meanwhile."""
     from hypercorn.asyncio import tcp_server
 
-    if getattr(tcp_server, "ProtocolWrapper", None) is not ProtocolWrapper:
+    current = getattr(tcp_server, "ProtocolWrapper", None)
+    if current is GuardedProtocols:  # another server of this process put it there
+        yield
+        return
+    if current is not ProtocolWrapper:
         raise RuntimeError(
             "this hypercorn version does not create connections the way cpud expects; "
             "cpud cannot control its HTTP/2"
