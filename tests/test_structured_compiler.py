@@ -15,6 +15,7 @@ from cpud import SamplingParams
 from cpud.errors import RequestError
 from cpud.structured.compiler import GrammarCompiler
 from cpud.structured.grammar import closed_objects, embedded_json
+from cpud.structured.limits import GrammarLimits
 from cpud.structured.matcher import ConstraintViolation, SequenceConstraint
 from cpud.structured.metrics import structured_families
 from cpud.structured.spec import StructuredSpec
@@ -23,7 +24,7 @@ from cpud.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def compiler(model_factory):
-    return GrammarCompiler(Tokenizer(model_factory("llama")), cache_size=4)
+    return GrammarCompiler(Tokenizer(model_factory("llama")), limits=GrammarLimits(cache_mib=1))
 
 
 def text_of(compiler: GrammarCompiler, spec: StructuredSpec, text: str) -> SequenceConstraint:
@@ -104,7 +105,7 @@ def test_cache_hands_out_independent_matchers_and_stays_bounded(compiler):
     assert first.allowed_mask() != second.allowed_mask()
     for index in range(10):
         compiler.check(StructuredSpec("regex", f"x{index}"))
-    assert len(compiler._cache) <= compiler.cache_size
+    assert 0 < compiler._cache.bytes <= compiler.limits.cache_bytes
 
 
 def test_typical_schema_compiles_fast(compiler):

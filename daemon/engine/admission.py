@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from cpud.sampling_params import SamplingParams
+from cpud.structured.matcher import StartedGrammar
 
 
 @dataclass(frozen=True)
@@ -13,11 +13,11 @@ class Admission:
     """What `LLMEngine.validate` found: the request fits the model and the KV cache.
 
     `max_tokens` is the output budget (the request's own, else the room left in the context);
-    `grammar` is the constraint compiled for this request at its start state, or None; the
-    engine admits an Admission once, and its first sequence takes that matcher.
+    `grammar` is the constraint compiled for this request with its first mask (both worked
+    out off the engine thread), or None; each of the request's sequences starts a copy.
     """
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     max_tokens: int
-    grammar: Any = None  # llguidance.LLMatcher, kept as an opaque handle here
+    grammar: StartedGrammar | None = None

@@ -34,7 +34,7 @@ from cpud.protocol.step import (
 )
 from cpud.sampling_params import SamplingParams
 from cpud.structured.compiler import GrammarCompiler
-from cpud.structured.matcher import SequenceConstraint
+from cpud.structured.limits import GrammarLimits
 from cpud.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.engine")
@@ -92,7 +92,13 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        executor: Executor,
+        grammar_limits: GrammarLimits | None = None,
+    ):
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor
@@ -103,7 +109,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            tokenizer, self.eos_token_ids, grammar_limits or GrammarLimits()
+        )
         self.grammars.prepare_in_background()
         self.outputs = OutputBuilder(tokenizer)
         self._seq_ids = itertools.count()
@@ -152,7 +160,7 @@ class LLMEngine:
             )
         grammar = None
         if params.structured is not None:
-            grammar = self.grammars.matcher(params.structured)
+            grammar = self.grammars.start(params.structured)
         max_tokens = params.max_tokens or room
         needed = -(-(len(prompt_token_ids) + max_tokens) // self.config.block_size)
         if needed > self.config.num_kv_blocks:
@@ -202,8 +210,7 @@ class LLMEngine:
                 max_tokens=admission.max_tokens,
             )
             if admission.grammar is not None:
-                grammar = admission.grammar if index == 0 else admission.grammar.deep_copy()
-                seq.constraint = SequenceConstraint(grammar)
+                seq.constraint = admission.grammar.constraint()
             why = wire_error(self._work(seq, 0, 0, True))
             if why is not None:
                 raise RequestError(

@@ -3,12 +3,19 @@ structured_outputs) as the engine takes them: one StructuredSpec at most."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-from cpud.frontend.errors import bad_request
+from starlette.requests import Request
+
+from cpud.frontend.errors import APIError, bad_request
 from cpud.frontend.schemas import ResponseFormat, SamplingFields
+from cpud.structured.pool import compile_scope
 from cpud.structured.spec import StructuredSpec
+
+T = TypeVar("T")
 
 JSON_OBJECT = '{"type": "object"}'
 
@@ -91,3 +98,22 @@ def single_spec(specs: list[StructuredSpec]) -> StructuredSpec | None:
             f"a request may constrain its output one way only, got {names}", specs[1].source
         )
     return specs[0] if specs else None
+
+
+async def while_connected(request: Request | None, validation: Awaitable[T]) -> T:
+    """Awaits the validation (where grammars compile) in its own compile scope: a client that
+    disconnects meanwhile ends it (499) and cancels the compiles it queued, so a request
+    nobody waits for is not compiled."""
+    with compile_scope():
+        task = asyncio.ensure_future(validation)  # inherits the scope with the context
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if request is not None and await request.is_disconnected():
+                    raise APIError(499, "client disconnected", "client_closed_request")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

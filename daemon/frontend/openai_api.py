@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import RequestFailedError
 from cpud.engine.outputs import CompletionOutput, RequestOutput
 from cpud.errors import RequestError
 from cpud.frontend.access_log import AccessNote, access_note
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError, StoppingError
+from cpud.frontend.constraints import while_connected
 from cpud.frontend.errors import APIError, bad_request
 from cpud.frontend.jobs import Job
 from cpud.frontend.logprobs import (
@@ -32,8 +34,16 @@ from cpud.frontend.requests import Prompt
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.sampling_params import SamplingParams
+from cpud.structured.compiler import GrammarBusyError
 
-ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
+ENGINE_ERRORS = (
+    RequestError,
+    QueueFullError,
+    GrammarBusyError,
+    EngineDeadError,
+    RequestFailedError,
+    StoppingError,
+)
 
 
 @dataclass
@@ -72,6 +82,10 @@ def engine_error(exc: Exception) -> APIError:
         return bad_request(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
+    if isinstance(exc, GrammarBusyError):
+        return APIError(
+            429, str(exc), "rate_limit_error", None, "grammar_busy", {"Retry-After": "1"}
+        )
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
     if isinstance(exc, StoppingError):
@@ -82,14 +96,18 @@ def engine_error(exc: Exception) -> APIError:
 
 
 async def start_requests(
-    state: ServerState, base_id: str, prompts: list[Prompt], params: SamplingParams
+    state: ServerState,
+    base_id: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    request: Request | None = None,
 ) -> list[AsyncIterator[RequestOutput]]:
     """Validate every prompt before anything runs, then start one engine request each with
     what its validation found. A server that would not admit them says so first (a stream
-    gets the status, not an error event)."""
+    gets the status, not an error event). A client that leaves during validation ends it."""
     try:
         state.engine.check_admission()
-        admitted = [await state.engine.validate(p.token_ids, params) for p in prompts]
+        admitted = await while_connected(request, validate_all(state, prompts, params))
         state.engine.check_admission()
     except ENGINE_ERRORS as exc:
         raise engine_error(exc) from None
@@ -97,6 +115,12 @@ async def start_requests(
         observed(state, state.engine.generate(f"{base_id}-{i}", admission, p.text))
         for i, (p, admission) in enumerate(zip(prompts, admitted))
     ]
+
+
+async def validate_all(
+    state: ServerState, prompts: list[Prompt], params: SamplingParams
+) -> list[Admission]:
+    return [await state.engine.validate(p.token_ids, params) for p in prompts]
 
 
 async def observed(
@@ -208,7 +232,7 @@ def prompt_text(state: ServerState, prompt: Prompt) -> str:
 
 
 async def respond(state: ServerState, request: Request, job: Job) -> Response:
-    streams = await start_requests(state, job.request_id, job.prompts, job.params)
+    streams = await start_requests(state, job.request_id, job.prompts, job.params, request)
     note = access_note(request)
     note.request_id, note.model = job.request_id, job.model
     note.prompt_tokens = sum(len(p.token_ids) for p in job.prompts)

@@ -14,16 +14,23 @@ class ConstraintViolation(RuntimeError):
 
 
 class SequenceConstraint:
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, mask: bytes | None = None):
+        """`mask`: the matcher's mask at its current state when already computed (the first
+        mask is, off the engine thread, when the request is validated)."""
         self._matcher = matcher
+        self._mask = mask
 
     def allowed_mask(self) -> bytes:
         """Packed bitmask over the tokenizer's vocabulary, bit t of byte t // 8 set (LSB
-        first) when token t may come next; llguidance's 32-bit words in little-endian order."""
-        return self._matcher.compute_bitmask()
+        first) when token t may come next; llguidance's 32-bit words in little-endian order.
+        Computed once per state."""
+        if self._mask is None:
+            self._mask = self._matcher.compute_bitmask()
+        return self._mask
 
     def advance(self, token_id: int) -> None:
         """Take the sampled token; ConstraintViolation when the grammar refuses it."""
+        self._mask = None
         if not self._matcher.consume_token(token_id):
             problem = one_line(self._matcher.get_error(), 300) or "no reason given"
             raise ConstraintViolation(f"token {token_id} breaks the output grammar: {problem}")
@@ -32,3 +39,21 @@ class SequenceConstraint:
     def complete(self) -> bool:
         """Nothing can follow but end of sequence: the output is whole."""
         return self._matcher.is_stopped()
+
+
+class StartedGrammar:
+    """A compiled grammar at its start state with its first mask, both worked out before the
+    request reaches the engine thread; shared (by the cache, by a request's choices), never
+    advanced itself."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, first_mask: bytes):
+        self._matcher = matcher
+        self.first_mask = first_mask
+
+    def matcher(self) -> llguidance.LLMatcher:
+        """A fresh matcher at the start state."""
+        return self._matcher.deep_copy()
+
+    def constraint(self) -> SequenceConstraint:
+        """A new sequence's constraint, its first mask already known."""
+        return SequenceConstraint(self._matcher.deep_copy(), self.first_mask)

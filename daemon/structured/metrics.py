@@ -1,14 +1,19 @@
 """Prometheus families of constrained decoding, read from the engine's compiler at scrape
-time: cpud_structured_requests_total{kind} and cpud_grammar_compile_seconds."""
+time: cpud_structured_requests_total{kind}, cpud_grammar_compile_seconds,
+cpud_grammar_rejected_total{reason} and cpud_grammar_cache_bytes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import accumulate
 
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
-from cpud.structured.compiler import COMPILE_BUCKETS, CompileStats
+from cpud.structured.compiler import COMPILE_BUCKETS, REJECTIONS, CompileStats
 
 KINDS = ("json", "regex", "choice", "grammar")
 
@@ -29,4 +34,18 @@ def structured_families(stats: CompileStats) -> Iterator:
         "Time to compile an output constraint (cache misses only)",
         buckets=list(zip(bounds, cumulative)),
         sum_value=stats.compile_seconds,
+    )
+    rejected = CounterMetricFamily(
+        "cpud_grammar_rejected",
+        "Output constraints refused: invalid (malformed or past a grammar limit), timeout "
+        "(compile too slow), busy (compile threads taken), cancelled (request ended first)",
+        labels=["reason"],
+    )
+    for reason in REJECTIONS:
+        rejected.add_metric([reason], stats.rejected.get(reason, 0))
+    yield rejected
+    yield GaugeMetricFamily(
+        "cpud_grammar_cache_bytes",
+        "Estimated memory held by the compiled-grammar cache",
+        value=stats.cache_bytes,
     )

@@ -32,19 +32,19 @@ class Spy:
     def __init__(self, engine, monkeypatch):
         self.validated: list[Admission] = []
         self.compiled: list[threading.Thread] = []
-        validate, matcher = engine.validate, engine.grammars.matcher
+        validate, start = engine.validate, engine.grammars.start
 
         def counted_validate(ids, params):
             admission = validate(ids, params)
             self.validated.append(admission)
             return admission
 
-        def counted_matcher(spec):
+        def counted_start(spec):
             self.compiled.append(threading.current_thread())
-            return matcher(spec)
+            return start(spec)
 
         monkeypatch.setattr(engine, "validate", counted_validate)
-        monkeypatch.setattr(engine.grammars, "matcher", counted_matcher)
+        monkeypatch.setattr(engine.grammars, "start", counted_start)
 
 
 def test_validation_works_out_the_budget_and_compiles_the_grammar(llm):

@@ -1,0 +1,115 @@
+"""Where grammars compile: a few threads of lowered CPU priority, so a slow grammar takes CPU
+only from what serving leaves idle, and a scope that cancels the compiles a request queued
+when the request ends (its client left) before they start."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TypeVar
+
+T = TypeVar("T")
+NICENESS = 10  # CFS weight 110 against 1024: about a tenth of a core that serving wants
+
+
+class CompileScope:
+    """The compiles of one request; `close` cancels those not started and tells the threads
+    waiting on the others to stop waiting."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    def add(self, future: Future) -> None:
+        with self._lock:
+            self._futures.append(future)
+        if self.closed.is_set():
+            future.cancel()
+
+    def close(self) -> None:
+        self.closed.set()
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.cancel()
+
+
+_SCOPE: contextvars.ContextVar[CompileScope | None] = contextvars.ContextVar(
+    "cpud_compile_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def compile_scope() -> Iterator[CompileScope]:
+    """Compiles started inside (threads started with the context, as asyncio.to_thread does,
+    included) belong to the scope, which closes on the way out, cancelled or not."""
+    scope = CompileScope()
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+        scope.close()
+
+
+def current_scope() -> CompileScope | None:
+    return _SCOPE.get()
+
+
+def lower_priority() -> None:
+    """Raise this thread's niceness (Linux schedules threads, so only this one slows)."""
+    try:
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, max(current, NICENESS))
+    except (OSError, AttributeError):
+        pass  # best effort: the thread bound still holds
+
+
+class CompilePool:
+    """Daemon threads (a compile left running never holds up the process's exit) taking
+    work in order; work whose future was cancelled before it started is skipped."""
+
+    def __init__(self, threads: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for index in range(threads):
+            name = f"cpud-grammar-{index}"
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], T]) -> Future:
+        """Runs fn on a compile thread; the future belongs to the caller's scope, if any."""
+        future: Future = Future()
+        scope = current_scope()
+        if scope is not None:
+            scope.add(future)
+        self._queue.put((future, fn))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancels the work not started."""
+        while True:
+            try:
+                future, _ = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            future.cancel()
+
+    def _work(self) -> None:
+        lower_priority()
+        while True:
+            future, fn = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the waiting request, whatever it is
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, fn
