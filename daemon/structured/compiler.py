@@ -14,6 +14,7 @@ started. Thread safe.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import os
 import threading
 import time
@@ -39,6 +40,18 @@ COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 BYTES_PER_GRAMMAR_BYTE = 192
 REJECTIONS = ("invalid", "timeout", "busy", "cancelled")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+TRIM_AFTER_BYTES = 32 << 20  # RSS growth after which a compile thread trims the heap
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 class GrammarBusyError(CpudError):
@@ -93,6 +106,13 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * PAGE
 
 
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc keeps what a big grammar
+    freed in its per-thread arenas, where the next grammar may not fit: RSS only grows)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def first_allowed(mask: bytes, skip: Collection[int]) -> int | None:
     """The lowest token id the mask allows, other than those in skip."""
     for index, byte in enumerate(mask):
@@ -124,6 +144,7 @@ class GrammarCompiler:
         self._pool = CompilePool(limits.compile_threads)
         self._lock = threading.Lock()
         self._stats = CompileStats()
+        self._trimmed_at = resident_bytes()
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer; RequestError when this tokenizer cannot be converted."""
@@ -187,11 +208,16 @@ class GrammarCompiler:
         scope = current_scope()
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                return future.result(timeout=min(remaining, 0.1))
+                error = future.exception(timeout=min(remaining, 0.1))
             except TimeoutError:
-                pass
+                error = None
             except CancelledError:
                 break
+            else:
+                if error is None:
+                    return future.result()
+                del future  # the error, re-raised here, must not reach it: a reference cycle
+                raise error
             if scope is not None and scope.closed.is_set():
                 break
         if scope is not None and scope.closed.is_set():
@@ -215,8 +241,26 @@ class GrammarCompiler:
         self, spec: StructuredSpec, tokenizer: llguidance.LLTokenizer, key: tuple
     ) -> StartedGrammar:
         """On a compile thread: the compile, the first mask, one token past it."""
+        try:
+            return self._build_measured(spec, tokenizer, key, resident_bytes())
+        finally:
+            self._release_if_grown()
+
+    def _release_if_grown(self) -> None:
+        """Gives free pages back once RSS has grown TRIM_AFTER_BYTES since it last did."""
+        now = resident_bytes()
+        with self._lock:
+            grown = now - self._trimmed_at > TRIM_AFTER_BYTES
+            self._trimmed_at = min(self._trimmed_at, now)
+        if grown:
+            release_free_memory()
+            with self._lock:
+                self._trimmed_at = resident_bytes()
+
+    def _build_measured(
+        self, spec: StructuredSpec, tokenizer: llguidance.LLTokenizer, key: tuple, before: int
+    ) -> StartedGrammar:
         started = time.perf_counter()
-        before = resident_bytes()
         try:
             grammar = grammar_text(spec)
             compiled = llguidance.LLMatcher(

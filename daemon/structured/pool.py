@@ -109,7 +109,8 @@ class CompilePool:
             try:
                 result = fn()
             except BaseException as exc:  # handed to the waiting request, whatever it is
-                future.set_exception(exc)
+                # Without the traceback, whose frames would keep the failed grammar alive.
+                future.set_exception(exc.with_traceback(None))
             else:
                 future.set_result(result)
             del future, fn
