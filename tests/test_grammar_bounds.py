@@ -9,6 +9,7 @@ import json
 import os
 import threading
 
+import llguidance
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
@@ -16,8 +17,9 @@ from prometheus_client.registry import Collector
 from cpud import LLM, SamplingParams
 from cpud.errors import RequestError
 from cpud.structured import compiler as compiler_module
-from cpud.structured.compiler import GrammarBusyError, GrammarCompiler
+from cpud.structured.compiler import GrammarBusyError, GrammarCompiler, first_allowed
 from cpud.structured.limits import GrammarLimits
+from cpud.structured.matcher import SequenceConstraint
 from cpud.structured.metrics import structured_families
 from cpud.structured.pool import NICENESS, compile_scope
 from cpud.structured.spec import StructuredSpec
@@ -209,3 +211,14 @@ def test_a_tokenizer_llguidance_panics_on_is_converted_once(model_factory, tmp_p
         with pytest.raises(RequestError, match="not available with this model's tokenizer"):
             compiler.check(StructuredSpec("regex", "[0-9]+", source="guided_regex"))
     assert len(calls) == 1
+
+
+def test_a_grammar_past_the_limits_while_generating_is_the_request_s_error(tokenizer):
+    """Past validation (which tries one token), a grammar that then exceeds llguidance's
+    limits ends its request with a RequestError (the client's 400 or error event)."""
+    ll_tokenizer = GrammarCompiler(tokenizer).ll_tokenizer()
+    grammar = llguidance.LLMatcher.grammar_from_regex("a{1000}{1000}{7}")
+    constraint = SequenceConstraint(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0))
+    token = first_allowed(constraint.allowed_mask(), ())
+    with pytest.raises(RequestError, match="grammar limits after 0 tokens.*too many"):
+        constraint.advance(token)

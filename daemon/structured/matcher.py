@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import llguidance
 
-from cpud.errors import one_line
+from cpud.errors import RequestError, one_line
+
+LIMIT_STOPS = ("LexerTooComplex", "ParserTooComplex")
 
 
 class ConstraintViolation(RuntimeError):
     """A sampled token the grammar does not allow (the mask should have prevented it)."""
+
+
+class GrammarLimitError(RequestError):
+    """The request's grammar went past the server's grammar limits while generating: the
+    grammar's fault, not the server's."""
 
 
 class SequenceConstraint:
@@ -19,6 +26,7 @@ class SequenceConstraint:
         mask is, off the engine thread, when the request is validated)."""
         self._matcher = matcher
         self._mask = mask
+        self._consumed = 0
 
     def allowed_mask(self) -> bytes:
         """Packed bitmask over the tokenizer's vocabulary, bit t of byte t // 8 set (LSB
@@ -32,8 +40,15 @@ class SequenceConstraint:
         """Take the sampled token; ConstraintViolation when the grammar refuses it."""
         self._mask = None
         if not self._matcher.consume_token(token_id):
-            problem = one_line(self._matcher.get_error(), 300) or "no reason given"
+            error = self._matcher.get_error().replace("<non-verbose/>", "")
+            problem = one_line(error, 300) or "no reason given"
+            if self._matcher.stop_reason() in LIMIT_STOPS or error.startswith("lexer error"):
+                raise GrammarLimitError(
+                    f"the output grammar went past the server's grammar limits after "
+                    f"{self._consumed} tokens: {problem}; simplify it"
+                )
             raise ConstraintViolation(f"token {token_id} breaks the output grammar: {problem}")
+        self._consumed += 1
 
     @property
     def complete(self) -> bool:
