@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from cpud import LLM, SamplingParams
-from cpud.errors import RequestError
+from cpud.errors import ConfigError, RequestError
 from cpud.structured import compiler as compiler_module
 from cpud.structured.compiler import GrammarBusyError, GrammarCompiler, first_allowed
 from cpud.structured.limits import GrammarLimits
@@ -222,3 +222,18 @@ def test_a_grammar_past_the_limits_while_generating_is_the_request_s_error(token
     token = first_allowed(constraint.allowed_mask(), ())
     with pytest.raises(RequestError, match="grammar limits after 0 tokens.*too many"):
         constraint.advance(token)
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"compile_timeout": 0}, "--grammar-compile-timeout"),
+        ({"compile_timeout": float("nan")}, "--grammar-compile-timeout"),
+        ({"compile_threads": 0}, "--grammar-compile-threads"),
+        ({"cache_mib": -1}, "--grammar-cache-mib"),
+        ({"lexer_fuel": 0}, "lexer_fuel"),
+    ],
+)
+def test_bad_grammar_limits_are_config_errors(settings, words):
+    with pytest.raises(ConfigError, match=words):
+        GrammarLimits(**settings)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from cpud.errors import ConfigError
+
+if TYPE_CHECKING:
+    import llguidance
 
 MiB = 1 << 20
 
@@ -51,6 +53,8 @@ class GrammarLimits:
         return self.cache_mib * MiB
 
     def parser_limits(self) -> llguidance.LLParserLimits:
+        import llguidance  # here: settings are read where grammars never compile
+
         return llguidance.LLParserLimits(
             initial_lexer_fuel=self.lexer_fuel,
             step_lexer_fuel=self.step_lexer_fuel,
