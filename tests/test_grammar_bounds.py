@@ -5,6 +5,7 @@ converted once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -16,6 +17,8 @@ from prometheus_client.registry import Collector
 
 from cpud import LLM, SamplingParams
 from cpud.errors import ConfigError, RequestError
+from cpud.frontend.constraints import while_connected
+from cpud.frontend.errors import APIError
 from cpud.structured import compiler as compiler_module
 from cpud.structured.compiler import GrammarBusyError, GrammarCompiler, first_allowed
 from cpud.structured.limits import GrammarLimits
@@ -237,3 +240,16 @@ def test_a_grammar_past_the_limits_while_generating_is_the_request_s_error(token
 def test_bad_grammar_limits_are_config_errors(settings, words):
     with pytest.raises(ConfigError, match=words):
         GrammarLimits(**settings)
+
+
+def test_busy_compile_threads_are_a_429_and_a_finished_validation_passes_through():
+    async def busy():
+        raise GrammarBusyError("guided_regex: the compiler was busy; retry shortly")
+
+    async def fine():
+        return "admitted"
+
+    with pytest.raises(APIError) as caught:
+        asyncio.run(while_connected(None, busy()))
+    assert caught.value.status == 429 and caught.value.code == "grammar_busy"
+    assert asyncio.run(while_connected(None, fine())) == "admitted"

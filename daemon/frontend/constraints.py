@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from cpud.frontend.errors import APIError, bad_request
 from cpud.frontend.schemas import ResponseFormat, SamplingFields
+from cpud.structured.compiler import GrammarBusyError
 from cpud.structured.pool import compile_scope
 from cpud.structured.spec import StructuredSpec
 
@@ -103,14 +104,25 @@ def single_spec(specs: list[StructuredSpec]) -> StructuredSpec | None:
 async def while_connected(request: Request | None, validation: Awaitable[T]) -> T:
     """Awaits the validation (where grammars compile) in its own compile scope: a client that
     disconnects meanwhile ends it (499) and cancels the compiles it queued, so a request
-    nobody waits for is not compiled."""
+    nobody waits for is not compiled. Compile threads busy with others' grammars for all of
+    the wait: 429."""
     with compile_scope():
         task = asyncio.ensure_future(validation)  # inherits the scope with the context
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.25)
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except GrammarBusyError as exc:
+                        raise APIError(
+                            429,
+                            str(exc),
+                            "rate_limit_error",
+                            None,
+                            "grammar_busy",
+                            {"Retry-After": "1"},
+                        ) from None
                 if request is not None and await request.is_disconnected():
                     raise APIError(499, "client disconnected", "client_closed_request")
         finally:

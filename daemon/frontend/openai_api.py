@@ -34,16 +34,8 @@ from cpud.frontend.requests import Prompt
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.sampling_params import SamplingParams
-from cpud.structured.compiler import GrammarBusyError
 
-ENGINE_ERRORS = (
-    RequestError,
-    QueueFullError,
-    GrammarBusyError,
-    EngineDeadError,
-    RequestFailedError,
-    StoppingError,
-)
+ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
 
 
 @dataclass
@@ -82,10 +74,6 @@ def engine_error(exc: Exception) -> APIError:
         return bad_request(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
-    if isinstance(exc, GrammarBusyError):
-        return APIError(
-            429, str(exc), "rate_limit_error", None, "grammar_busy", {"Retry-After": "1"}
-        )
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
     if isinstance(exc, StoppingError):
