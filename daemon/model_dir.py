@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cpud.default_model import default_model_path
 from cpud.errors import ConfigError
+from cpud.user_files import check_regular
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -23,6 +24,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
                 f"Face directory"
             )
         return path
+    if path.exists() and not path.is_dir():
+        check_regular(path, "model ")
     if not path.is_dir():
         raise ConfigError(
             f"model directory {path} does not exist (cpud loads local Hugging Face "

@@ -54,6 +54,13 @@ def test_a_chat_template_fifo_exits_2_at_once(fifo, model_factory):
     assert len(result.stderr.splitlines()) == 1 and seconds < 10
 
 
+def test_a_model_path_that_is_a_fifo_exits_2_naming_it(fifo):
+    result, seconds = serve_exits("--model", str(fifo))
+    assert result.returncode == 2, result
+    assert f"model {fifo} is a FIFO (named pipe)" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and seconds < 10
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
 def test_a_model_file_that_is_a_fifo_exits_2_naming_it(model_factory, tmp_path, name):
     model = Path(shutil.copytree(model_factory("qwen3"), tmp_path / "model"))
