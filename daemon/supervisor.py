@@ -33,7 +33,13 @@ from cpud import envs
 from cpud.child_process import module_command
 from cpud.config import EngineArgs, ServeArgs
 from cpud.engine.multiproc import make_runtime_dir
-from cpud.engine.rank_group import RankDiedError, RankGroup, RankTimeouts
+from cpud.engine.rank_group import (
+    RankDiedError,
+    RankGroup,
+    RankTimeouts,
+    kill_started,
+    start_ranks,
+)
 from cpud.errors import ConfigError
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec, send_secrets
 from cpud.model_dir import resolve_model_dir
@@ -103,15 +109,24 @@ class Supervisor:
         started = time.monotonic()
         check_listen_address(self.serve_args.host, self.serve_args.port)
         model_dir = resolve_model_dir(self.engine_args.model)
-        # Resolved and planned once: the frontend and the ranks get this config as it is.
-        plan = plan_start(self.engine_args, model_dir)
+        runtime_dir = make_runtime_dir()
+        early = self._start_ranks_early(runtime_dir)
+        try:
+            # Resolved and planned once: the frontend and the ranks get this config as it is.
+            plan = plan_start(self.engine_args, model_dir)
+        except BaseException:
+            kill_started(early)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+            raise
         config = plan.config
+        if len(early) != config.tp:
+            kill_started(early)
+            early = []
         if plan.binding.frontend_cpus:
             os.sched_setaffinity(0, plan.binding.frontend_cpus)  # the frontend inherits it
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         self.notifier.status(f"loading {model_dir.name} on {config.tp} rank(s)")
-        runtime_dir = make_runtime_dir()
         ctx = zmq.Context()
         frontend: subprocess.Popen | None = None
         group: RankGroup | None = None
@@ -126,6 +141,7 @@ class Supervisor:
                 config.collective,
                 self.timeouts,
                 on_message=self._on_message,
+                started=early or None,
             )
             tokenizer = Tokenizer(config.model_dir, self.engine_args.chat_template).facts()
             spec = frontend_spec(runtime_dir, config, self.engine_args, self.serve_args, tokenizer)
@@ -151,6 +167,8 @@ class Supervisor:
                 frontend.wait()
             if group is not None:
                 group.kill()
+            else:
+                kill_started(early)
             ctx.destroy(linger=0)
             shutil.rmtree(runtime_dir, ignore_errors=True)
 
@@ -200,6 +218,16 @@ class Supervisor:
                     "READY=1", f"STATUS=serving on {self.serving.address}", f"MAINPID={os.getpid()}"
                 )
             self._watchdog(group, silent)
+
+    def _start_ranks_early(self, runtime_dir: str) -> list[subprocess.Popen]:
+        """The ranks, started before the plan so that they import torch while the model is
+        checked and the start planned; they get their specs (and load) once the plan stands,
+        and are killed unread when it is refused. None for a rank count the CPUs cannot take
+        (the plan refuses it)."""
+        tp = self.engine_args.tp
+        if not 1 <= tp <= len(os.sched_getaffinity(0)):
+            return []
+        return start_ranks(runtime_dir, tp)
 
     def _model_name(self) -> str:
         """The name clients use (the first --served-model-name, else --model)."""

@@ -116,6 +116,11 @@ def rank_spec_file(runtime_dir: str, rank: int) -> str:
     return f"{runtime_dir}/rank{rank}.json"
 
 
+# A rank started with this flag imports its modules, then waits for a line on its stdin saying
+# that its spec file is written (stdin closed unwritten: the start was refused).
+WHEN_TOLD = "--when-told"
+
+
 def frontend_spec_file(runtime_dir: str) -> str:
     return f"{runtime_dir}/frontend.json"
 

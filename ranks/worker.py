@@ -1,12 +1,16 @@
 """One rank process: bind, pin, load its weight shard, then execute step plans in lockstep.
 
-    python -m cpud.ranks.worker SPEC_JSON PARENT_PID
+    python -m cpud.ranks.worker SPEC_JSON PARENT_PID [--when-told]
 
 The rank dies with PARENT_PID, its owner (armed before anything else). The spec (a
 cpud.protocol.launch.RankSpec, msgspec JSON) says where to run, where the sockets are and the
-resolved engine config. Every rank reports READY (or FAILED) and a heartbeat every second to
-the supervisor; step plans come from the frontend, and rank 0 returns each step's sampled
-tokens to it.
+resolved engine config. With --when-told the rank imports torch and its modules, then waits
+for its owner to write the spec and say so on its stdin (stdin closed unwritten: the start was
+refused, exit 0): the supervisor starts its ranks so while it still checks the model and plans.
+Importing allocates nothing of the rank's: the affinity and memory policy are still set before
+the weights, the KV cache and the OpenMP threads (started in pin_threads) exist. Every rank
+reports READY (or FAILED) and a heartbeat every second to the supervisor; step plans come from
+the frontend, and rank 0 returns each step's sampled tokens to it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from cpud.protocol.launch import EngineSpec, RankSpec, plan_socket, results_socket
+from cpud.protocol.launch import WHEN_TOLD, EngineSpec, RankSpec, plan_socket, results_socket
 from cpud.ranks.binding import bind_memory, die_with_parent, pin_threads, set_affinity
 
 if TYPE_CHECKING:
@@ -145,10 +149,6 @@ def start_heartbeat(
 
 
 def run(spec: RankSpec) -> int:
-    # Ctrl-C, `timeout` and `kill -- -PGID` signal the whole process group; the owner decides
-    # when ranks stop (a Shutdown message after the drain, or SIGKILL).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     started = time.perf_counter()
     warnings: list[str] = []
     if spec.cpus is not None and (warning := set_affinity(spec.cpus)):
@@ -242,14 +242,31 @@ def run(spec: RankSpec) -> int:
         ctx.destroy(linger=2000)  # every socket, the plans one included, then the context
 
 
+def read_spec(path: str, when_told: bool = False) -> RankSpec | None:
+    """The spec from its file; when_told: once the rank's modules are imported and the owner
+    said on stdin that the file is written (None: stdin closed unwritten, the start refused)."""
+    if when_told:
+        import torch  # noqa: F401  (what the wait is for)
+
+        import cpud.ranks.model_runner  # noqa: F401
+
+        if not sys.stdin.buffer.read():
+            return None
+    return msgspec.json.decode(Path(path).read_bytes(), type=RankSpec)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     die_with_parent(int(args[1]))
+    # Ctrl-C, `timeout` and `kill -- -PGID` signal the whole process group; the owner decides
+    # when ranks stop (a Shutdown message after the drain, or SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(message)s"
     )
-    spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=RankSpec)
-    return run(spec)
+    spec = read_spec(args[0], WHEN_TOLD in args[2:])
+    return 0 if spec is None else run(spec)
 
 
 if __name__ == "__main__":

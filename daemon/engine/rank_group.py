@@ -25,7 +25,14 @@ from cpud import envs
 from cpud.child_process import module_command
 from cpud.errors import ConfigError, CpudError
 from cpud.protocol.control import Shutdown, encoder
-from cpud.protocol.launch import EngineSpec, RankSlot, RankSpec, plan_socket, rank_spec_file
+from cpud.protocol.launch import (
+    WHEN_TOLD,
+    EngineSpec,
+    RankSlot,
+    RankSpec,
+    plan_socket,
+    rank_spec_file,
+)
 from cpud.protocol.supervision import (
     MAX_MESSAGE_BYTES,
     Heartbeat,
@@ -50,6 +57,25 @@ class RankTimeouts:
     fresh: float = 5.0  # heartbeats younger than this count as fresh (systemd watchdog)
 
 
+def start_ranks(runtime_dir: str, count: int) -> list[subprocess.Popen]:
+    """Rank processes started ahead of their specs: each imports torch and its modules while
+    the owner still plans, then waits to be told on stdin that its spec file is written
+    (RankGroup(started=...) does; kill_started stops them when the start is refused)."""
+    env = envs.without_secrets(os.environ)
+    procs = []
+    for rank in range(count):
+        path = rank_spec_file(runtime_dir, rank)
+        command = module_command("cpud.ranks.worker", path, str(os.getpid()), WHEN_TOLD)
+        procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, env=env))
+    return procs
+
+
+def kill_started(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 class RankGroup:
     def __init__(
         self,
@@ -60,7 +86,10 @@ class RankGroup:
         collective: str = "shm",
         timeouts: RankTimeouts = RankTimeouts(),
         on_message: Callable[[object], None] | None = None,
+        started: list[subprocess.Popen] | None = None,
     ):
+        """started: processes from start_ranks in this runtime_dir, one per slot, told on stdin
+        when their spec files are written (None: the ranks are spawned here)."""
         self.runtime_dir = runtime_dir
         self.world_size = len(slots)
         self.timeouts = timeouts
@@ -85,13 +114,19 @@ class RankGroup:
             from cpud.native.shm_allreduce import ShmGroup
 
             self._shm = ShmGroup.create(f"{runtime_dir}/allreduce.shm", self.world_size, 8 << 20)
-        self._spawn(engine, slots, collective)
+        self._spawn(engine, slots, collective, started)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _spawn(self, engine: EngineSpec, slots: list[RankSlot], collective: str) -> None:
+    def _spawn(
+        self,
+        engine: EngineSpec,
+        slots: list[RankSlot],
+        collective: str,
+        started: list[subprocess.Popen] | None = None,
+    ) -> None:
         now = self.spawned_at = time.monotonic()
         for rank, slot in enumerate(slots):
             spec = RankSpec(
@@ -103,11 +138,19 @@ class RankGroup:
                 collective=collective,
                 engine=engine,
             )
+            self.last_beat[rank] = now
             path = Path(rank_spec_file(self.runtime_dir, rank))
             path.write_bytes(msgspec.json.encode(spec))
+            if started is not None:
+                self.procs.append(started[rank])
+                try:
+                    started[rank].stdin.write(b"written\n")
+                    started[rank].stdin.close()
+                except BrokenPipeError:
+                    pass  # it exited already: _check_processes names it
+                continue
             command = module_command("cpud.ranks.worker", str(path), str(os.getpid()))
             self.procs.append(subprocess.Popen(command, env=envs.without_secrets(os.environ)))
-            self.last_beat[rank] = now
 
     def pump(self, timeout_s: float = 0.0) -> None:
         """File every waiting control message; wait up to timeout_s for the first one."""
