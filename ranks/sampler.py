@@ -199,8 +199,8 @@ def sample(
         return [SampledToken(w.seq_id, t) for w, t in zip(works, tokens)]
     # a copy either way: the processing below writes into it
     processed = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    want_logprobs = any(w.sampling is not None and w.sampling.num_logprobs >= 0 for w in works)
-    raw_logprobs = processed.log_softmax(dim=-1) if want_logprobs else None
+    scored = [row for row, w in enumerate(works) if w.sampling and w.sampling.num_logprobs >= 0]
+    raw_logprobs = processed[scored].log_softmax(dim=-1) if scored else None
     apply_constraints(processed, works)
     for row, work in enumerate(works):
         if work.banned_token_ids:
@@ -219,10 +219,11 @@ def sample(
         rows = processed if len(random_rows) == len(works) else processed[random_rows]
         probs = restrict_support(rows, sub)
         tokens[random_rows] = draw(probs, sub, generator)
-    return [
-        _sampled(work, int(tokens[row]), None if raw_logprobs is None else raw_logprobs[row])
-        for row, work in enumerate(works)
-    ]
+    sampled = [SampledToken(w.seq_id, t) for w, t in zip(works, tokens.tolist())]
+    if raw_logprobs is not None:
+        for row, entry in zip(scored, _logprobs(raw_logprobs, tokens[scored], works, scored)):
+            sampled[row] = entry
+    return sampled
 
 
 def _plain_greedy(work: SeqWork) -> bool:
@@ -238,18 +239,27 @@ def _plain_greedy(work: SeqWork) -> bool:
     )
 
 
-def _sampled(work: SeqWork, token: int, logprobs: torch.Tensor | None) -> SampledToken:
-    num = -1 if work.sampling is None else work.sampling.num_logprobs
-    if logprobs is None or num < 0:
-        return SampledToken(work.seq_id, token)
-    chosen = float(logprobs[token])
-    rank = int((logprobs > logprobs[token]).sum()) + 1
-    top_ids: list[int] = []
-    top_values: list[float] = []
-    if num > 0:
-        values, ids = logprobs.topk(min(num, logprobs.numel()))
-        top_ids, top_values = ids.tolist(), values.tolist()
-    return SampledToken(work.seq_id, token, chosen, rank, top_ids, top_values)
+def _logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, works: list[SeqWork], rows: list[int]
+) -> list[SampledToken]:
+    """The sampled tokens of `rows` with their raw logprobs [R, V]: each token's logprob and
+    1-based rank, and each row's num_logprobs best alternatives; a few tensor operations for
+    all rows together."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    nums = [works[row].sampling.num_logprobs for row in rows]
+    width = min(max(nums), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if width > 0:
+        values, ids = logprobs.topk(width, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        SampledToken(works[row].seq_id, token, value, rank, top_ids[i][:num], top_values[i][:num])
+        for i, (row, token, value, rank, num) in enumerate(
+            zip(rows, tokens.tolist(), chosen.squeeze(1).tolist(), ranks, nums)
+        )
+    ]
 
 
 PROMPT_ROWS_PER_PASS = 128  # prompt positions per LM-head pass: bounds the [rows, vocab] logits
