@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -160,3 +162,17 @@ def test_a_long_step_that_computes_is_progress_and_one_that_waits_is_a_stall(
 
 async def collect(outputs) -> list:
     return [out async for out in outputs]
+
+
+@pytest.mark.parametrize("computes", [True, False])
+def test_compute_activity_reads_the_rank_processes(computes):
+    work = "while True: pass" if computes else "import time; time.sleep(60)"
+    rank = subprocess.Popen([sys.executable, "-c", work])
+    try:
+        time.sleep(0.3)
+        activity = ComputeActivity(threading.get_ident(), [rank.pid])
+        time.sleep(0.5)
+        assert activity.busy() is computes
+    finally:
+        rank.kill()
+        rank.wait()

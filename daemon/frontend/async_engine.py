@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from cpud.engine.admission import Admission
@@ -71,7 +71,7 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 1024):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 1024, rank_pids: Sequence[int] = ()):
         self.engine = engine
         engine.isolate_requests = True
         self.max_waiting = max_waiting
@@ -94,7 +94,7 @@ class AsyncEngine:
         self._thread.start()
         # Read by the caller asking about progress (the event loop): a long step that keeps
         # the engine computing is progress too.
-        self._activity = ComputeActivity(self._thread.ident or 0)
+        self._activity = ComputeActivity(self._thread.ident or 0, rank_pids)
         self._busy_at = 0.0
 
     # ---- caller side (any thread / event loop) -----------------------------------------------

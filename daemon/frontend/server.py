@@ -180,7 +180,11 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
             # The supervisor names a hung rank first; this only ends a wait it missed.
             serve_args.step_timeout + 30,
         )
-        engine = AsyncEngine(LLMEngine(config, tokenizer, client), serve_args.max_waiting)
+        engine = AsyncEngine(
+            LLMEngine(config, tokenizer, client),
+            serve_args.max_waiting,
+            rank_pids=[rank.pid for rank in ranks.ranks],
+        )
         state.attach(engine)
         link.serving(address)
         failed = False
