@@ -232,8 +232,13 @@ def run(spec: RankSpec) -> int:
             log.error("rank %d cannot load the model: %s", spec.rank, exc)
             control.send(encoder.encode(RankFailed(spec.rank, str(exc), config_error=True)))
             return 1
+        from cpud.native import GroupAborted, PeerDied
+
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        log.error("rank %d failed: %s\n%s", spec.rank, detail, traceback.format_exc())
+        if isinstance(exc, (GroupAborted, PeerDied)):  # another rank's failure, named there
+            log.error("rank %d stops: %s", spec.rank, detail)
+        else:
+            log.error("rank %d failed: %s\n%s", spec.rank, detail, traceback.format_exc())
         control.send(encoder.encode(RankFailed(spec.rank, detail)))
         return 1
     finally:
