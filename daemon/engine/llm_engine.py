@@ -11,7 +11,6 @@ import hashlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 from cpud.config import EngineConfig
 from cpud.engine.admission import Admission
@@ -19,7 +18,8 @@ from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.executor import Executor
 from cpud.engine.output_builder import OutputBuilder
-from cpud.engine.outputs import Logprob, RequestOutput
+from cpud.engine.outputs import RequestOutput
+from cpud.engine.request import Request
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence
 from cpud.errors import CpudError, RequestError, one_line
@@ -70,25 +70,6 @@ def sampling_spec(params: SamplingParams) -> SamplingSpec:
         frequency_penalty=params.frequency_penalty,
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
     )
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    arrival_time: float = field(default_factory=time.monotonic)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # built once, when complete
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
-
-    @property
-    def awaits_prompt_logprobs(self) -> bool:
-        """Its prompt logprobs are not all computed yet (its outputs wait for them)."""
-        return self.seqs[0].needs_prompt_logprobs
 
 
 class LLMEngine:

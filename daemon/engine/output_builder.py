@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 from cpud.engine.detokenizer import Decoder
 from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput, Snapshot
+from cpud.engine.request import Request
 from cpud.engine.sequence import LogprobEntry, Sequence
 from cpud.protocol.step import PromptLogprobs, SampledToken
-
-if TYPE_CHECKING:
-    from cpud.engine.llm_engine import Request
 
 
 class TokenNames:
