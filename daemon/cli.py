@@ -258,6 +258,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from cpud.config import EngineArgs, ServeArgs
     from cpud.log_setup import configure_logging
+    from cpud.structured.limits import GrammarLimits
     from cpud.supervisor import serve
 
     configure_logging()
@@ -276,6 +277,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stall_timeout=args.stall_timeout,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         http2=args.http2,
+        grammar=GrammarLimits(
+            compile_timeout=args.grammar_compile_timeout,
+            compile_threads=args.grammar_compile_threads,
+            cache_mib=args.grammar_cache_mib,
+        ),
     )
     return serve(engine_args, serve_args)
 

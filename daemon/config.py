@@ -17,6 +17,7 @@ from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.model.safetensors_check import check_weights
 from cpud.model.sizes import kv_block_bytes
 from cpud.protocol.launch import EngineSpec
+from cpud.structured.limits import GrammarLimits
 from cpud.user_files import check_model_files_are_regular
 
 GiB = 1 << 30
@@ -87,6 +88,7 @@ class ServeArgs:
     # off: omitted, so no client learns from it what others sent
     enable_prompt_tokens_details: bool = True
     http2: bool = False  # cleartext HTTP/2 (prior knowledge, h2c upgrade) beside HTTP/1.1
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         for name in (

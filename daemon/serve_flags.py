@@ -94,6 +94,27 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "no client learns from it what others sent (send cache_salt for that too)",
     )
     parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds a constrained request waits for its grammar (compile and first mask, "
+        "queueing included); too slow is a 400, compile threads busy with others a 429",
+    )
+    parser.add_argument(
+        "--grammar-compile-threads",
+        type=int,
+        default=2,
+        help="output grammars compiled at once, each on a thread of lowered CPU priority",
+    )
+    parser.add_argument(
+        "--grammar-cache-mib",
+        type=int,
+        default=128,
+        metavar="MIB",
+        help="memory the compiled-grammar cache may hold (estimated); bigger grammars are not kept",
+    )
+    parser.add_argument(
         "--chat-template",
         metavar="FILE_OR_STRING",
         help="chat template (jinja) replacing the model's, or for a model without one: a file, "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import llguidance
@@ -253,3 +255,23 @@ def test_busy_compile_threads_are_a_429_and_a_finished_validation_passes_through
         asyncio.run(while_connected(None, busy()))
     assert caught.value.status == 429 and caught.value.code == "grammar_busy"
     assert asyncio.run(while_connected(None, fine())) == "admitted"
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--grammar-compile-timeout", "0"),
+        ("--grammar-compile-threads", "0"),
+        ("--grammar-cache-mib", "-1"),
+    ],
+)
+def test_bad_grammar_flags_stop_the_daemon_with_exit_2(flag, value):
+    result = subprocess.run(
+        [sys.executable, "-m", "cpud.cli", "serve", "--port", "1", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result
+    assert result.stderr.startswith("cpud: error: ") and flag in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr

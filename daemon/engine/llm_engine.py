@@ -72,14 +72,21 @@ def sampling_spec(params: SamplingParams) -> SamplingSpec:
     )
 
 
+def end_token_ids(config: EngineConfig, tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that end a sequence: the tokenizer's, else the model config's."""
+    return frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
+
+
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
         tokenizer: Tokenizer,
         executor: Executor,
-        grammar_limits: GrammarLimits | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
+        """grammars: a compiler for this tokenizer already converting it (a server starts one
+        while its ranks load); None builds one with the default limits."""
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor
@@ -89,11 +96,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids or config.model.eos_token_ids)
-        self.grammars = GrammarCompiler(
-            tokenizer, self.eos_token_ids, grammar_limits or GrammarLimits()
-        )
-        self.grammars.prepare_in_background()
+        self.eos_token_ids = end_token_ids(config, tokenizer)
+        if grammars is None:
+            grammars = GrammarCompiler(tokenizer, self.eos_token_ids, GrammarLimits())
+            grammars.prepare_in_background()
+        self.grammars = grammars
         self.outputs = OutputBuilder(tokenizer)
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()

@@ -98,7 +98,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     import zmq
 
     from cpud.config import config_from_spec
-    from cpud.engine.llm_engine import LLMEngine
+    from cpud.engine.llm_engine import LLMEngine, end_token_ids
     from cpud.engine.rank_client import RankClient
     from cpud.frontend.app import create_app
     from cpud.frontend.async_engine import AsyncEngine
@@ -108,6 +108,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     from cpud.frontend.stopping import fail
     from cpud.frontend.supervisor_link import SupervisorLink
     from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
+    from cpud.structured.compiler import GrammarCompiler
     from cpud.tokenizer import Tokenizer
 
     serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
@@ -117,6 +118,9 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
         tokenizer = Tokenizer.from_facts(spec.tokenizer)
     else:
         tokenizer = Tokenizer(config.model_dir, spec.chat_template)
+    # llguidance's view of the tokenizer is built while the ranks load, not once they are ready.
+    grammars = GrammarCompiler(tokenizer, end_token_ids(config, tokenizer), serve_args.grammar)
+    grammars.prepare_in_background()
     state = ServerState(
         ServerConfig(
             served_model_names=names,
@@ -181,7 +185,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
             serve_args.step_timeout + 30,
         )
         engine = AsyncEngine(
-            LLMEngine(config, tokenizer, client),
+            LLMEngine(config, tokenizer, client, grammars),
             serve_args.max_waiting,
             rank_pids=[rank.pid for rank in ranks.ranks],
         )
