@@ -104,3 +104,15 @@ def child_pids(server_pid: int, marker: bytes = b"") -> list[int]:
             if parent == server_pid and marker in cmdline:
                 pids.append(int(entry.name))
     return pids
+
+
+def stream_times(base_url: str, max_tokens: int, times: list[float]) -> None:
+    """Streams a completion of max_tokens tokens (ignoring EOS), appending each event's arrival
+    time to `times`: the bystander whose pace the availability tests compare."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())

@@ -13,10 +13,6 @@ import time
 import pytest
 
 from cpud import LLM, SamplingParams
-from cpud.engine.block_manager import BlockManager
-from cpud.engine.detokenizer import IncrementalDetokenizer
-from cpud.engine.scheduler import Scheduler
-from cpud.engine.sequence import Sequence
 from cpud.frontend.compute_activity import ComputeActivity
 
 
@@ -51,36 +47,6 @@ def test_a_short_request_finishes_while_a_long_prompt_is_still_scored(llm):
         len(finals["long"].prompt_logprobs) == 900
         and len(finals["short"].outputs[0].token_ids) == 2
     )
-
-
-class NullDecoder:
-    def decode(self, token_ids, skip_special_tokens=True):
-        return ""
-
-
-def make_seq(seq_id: int, length: int) -> Sequence:
-    prompt = list(range(10, 10 + length))
-    detokenizer = IncrementalDetokenizer(NullDecoder())
-    return Sequence(seq_id, str(seq_id), 0, prompt, SamplingParams(), detokenizer, None)
-
-
-def run_step(scheduler: Scheduler) -> list[tuple[int, int]]:
-    out = scheduler.schedule()
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_tokens
-        if item.seq.num_uncomputed == 0:
-            item.seq.token_ids.append(1)
-    return [(item.seq.seq_id, item.num_tokens) for item in out.scheduled]
-
-
-def test_running_prefill_leaves_room_for_waiting_requests():
-    scheduler = Scheduler(BlockManager(100, 16, False), max_num_seqs=8, max_batched_tokens=64)
-    scheduler.add(make_seq(0, 600))
-    assert run_step(scheduler) == [(0, 64)]  # alone: the whole budget
-    scheduler.add(make_seq(1, 10))
-    assert run_step(scheduler) == [(0, 48), (1, 10)]  # a quarter left to admit seq 1
-    # seq 1 decodes first; nothing waits, so seq 0 takes the rest of the budget again
-    assert run_step(scheduler) == [(1, 1), (0, 63)]
 
 
 def spin(stop: threading.Event) -> None:

@@ -119,3 +119,13 @@ def test_free_blocks_restored_after_every_request_and_abort(model_factory):
     engine.abort("x")
     assert engine.blocks.num_free == 40 and not engine.has_unfinished()
     assert not engine.scheduler.has_work()
+
+
+def test_running_prefill_leaves_room_for_waiting_requests():
+    scheduler = Scheduler(BlockManager(100, 16, False), max_num_seqs=8, max_batched_tokens=64)
+    scheduler.add(make_seq(0, 600))
+    assert run_step(scheduler) == [(0, 64)]  # alone: the whole budget
+    scheduler.add(make_seq(1, 10))
+    assert run_step(scheduler) == [(0, 48), (1, 10)]  # a quarter left to admit seq 1
+    # seq 1 decodes first; nothing waits, so seq 0 takes the rest of the budget again
+    assert run_step(scheduler) == [(1, 1), (0, 63)]

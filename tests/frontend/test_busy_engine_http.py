@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cpud_server_helpers import metric, start_server
+from cpud_server_helpers import metric, start_server, stream_times
 
 PROMPT_LOGPROBS_LEN = 1000
 
@@ -27,16 +27,6 @@ def server(model_factory, tmp_path_factory):
     )
     yield srv
     srv.stop()
-
-
-def stream_times(base_url: str, max_tokens: int, times: list[float]) -> None:
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "stream": True}
-    body["ignore_eos"] = True
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                times.append(time.monotonic())
 
 
 def median_gap(times: list[float]) -> float:

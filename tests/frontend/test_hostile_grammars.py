@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from cpud_server_helpers import start_server
+from cpud_server_helpers import start_server, stream_times
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +55,6 @@ def test_input_caused_grammar_failures_are_400s_at_admission(server):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and words in error["message"], error
-
-
-def stream_times(base_url: str, max_tokens: int, times: list[float]) -> None:
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "stream": True}
-    body["ignore_eos"] = True
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                times.append(time.monotonic())
 
 
 def gaps(times: list[float]) -> list[float]:
