@@ -6,7 +6,9 @@ shard (same checkpoint files, dtype, TP degree and rank, same packed layout) map
 instead: its pages come from the page cache without a copy, so start-up skips both the read
 and the first touch of ~weights-sized fresh memory, which is most of the load time. The
 mapping uses 2 MiB pages where the page cache holds 2 MiB folios (huge_file_map), so the
-weights stream from it as fast as from anonymous huge pages.
+weights stream from it as fast as from anonymous huge pages. The tensors sit one after another
+(64-byte aligned, as in a HugeArena) in a file of whole 2 MiB pages written a page at a time, so
+the page cache holds it in 2 MiB folios right after the first start has written it.
 
 Every tensor carries a CRC-32 (cpud.ranks.checksum) in the index, checked when the file is
 mapped: a cache that is missing, stale or damaged is rebuilt, with one log line naming the file
@@ -30,7 +32,7 @@ import torch
 
 from cpud.errors import ConfigError
 from cpud.ranks.checksum import checksums
-from cpud.ranks.huge_file_map import map_file_readonly
+from cpud.ranks.huge_file_map import HUGE, map_file_readonly, write_whole_pages
 from cpud.user_files import open_regular, read_text
 
 log = logging.getLogger("cpud.ranks")
@@ -38,8 +40,9 @@ log = logging.getLogger("cpud.ranks")
 # Bump when the packed layout or this file format changes: older files are then never read.
 # 2: entries carry a dtype (uint8 for quantized parts); the identity names the quantization.
 # 3: entries carry the CRC-32 of their bytes (cpud.ranks.checksum).
-FORMAT = 3
-ALIGN = 2 << 20  # each tensor starts on a 2 MiB boundary of the file
+# 4: tensors packed 64-byte aligned (not one 2 MiB page each), the file whole 2 MiB pages.
+FORMAT = 4
+ALIGN = 64  # each tensor starts on a cache line of the file, as in a HugeArena
 MAX_INDEX_BYTES = 64 << 20  # an index names a few hundred tensors: ~100 KB
 
 
@@ -161,37 +164,32 @@ class WeightCache:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._prune()
-            entries, offset = [], 0
             data = {
                 name: t.contiguous().view(torch.uint8).numpy().data.cast("B")
                 for name, t in tensors.items()
             }
+            offsets, total = _layout({name: view.nbytes for name, view in data.items()})
             sums = dict(zip(data, checksums(list(data.values()))))
+            entries = [
+                {
+                    "name": name,
+                    "offset": offsets[name],
+                    "shape": list(tensor.shape),
+                    "dtype": str(tensor.dtype),
+                    "crc32": sums[name],
+                }
+                for name, tensor in tensors.items()
+            ]
             fd, tmp = tempfile.mkstemp(prefix=f".{self.key}-", dir=self.root)
             with os.fdopen(fd, "wb") as f:
-                for name, tensor in tensors.items():
-                    offset = -(-offset // ALIGN) * ALIGN
-                    f.seek(offset)
-                    f.write(data[name])
-                    entries.append(
-                        {
-                            "name": name,
-                            "offset": offset,
-                            "shape": list(tensor.shape),
-                            "dtype": str(tensor.dtype),
-                            "crc32": sums[name],
-                        }
-                    )
-                    offset += data[name].nbytes
-                f.truncate(offset)
-                f.flush()
+                write_whole_pages(f.fileno(), ((offsets[n], v) for n, v in data.items()), total)
                 os.fsync(f.fileno())
             os.replace(tmp, self.data_path)
             tmp = None
-            index = {"tensors": entries, "bytes": offset, "shard": self.identity.__dict__}
+            index = {"tensors": entries, "bytes": total, "shard": self.identity.__dict__}
             _write_atomic(self.index_path, json.dumps(index))
             _sync_directory(self.root)
-            log.info("weight cache: wrote %s (%.2f GiB)", self.data_path, offset / (1 << 30))
+            log.info("weight cache: wrote %s (%.2f GiB)", self.data_path, total / (1 << 30))
         except OSError as exc:
             log.warning(
                 "weight cache: cannot write %s (%s); the next start packs the weights again "
@@ -218,6 +216,16 @@ class WeightCache:
 
 
 _DTYPES = {str(t): t for t in (torch.bfloat16, torch.uint8)}
+
+
+def _layout(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Each tensor's offset (in order, ALIGN-aligned) and the file's size (whole 2 MiB pages:
+    the last one, too, can then be cached in a 2 MiB folio)."""
+    offsets, end = {}, 0
+    for name, nbytes in sizes.items():
+        offsets[name] = -(-end // ALIGN) * ALIGN
+        end = offsets[name] + nbytes
+    return offsets, -(-end // HUGE) * HUGE
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ pages, not copied) on later ones, rebuilt when stale or damaged, harmless when u
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -10,11 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_huge_file_map import huge_share_when_read
 
 from cpud import LLM, SamplingParams, native
 from cpud.config import EngineArgs, resolve_config
 from cpud.errors import ConfigError
+from cpud.ranks.huge_file_map import HUGE
 from cpud.ranks.layers.linear import PackableLinear
+from cpud.ranks.weight_cache import ShardIdentity, WeightCache
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
@@ -200,3 +204,24 @@ def test_mapped_weights_are_the_page_cache_not_a_copy(model_copy, tmp_path):
         else:
             pytest.fail("packed weights are not in any mapping")
     assert qkv.dtype == torch.bfloat16
+
+
+def test_the_file_packs_small_tensors_and_its_first_map_reads_nothing_again(tmp_path, caplog):
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"layers.{i}.qkv": torch.randn(160, 128, generator=g) for i in range(40)}
+    tensors = {name: t.to(torch.bfloat16) for name, t in tensors.items()}  # 40 KiB each
+    tensors["lm_head.qs"] = torch.randint(0, 256, (3 * HUGE + 999,), dtype=torch.uint8)
+    cache = WeightCache(tmp_path, ShardIdentity(str(tmp_path / "none"), "torch.bfloat16", 1, 0, 16))
+    cache.store(tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert cache.data_path.stat().st_size == -(-nbytes // HUGE) * HUGE  # no page per tensor
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    with caplog.at_level(logging.INFO, logger="cpud.ranks"):
+        views = cache.load(shapes, {"lm_head.qs": torch.uint8})
+    assert views is not None and all(torch.equal(views[n], t) for n, t in tensors.items())
+    (line,) = [r.getMessage() for r in caplog.records if "mapped from" in r.getMessage()]
+    del views
+    gc.collect()
+    best = huge_share_when_read(cache.data_path)
+    if best:  # as just written: in 2 MiB folios, none read again
+        assert f"{100 * best:.0f} % on 2 MiB pages" in line and "read again" not in line, line
