@@ -179,5 +179,5 @@ class MultiprocExecutor:
             self.client.shutdown()
         if self.group is not None:
             self.group.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=1000)  # sockets a failed start left open too
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
