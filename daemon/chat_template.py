@@ -172,6 +172,13 @@ def _context(
     }
 
 
+def known_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """OpenAI's `developer` role is `system` to a template that never names it."""
+    if "developer" in template or all(m.get("role") != "developer" for m in messages):
+        return messages
+    return [dict(m, role="system") if m.get("role") == "developer" else m for m in messages]
+
+
 class ChatTemplates:
     """A model's chat templates by name ("default", "tool_use", ...), compiled once each.
 
@@ -253,6 +260,7 @@ class ChatTemplates:
             )
         context = _context(messages, add_generation_prompt, specials, extra)
         name = self._pick(context["tools"])
+        context["messages"] = known_roles(messages, self.templates[name])
         try:
             return self._env.render(lambda: self._compile(name), context, self.budget)
         except TemplateBudgetError as exc:

@@ -257,6 +257,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from cpud.config import EngineArgs, ServeArgs
+    from cpud.cors_policy import CorsPolicy, word_list
     from cpud.log_setup import configure_logging
     from cpud.structured.limits import GrammarLimits
     from cpud.supervisor import serve
@@ -281,6 +282,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             compile_timeout=args.grammar_compile_timeout,
             compile_threads=args.grammar_compile_threads,
             cache_mib=args.grammar_cache_mib,
+        ),
+        cors=CorsPolicy(
+            origins=word_list(args.allowed_origins),
+            methods=word_list(args.allowed_methods) or ("*",),
+            headers=word_list(args.allowed_headers) or ("*",),
         ),
     )
     return serve(engine_args, serve_args)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cpud import envs
+from cpud.cors_policy import CorsPolicy
 from cpud.errors import ConfigError
 from cpud.model.cpu_features import resolve_dtype
 from cpud.model.load import config_from_facts, load_model_config, model_facts
@@ -89,6 +90,7 @@ class ServeArgs:
     enable_prompt_tokens_details: bool = True
     http2: bool = False  # cleartext HTTP/2 (prior knowledge, h2c upgrade) beside HTTP/1.1
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # off unless origins are listed
 
     def __post_init__(self) -> None:
         for name in (

@@ -12,7 +12,7 @@ from cpud.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20
-MAX_N = 16
+MAX_N = 128  # as OpenAI; the request's sequences must also fit the KV cache together
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024

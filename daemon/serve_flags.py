@@ -115,6 +115,26 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="memory the compiled-grammar cache may hold (estimated); bigger grammars are not kept",
     )
     parser.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="browser origins that may call the API (CORS), e.g. http://localhost:3000, or *; "
+        "as words, commas or a JSON list. Default: none, and no preflight is answered",
+    )
+    parser.add_argument(
+        "--allowed-methods",
+        nargs="+",
+        metavar="METHOD",
+        help="methods cross-origin requests may use, with --allowed-origins (default: *)",
+    )
+    parser.add_argument(
+        "--allowed-headers",
+        nargs="+",
+        metavar="HEADER",
+        help="request headers cross-origin requests may send, with --allowed-origins "
+        "(default: *)",
+    )
+    parser.add_argument(
         "--chat-template",
         metavar="FILE_OR_STRING",
         help="chat template (jinja) replacing the model's, or for a model without one: a file, "

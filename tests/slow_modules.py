@@ -10,6 +10,7 @@ TESTS = Path(__file__).resolve().parent
 SLOW_MODULES = frozenset(
     {
         "frontend/test_busy_engine_http.py",
+        "frontend/test_cors_and_n.py",
         "frontend/test_daemon_tp2.py",
         "frontend/test_decoy_folder.py",
         "frontend/test_drain_cut.py",

@@ -13,21 +13,30 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cpud import __version__
+from cpud.cors_policy import CorsPolicy
 from cpud.errors import RequestError, one_line
 from cpud.frontend.access_log import AccessLog, access_note, logs_access
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.jobs import chat_job, completion_job
 from cpud.frontend.lifecycle import Tracked
+from cpud.frontend.null_fields import decode_without_unknown_nulls, unknown_null_field
 from cpud.frontend.openai_api import respond
 from cpud.frontend.openapi import openapi_document
 from cpud.frontend.pacing import BodyPacer
-from cpud.frontend.requests import chat_prompt, check_model, check_text_size
+from cpud.frontend.request_id import RequestIdHeader
+from cpud.frontend.requests import (
+    chat_prompt,
+    check_model,
+    check_text_size,
+    refuse_unsupported,
+)
 from cpud.frontend.responses_api import respond_responses
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
@@ -105,7 +114,7 @@ async def decode(request: Request, state: ServerState, kind: type) -> object:
             "request_timeout",
         ) from None
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = decoded(raw, kind)
     except UnicodeDecodeError:
         raise bad_request("the request body is not valid UTF-8") from None
     except msgspec.ValidationError as exc:
@@ -114,6 +123,17 @@ async def decode(request: Request, state: ServerState, kind: type) -> object:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+    refuse_unsupported(body)
+    return body
+
+
+def decoded(raw: bytearray, kind: type) -> object:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        if unknown_null_field(exc) is None:
+            raise
+    return decode_without_unknown_nulls(raw, kind)
 
 
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
@@ -216,19 +236,27 @@ async def responses(request: Request, state: ServerState) -> Response:
     return await respond_responses(state, request, body)
 
 
+def model_card(state: ServerState, name: str, created: int) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "cpud",
+        "max_model_len": state.config.max_model_len,
+    }
+
+
 async def models(request: Request, state: ServerState) -> Response:
     created = int(time.time())
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "cpud",
-            "max_model_len": state.config.max_model_len,
-        }
-        for name in state.config.served_model_names
-    ]
+    data = [model_card(state, name, created) for name in state.config.served_model_names]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def model(request: Request, state: ServerState) -> Response:
+    """GET /v1/models/{id}: one served model, or OpenAI's 404 for another id."""
+    name = request.path_params["model"]
+    check_model(state, name)
+    return JSONResponse(model_card(state, name, int(time.time())))
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:
@@ -246,7 +274,10 @@ def tokenized(state: ServerState, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         check_text_size(state, len(body.prompt), "prompt")
         return state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return chat_prompt(state, ChatCompletionRequest(messages=body.messages)).token_ids
+    chat = ChatCompletionRequest(
+        messages=body.messages, add_generation_prompt=body.add_generation_prompt
+    )
+    return chat_prompt(state, chat).token_ids
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
@@ -337,12 +368,13 @@ class ApiKeyGate:
         await error.response()(scope, receive, send)
 
 
-def create_app(state: ServerState) -> ASGIApp:
+def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
     routes = [
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
         ("/v1/responses", responses, ["POST"]),
         ("/v1/models", models, ["GET"]),
+        ("/v1/models/{model:path}", model, ["GET"]),
         ("/tokenize", tokenize, ["POST"]),
         ("/detokenize", detokenize, ["POST"]),
         ("/tokenizer_info", tokenizer_info, ["GET"]),
@@ -383,4 +415,14 @@ def create_app(state: ServerState) -> ASGIApp:
             open_paths,
             lambda scope, error: answered(state, scope, "unauthenticated", error),
         )
-    return AccessLog(Tracked(app, state.lifecycle, NEED_ENGINE))
+    app = Tracked(app, state.lifecycle, NEED_ENGINE)
+    if cors is not None and cors.enabled:
+        # Outside the API key gate: a preflight carries no credentials.
+        app = CORSMiddleware(
+            app,
+            allow_origins=list(cors.origins),
+            allow_methods=list(cors.methods),
+            allow_headers=list(cors.headers),
+            expose_headers=["X-Request-Id"],
+        )
+    return AccessLog(RequestIdHeader(app))

@@ -30,7 +30,7 @@ from cpud.frontend.logprobs import (
     legacy_logprobs,
     prompt_logprobs_json,
 )
-from cpud.frontend.requests import Prompt
+from cpud.frontend.requests import Prompt, check_kv_room
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.sampling_params import SamplingParams
@@ -108,7 +108,10 @@ async def start_requests(
 async def validate_all(
     state: ServerState, prompts: list[Prompt], params: SamplingParams
 ) -> list[Admission]:
-    return [await state.engine.validate(p.token_ids, params) for p in prompts]
+    admitted = [await state.engine.validate(p.token_ids, params) for p in prompts]
+    for admission in admitted:
+        check_kv_room(state, admission)
+    return admitted
 
 
 async def observed(

@@ -95,6 +95,22 @@ def _get(summary: str) -> dict:
     }
 
 
+def _model_get() -> dict:
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    return {
+        "get": {
+            "summary": "One served model",
+            "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {
+                "200": {"description": "OK"},
+                "404": {"description": "Not a served model", "content": error},
+            },
+        }
+    }
+
+
 @lru_cache(maxsize=1)
 def openapi_document() -> dict:
     types = (
@@ -119,6 +135,7 @@ def openapi_document() -> dict:
             "/detokenize": _post("DetokenizeRequest", "Token ids to text"),
             "/tokenizer_info": _get("Tokenizer configuration: special tokens, chat template"),
             "/v1/models": _get("Served models"),
+            "/v1/models/{model}": _model_get(),
             "/health": _get("200 when serving, 503 while loading or draining"),
             "/version": _get("cpud version"),
             "/metrics": _get("Prometheus metrics"),

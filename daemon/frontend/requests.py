@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+import msgspec
+
+from cpud.engine.admission import Admission
 from cpud.errors import RequestError
 from cpud.frontend.errors import APIError, bad_request
-from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest, Strict
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_prompt import (
     conversation,
@@ -33,6 +37,44 @@ def check_model(state: ServerState, model: str | None) -> None:
             "invalid_request_error",
             "model",
             "model_not_found",
+        )
+
+
+def refuse_unsupported(body: Strict, where: str = "") -> None:
+    """A 400 naming the first field (of the body or of an object in it) that asks for
+    something cpud does not do: a value its type's `unsupported` table does not accept."""
+    for name, rule in type(body).unsupported.items():
+        value = getattr(body, name)
+        if value is not None and not rule.accepts(value):
+            shown = json.dumps(msgspec.to_builtins(value))
+            if len(shown) > 200:
+                shown = shown[:200] + "..."
+            raise bad_request(
+                f"{where}{name} {shown} is not supported: {rule.hint}",
+                param=f"{where}{name}",
+                code="unsupported_parameter",
+            )
+    for name in body.__struct_fields__:
+        value = getattr(body, name)
+        if isinstance(value, Strict):
+            refuse_unsupported(value, f"{where}{name}.")
+
+
+def check_kv_room(state: ServerState, admission: Admission) -> None:
+    """The n sequences of one request must fit in the KV cache together: more is a 400 that
+    says what to lower, never a request that waits on itself."""
+    n = admission.params.n
+    if n == 1:
+        return
+    config = state.engine.engine.config
+    tokens = len(admission.prompt_token_ids) + admission.max_tokens
+    blocks = n * -(-tokens // config.block_size)
+    if blocks > config.num_kv_blocks:
+        raise RequestError(
+            f"n={n} sequences of up to {tokens} tokens (prompt and max_tokens) need {blocks} KV "
+            f"blocks together but the whole cache has {config.num_kv_blocks}: lower n or "
+            "max_tokens (or raise --kv-cache-space)",
+            param="n",
         )
 
 

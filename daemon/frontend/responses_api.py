@@ -25,6 +25,7 @@ from cpud.frontend.openai_api import (
     engine_error,
     start_requests,
 )
+from cpud.frontend.responses_logprobs import chat_fields, token_logprobs, wanted, with_logprobs
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -49,7 +50,7 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 
 
 def _check_keys(item: dict, allowed: frozenset[str], where: str) -> None:
-    extra = sorted(set(item) - allowed)
+    extra = sorted(k for k, v in item.items() if k not in allowed and v is not None)
     if extra:
         raise bad_request(f"{where}.{extra[0]} is not supported by cpud", f"{where}.{extra[0]}")
 
@@ -74,7 +75,7 @@ def _message_text(item: dict, where: str) -> str:
             raise bad_request(f"{at}: only input_text and output_text parts are supported", at)
         _check_keys(part, PART_KEYS, at)
         texts.append(_text(part, "text", at))
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins text parts
 
 
 def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
@@ -153,7 +154,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                 name=fmt.name, schema=fmt.schema, strict=fmt.strict, description=fmt.description
             )
         response_format = ResponseFormat(type=fmt.type, json_schema=schema)
-    extra = {}
+    extra = chat_fields(body)
     if body.temperature is not None:
         extra["temperature"] = body.temperature
     if body.top_p is not None:
@@ -218,7 +219,7 @@ class Answer:
             "top_p": body.top_p if body.top_p is not None else 1.0,
             "truncation": "disabled",
             "usage": None if status == "in_progress" else self.usage(),
-            "metadata": {},
+            "metadata": body.metadata or {},
         }
 
     def usage(self) -> dict:
@@ -313,6 +314,9 @@ async def respond_responses(
             answer.output.append(message_item(parsed.content))
         for call in parsed.calls:
             answer.output.append(call_item(new_call_id(), call.name, call.arguments))
+    elif wanted(body):
+        logprobs = token_logprobs(out, 0, job.top_logprobs)
+        answer.output.append(with_logprobs(message_item(out.text), logprobs))
     else:
         answer.output.append(message_item(out.text))
     return JSONResponse(answer.snapshot(_status(out)))
@@ -329,6 +333,8 @@ class EventStream:
     text: str = ""
     calls: dict[int, dict] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)  # output index by item id
+    logprobs: list[dict] = field(default_factory=list)  # of the text sent (when included)
+    tokens: int = 0  # output tokens whose logprobs went out
 
     def event(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
@@ -356,13 +362,15 @@ class EventStream:
                     content, deltas = out.text[sent:], []
                     sent = len(out.text)
                 if content:
-                    for chunk in self.text_delta(content):
+                    for chunk in self.text_delta(content, self.new_logprobs(out)):
                         yield chunk
                 for delta in deltas:
                     for chunk in self.call_delta(delta):
                         yield chunk
             if final is None or out is None:
                 raise RuntimeError("the engine ended the request without an output")
+            if self.message is not None:  # tokens with no text of their own (the end token)
+                self.logprobs += self.new_logprobs(out)
             for chunk in self.close_items():
                 yield chunk
             answer.measure(final, out)
@@ -378,7 +386,13 @@ class EventStream:
             message = f"internal error ({type(exc).__name__}); the server logged it"
             yield self.event("error", code="internal_error", message=message, param=None)
 
-    def text_delta(self, content: str) -> list[str]:
+    def new_logprobs(self, out: CompletionOutput) -> list[dict]:
+        if not wanted(self.answer.body):
+            return []
+        start, self.tokens = self.tokens, len(out.token_ids)
+        return token_logprobs(out, start, self.answer.job.top_logprobs)
+
+    def text_delta(self, content: str, logprobs: list[dict]) -> list[str]:
         chunks = []
         index = len(self.answer.output)
         if self.message is None:
@@ -399,6 +413,7 @@ class EventStream:
                 )
             )
         self.text += content
+        self.logprobs += logprobs
         chunks.append(
             self.event(
                 "response.output_text.delta",
@@ -406,7 +421,7 @@ class EventStream:
                 output_index=self.positions[self.message["id"]],
                 content_index=0,
                 delta=content,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
         return chunks
@@ -441,11 +456,13 @@ class EventStream:
             return []
         index = self.answer.output.index(message)
         part = {"type": "output_text", "text": self.text, "annotations": []}
+        if wanted(self.answer.body):
+            part["logprobs"] = self.logprobs
         message["content"] = [part]
         message["status"] = "completed"
         ids = {"item_id": message["id"], "output_index": index, "content_index": 0}
         return [
-            self.event("response.output_text.done", **ids, text=self.text, logprobs=[]),
+            self.event("response.output_text.done", **ids, text=self.text, logprobs=self.logprobs),
             self.event("response.content_part.done", **ids, part=part),
             self.event("response.output_item.done", output_index=index, item=message),
         ]

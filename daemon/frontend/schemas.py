@@ -1,9 +1,17 @@
 """OpenAI-compatible request bodies as msgspec Structs: decoding validates types, and
-/openapi.json is generated from these same definitions."""
+/openapi.json is generated from these same definitions.
+
+A JSON null is the field left out, in every request type: SDKs send null for every argument
+their user passed as None. Fields cpud does not implement are declared so that null, or the
+value that asks for what cpud does anyway, is accepted; any other value is a 400 naming it
+(the `unsupported` table of each type)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -49,19 +57,57 @@ CacheSalt = Annotated[
 ]
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A field cpud accepts only with values that change nothing: `accepts(value)` says
+    which, `hint` tells the client what to send instead."""
+
+    accepts: Callable[[Any], bool]
+    hint: str
+
+
+def only(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value in values
+
+
+NOT_SUPPORTED = Unsupported(only(), "cpud does not implement it; leave it out or send null")
+
+
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A field cpud does not implement is a 400 naming it, never silently dropped."""
+    """A field cpud does not know is a 400 naming it, never silently dropped. A null field
+    takes its default (`null_kept` lists the fields where null has a meaning of its own)."""
+
+    unsupported: ClassVar[Mapping[str, Unsupported]] = {}
+    null_kept: ClassVar[frozenset[str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name, default in _null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+@cache
+def _null_defaults(cls: type[Strict]) -> tuple[tuple[str, Any], ...]:
+    """(field, default) of the fields whose default is not None: a null sent for one of them
+    is replaced by the default."""
+    return tuple(
+        (f.name, f.default)
+        for f in msgspec.structs.fields(cls)
+        if f.default is not None
+        and f.default is not msgspec.NODEFAULT
+        and f.name not in cls.null_kept
+    )
 
 
 class StreamOptions(Strict, kw_only=True):
-    include_usage: bool = False
-    continuous_usage_stats: Annotated[
-        bool, Meta(description="vLLM: usage on every chunk (with include_usage)")
-    ] = False
+    include_usage: bool | None = False
+    continuous_usage_stats: (
+        Annotated[bool, Meta(description="vLLM: usage on every chunk (with include_usage)")] | None
+    ) = False
 
 
 class JsonSchemaFormat(Strict, kw_only=True):
-    name: Name = "response"
+    name: Name | None = "response"
     schema: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
@@ -85,7 +131,7 @@ class SamplingFields(Strict, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model: Name | None = None
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=-1, le=MAX_COUNT)] | None = None
@@ -96,12 +142,12 @@ class SamplingFields(Strict, kw_only=True):
     seed: Annotated[int, Meta(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: Stop = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0, le=MAX_COUNT)] = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    ignore_eos: bool | None = False
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_COUNT)] | None = 0
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
     prompt_logprobs: (
         Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="top alternatives per prompt token")]
         | None
@@ -127,10 +173,18 @@ class SamplingFields(Strict, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
+    # As vLLM: max_tokens null generates up to the context, left out it is 16.
+    null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
+
     prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(max_length=MAX_TOKEN_LIST)]
-    max_tokens: Annotated[int, Meta(ge=0, le=MAX_COUNT, description="0 only with echo")] | None = 16
+    max_tokens: (
+        Annotated[
+            int, Meta(ge=0, le=MAX_COUNT, description="0 only with echo; null: up to the context")
+        ]
+        | None
+    ) = 16
     logprobs: Logprobs | None = None
-    echo: bool = False
+    echo: bool | None = False
 
 
 class TextPart(Strict, kw_only=True):
@@ -146,7 +200,7 @@ class FunctionCall(Strict, kw_only=True):
 class ToolCall(Strict, kw_only=True):
     id: Name
     function: FunctionCall
-    type: Literal["function"] = "function"
+    type: Literal["function"] | None = "function"
 
 
 class ChatMessage(Strict, kw_only=True):
@@ -181,25 +235,57 @@ class NamedToolChoice(Strict, kw_only=True):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+ONE_TIER = Unsupported(only("auto", "default"), "cpud has one service tier: send auto or null")
+TEXT_ONLY = Unsupported(only(["text"]), 'cpud answers in text only: send ["text"] or null')
+Metadata = Annotated[dict[str, Any], Meta(description="accepted and ignored")]
+Ignored = Annotated[str, Meta(max_length=MAX_NAME_CHARS, description="accepted and ignored")]
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
+    unsupported: ClassVar[Mapping[str, Unsupported]] = {
+        "service_tier": ONE_TIER,
+        "modalities": TEXT_ONLY,
+        "audio": NOT_SUPPORTED,
+        "prediction": NOT_SUPPORTED,
+        "reasoning_effort": NOT_SUPPORTED,
+        "web_search_options": NOT_SUPPORTED,
+    }
+
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Logprobs | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     store: Annotated[bool, Meta(description="false only: cpud stores nothing")] | None = None
+    metadata: Metadata | None = None
+    prompt_cache_key: Ignored | None = None
+    safety_identifier: Ignored | None = None
+    service_tier: Annotated[str, Meta(description="auto or default only")] | None = None
+    modalities: Annotated[list[Name], Meta(description='["text"] only')] | None = None
+    audio: Annotated[dict[str, Any], Meta(description="not supported: null only")] | None = None
+    prediction: Annotated[dict[str, Any], Meta(description="not supported: null only")] | None = (
+        None
+    )
+    reasoning_effort: Annotated[str, Meta(description="not supported: null only")] | None = None
+    web_search_options: (
+        Annotated[dict[str, Any], Meta(description="not supported: null only")] | None
+    ) = None
 
 
 class TokenizeRequest(Strict, kw_only=True):
     model: Name | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = True
+    add_generation_prompt: (
+        Annotated[bool, Meta(description="messages only: end with the assistant's turn opening")]
+        | None
+    ) = True
 
 
 class DetokenizeRequest(Strict, kw_only=True):
@@ -222,7 +308,7 @@ class ResponsesToolChoice(Strict, kw_only=True):
 
 class TextFormat(Strict, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
-    name: Name = "response"
+    name: Name | None = "response"
     schema: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
@@ -232,30 +318,97 @@ class TextConfig(Strict, kw_only=True):
     format: TextFormat | None = None
 
 
+class ResponsesReasoning(Strict, kw_only=True):
+    """cpud's output has no separate reasoning: every field null only."""
+
+    unsupported: ClassVar[Mapping[str, Unsupported]] = {
+        "effort": NOT_SUPPORTED,
+        "summary": NOT_SUPPORTED,
+        "generate_summary": NOT_SUPPORTED,
+    }
+
+    effort: Name | None = None
+    summary: Name | None = None
+    generate_summary: Name | None = None
+
+
+# include values cpud honours: the output text's logprobs, and encrypted reasoning, which
+# adds nothing (cpud's output has no separate reasoning).
+INCLUDES = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
+
+
 class ResponsesRequest(Strict, kw_only=True):
     """/v1/responses, stateless: input items are message, function_call and
     function_call_output objects."""
+
+    unsupported: ClassVar[Mapping[str, Unsupported]] = {
+        "include": Unsupported(
+            lambda values: set(values) <= INCLUDES,
+            "cpud can include message.output_text.logprobs and reasoning.encrypted_content "
+            "(there is none: it adds nothing); leave the others out",
+        ),
+        "truncation": Unsupported(
+            only("disabled"),
+            "cpud never drops input items (an input too long for the context is a 400): send "
+            '"disabled" or null',
+        ),
+        "service_tier": ONE_TIER,
+        "background": Unsupported(only(False), "cpud answers in the foreground: send false"),
+        "max_tool_calls": NOT_SUPPORTED,
+        "prompt": NOT_SUPPORTED,
+        "conversation": NOT_SUPPORTED,
+    }
 
     model: Name | None = None
     input: str | Annotated[list[dict[str, Any]], Meta(min_length=1)]
     instructions: str | None = None
     tools: Annotated[list[ResponsesTool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     text: TextConfig | None = None
     max_output_tokens: Count | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    stream: bool = False
+    stream: bool | None = False
     store: Annotated[bool, Meta(description="false only: cpud stores nothing")] | None = None
     previous_response_id: Annotated[str, Meta(description="not supported (stateless)")] | None = (
         None
     )
     user: Name | None = None
     include: (
-        Annotated[list[Name], Meta(max_length=0, description="no extra output data: empty")] | None
+        Annotated[
+            list[Name],
+            Meta(
+                max_length=64,
+                description="message.output_text.logprobs, reasoning.encrypted_content",
+            ),
+        ]
+        | None
     ) = None
     cache_salt: CacheSalt | None = None
+    metadata: Metadata | None = None
+    prompt_cache_key: Ignored | None = None
+    safety_identifier: Ignored | None = None
+    reasoning: ResponsesReasoning | None = None
+    truncation: Annotated[str, Meta(description="disabled only")] | None = None
+    service_tier: Annotated[str, Meta(description="auto or default only")] | None = None
+    background: Annotated[bool, Meta(description="false only")] | None = None
+    top_logprobs: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=MAX_LOGPROBS,
+                description="alternatives per token, with include message.output_text.logprobs",
+            ),
+        ]
+        | None
+    ) = None
+    max_tool_calls: Annotated[int, Meta(description="not supported: null only")] | None = None
+    prompt: Annotated[dict[str, Any], Meta(description="not supported: null only")] | None = None
+    conversation: (
+        Annotated[str | dict[str, Any], Meta(description="not supported: null only")] | None
+    ) = None
 
 
 REQUEST_TYPES = {

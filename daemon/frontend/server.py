@@ -157,7 +157,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     engine: AsyncEngine | None = None
     beats = asyncio.ensure_future(heartbeat())
     server = asyncio.ensure_future(
-        serve_http(create_app(state), hypercorn_config(serve_args), stop.wait)
+        serve_http(create_app(state, serve_args.cors), hypercorn_config(serve_args), stop.wait)
     )
     try:
         while (ranks := link.ranks_ready()) is None:

@@ -124,7 +124,7 @@ def _content(message: ChatMessage, index: int) -> str | None:
                     "messages",
                 )
             texts.append(part.text)
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins text parts
     return content
 
 

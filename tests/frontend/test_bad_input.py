@@ -41,7 +41,7 @@ CASES = [
         "context_length_exceeded",
     ),
     ("max_tokens zero", "/v1/completions", {**OK_PROMPT, "max_tokens": 0}, 400, "max_tokens", None),
-    ("n over cap", "/v1/completions", {**OK_PROMPT, "n": 17}, 400, "n", None),
+    ("n over cap", "/v1/completions", {**OK_PROMPT, "n": 129}, 400, "n", None),
     ("logprobs over cap", "/v1/completions", {**OK_PROMPT, "logprobs": 21}, 400, "logprobs", None),
     (
         "too many stops",
