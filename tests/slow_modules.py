@@ -9,6 +9,7 @@ TESTS = Path(__file__).resolve().parent
 # transformers: most of the suite's wall time. `pytest -m "not slow"` leaves them out.
 SLOW_MODULES = frozenset(
     {
+        "frontend/test_anthropic_api.py",
         "frontend/test_busy_engine_http.py",
         "frontend/test_cors_and_n.py",
         "frontend/test_daemon_tp2.py",

@@ -23,6 +23,9 @@ from cpud import __version__
 from cpud.cors_policy import CorsPolicy
 from cpud.errors import RequestError, one_line
 from cpud.frontend.access_log import AccessLog, access_note, logs_access
+from cpud.frontend.anthropic_answer import error_response
+from cpud.frontend.anthropic_api import counted_tokens, respond_messages
+from cpud.frontend.anthropic_schemas import CountTokensRequest, MessagesRequest
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.jobs import chat_job, completion_job
 from cpud.frontend.lifecycle import Tracked
@@ -58,6 +61,8 @@ NEED_ENGINE = frozenset(
         "/tokenize",
         "/detokenize",
         "/tokenizer_info",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
 )
 
@@ -213,7 +218,7 @@ def guarded(
         if error.code == Phase.DRAINING.value:
             state.lifecycle.refused += 1
         answered(state, request.scope, endpoint, error, detail)
-        return error.response()
+        return error_response(endpoint, error)
 
     return run
 
@@ -234,6 +239,18 @@ async def responses(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, ResponsesRequest)
     check_model(state, body.model)
     return await respond_responses(state, request, body)
+
+
+async def messages(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, MessagesRequest)
+    check_model(state, body.model)
+    return await respond_messages(state, request, body)
+
+
+async def count_tokens(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, CountTokensRequest)
+    check_model(state, body.model)
+    return JSONResponse(await state.off_loop(counted_tokens, state, body))
 
 
 def model_card(state: ServerState, name: str, created: int) -> dict:
@@ -332,8 +349,9 @@ async def openapi(request: Request, state: ServerState) -> Response:
 
 
 class ApiKeyGate:
-    """Deny by default: every path but the open ones needs `Authorization: Bearer <key>`.
-    The decision uses the raw request path, so encoded or dotted variants cannot slip by."""
+    """Deny by default: every path but the open ones needs the key, as `Authorization: Bearer
+    <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's). The decision uses the raw
+    request path, so encoded or dotted variants cannot slip by."""
 
     def __init__(
         self,
@@ -353,19 +371,23 @@ class ApiKeyGate:
         raw = scope.get("raw_path") or scope["path"].encode()
         if raw.decode("latin-1") in self.open_paths and raw.decode("latin-1") == scope["path"]:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        header = headers.get(b"authorization", b"")
         token = header[7:] if header[:7].lower() == b"bearer " else b""
-        if hmac.compare_digest(token, self.key):
+        # Both compared in full, whichever matches: the time taken tells nothing of the key.
+        by_bearer = hmac.compare_digest(token, self.key)
+        by_header = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        if by_bearer | by_header:
             return await self.app(scope, receive, send)
         error = APIError(
             401,
-            "a valid API key is required: send Authorization: Bearer <key>",
+            "a valid API key is required: send Authorization: Bearer <key> or x-api-key: <key>",
             "authentication_error",
             None,
             "invalid_api_key",
         )
         self.on_denied(scope, error)
-        await error.response()(scope, receive, send)
+        await error_response(scope["path"], error)(scope, receive, send)
 
 
 def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
@@ -373,6 +395,8 @@ def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
         ("/v1/responses", responses, ["POST"]),
+        ("/v1/messages", messages, ["POST"]),
+        ("/v1/messages/count_tokens", count_tokens, ["POST"]),
         ("/v1/models", models, ["GET"]),
         ("/v1/models/{model:path}", model, ["GET"]),
         ("/tokenize", tokenize, ["POST"]),
@@ -389,7 +413,7 @@ def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
         # Unknown paths share one label: a client must not grow the metric series.
         path = request.url.path if request.url.path in known else "unrouted"
         answered(state, request.scope, path, error)
-        return error.response()
+        return error_response(request.url.path, error)
 
     app: ASGIApp = Starlette(
         routes=[Route(path, guarded(state, path, fn), methods=m) for path, fn, m in routes],

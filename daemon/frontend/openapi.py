@@ -7,6 +7,7 @@ from functools import lru_cache
 import msgspec
 
 from cpud import __version__
+from cpud.frontend.anthropic_schemas import CountTokensRequest, MessagesRequest
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,9 +32,21 @@ ERROR_SCHEMA = {
     },
     "required": ["error"],
 }
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "required": ["type", "message"],
+        },
+    },
+    "required": ["type", "error"],
+}
 
 
-def _post(schema_name: str, summary: str) -> dict:
+def _post(schema_name: str, summary: str, error: str = "Error") -> dict:
     return {
         "post": {
             "summary": summary,
@@ -54,31 +67,31 @@ def _post(schema_name: str, summary: str) -> dict:
                 "400": {
                     "description": "Bad request",
                     "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}
                     },
                 },
                 "404": {
                     "description": "Unknown model",
                     "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}
                     },
                 },
                 "413": {
                     "description": "Body too large",
                     "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}
                     },
                 },
                 "429": {
                     "description": "Queue full",
                     "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}
                     },
                 },
                 "503": {
                     "description": "Loading or draining",
                     "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}
                     },
                 },
             },
@@ -119,11 +132,14 @@ def openapi_document() -> dict:
         ResponsesRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        MessagesRequest,
+        CountTokensRequest,
     )
     (_, components) = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
     components["Error"] = ERROR_SCHEMA
+    components["AnthropicError"] = ANTHROPIC_ERROR_SCHEMA
     return {
         "openapi": "3.1.0",
         "info": {"title": "cpud", "version": __version__},
@@ -131,6 +147,10 @@ def openapi_document() -> dict:
             "/v1/completions": _post("CompletionRequest", "Text completion"),
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion"),
             "/v1/responses": _post("ResponsesRequest", "Response (stateless)"),
+            "/v1/messages": _post("MessagesRequest", "Anthropic Messages", "AnthropicError"),
+            "/v1/messages/count_tokens": _post(
+                "CountTokensRequest", "Anthropic Messages: the prompt's tokens", "AnthropicError"
+            ),
             "/tokenize": _post("TokenizeRequest", "Prompt or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Token ids to text"),
             "/tokenizer_info": _get("Tokenizer configuration: special tokens, chat template"),
