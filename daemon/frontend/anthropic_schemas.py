@@ -134,6 +134,7 @@ class MessagesFields(Strict, kw_only=True):
     system: str | list[TextBlock] | None = None
     tools: Annotated[list[AnthropicTool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    cache_control: CacheControl | None = None
     thinking: (
         Annotated[dict[str, Any], Meta(description='{"type": "disabled"} only: no thinking')] | None
     ) = None

@@ -256,7 +256,13 @@ NULLS = {
 def test_null_fields_are_absent_ones(smol):
     answer = post(smol, max_tokens=2, **NULLS)
     assert answer.status_code == 200, answer.text
-    disabled = post(smol, max_tokens=2, thinking={"type": "disabled"}, service_tier="auto")
+    disabled = post(
+        smol,
+        max_tokens=2,
+        thinking={"type": "disabled"},
+        service_tier="auto",
+        cache_control={"type": "ephemeral"},
+    )
     assert disabled.status_code == 200, disabled.text
 
 
