@@ -13,7 +13,8 @@ from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, samp
 from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import detect_parser
-from cpud.frontend.tool_prompt import call_grammar, chosen_tools, tool_dicts
+from cpud.frontend.tool_grammar import call_grammar
+from cpud.frontend.tool_prompt import chosen_tools, tool_dicts
 from cpud.sampling_params import SamplingParams
 from cpud.structured.spec import StructuredSpec
 
@@ -57,34 +58,38 @@ def usage_flags(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, 
 class ToolPlan:
     tools: list[dict]  # rendered into the prompt
     parser: str | None  # None: the output is not read for calls
-    spec: StructuredSpec | None  # the grammar when a call is required
+    spec: StructuredSpec | None  # the request's output constraint, tool calls included
 
 
 def tool_plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
-    """What tools and tool_choice ask for: OpenAI's defaults (auto with tools, none without)."""
+    """What tools and tool_choice ask for (OpenAI's defaults: auto with tools, none without),
+    with the request's other constraint. A forced call takes the call grammar: the answer
+    that other constraint shapes comes after the tool results, when no call is forced. With
+    tool_choice auto the output is either calls or that answer."""
+    constraint = output_spec(body)
     if not body.tools:
         if body.tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
-        return ToolPlan([], None, None)
+        return ToolPlan([], None, constraint)
     tools = tool_dicts(body.tools)
     if body.tool_choice == "none":
-        return ToolPlan(tools, None, None)
+        return ToolPlan(tools, None, constraint)
     template = state.tokenizer.chat_templates.tool_template()
     parser = state.config.tool_call_parser or detect_parser(template)
     callable_tools, required = chosen_tools(tools, body.tool_choice)
     # A named function is called once, as OpenAI does; "required" may call several.
     parallel = body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice)
-    spec = call_grammar(callable_tools, parser, parallel) if required else None
+    if required:
+        spec = call_grammar(callable_tools, parser, parallel)
+    elif constraint is not None:
+        spec = call_grammar(callable_tools, parser, parallel, answer=constraint)
+    else:
+        spec = None
     return ToolPlan(tools, parser, spec)
 
 
-def output_spec(
-    body: CompletionRequest | ChatCompletionRequest, extra: StructuredSpec | None = None
-) -> StructuredSpec | None:
-    specs = requested_specs(body)
-    if extra is not None:
-        specs.append(extra)
-    return single_spec(specs)
+def output_spec(body: CompletionRequest | ChatCompletionRequest) -> StructuredSpec | None:
+    return single_spec(requested_specs(body))
 
 
 def completion_job(state: ServerState, body: CompletionRequest) -> Job:
@@ -136,7 +141,7 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         max_tokens,
         logprobs,
         body.prompt_logprobs,
-        output_spec(body, plan.spec),
+        plan.spec,
         skip_special_tokens=keep_specials,
     )
     include_usage, continuous = usage_flags(body)

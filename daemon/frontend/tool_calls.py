@@ -60,9 +60,23 @@ def _complete_call(body: str) -> ParsedCall | None:
     return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse(text: str, parser: str, parallel: bool = True) -> Parsed:
+def _cut_call(body: CallBody, text: str) -> ParsedCall | None:
+    """A call that max_tokens cut, as its stream sends it: the arguments as far as they
+    came (not yet JSON), once its name is known."""
+    if body.name is None or body.args_first:
+        return None
+    if body.args_begin is None:
+        return ParsedCall(body.name, "")
+    end = body.pos if body.args_end is None else body.args_end
+    return ParsedCall(body.name, text[body.args_begin : end])
+
+
+def parse(text: str, parser: str, parallel: bool = True, cut: bool = False) -> Parsed:
     """The calls in a finished output (the first only unless parallel), and the text before
-    them as content (None if empty). An output whose calls do not parse is all content."""
+    them as content (None if empty). An output whose calls do not parse is all content,
+    unless max_tokens cut it (`cut`) inside its first call: then that call comes as far as
+    it came and the call markup never shows in the content. A call cut after whole ones is
+    left out (a client would run its broken arguments)."""
     scanner = CallScanner(parser)
     start = scanner.find_start(text)
     if start is None:
@@ -70,7 +84,12 @@ def parse(text: str, parser: str, parallel: bool = True) -> Parsed:
     scanner.read(text, True)
     calls = [_complete_call(text[b.open_at : b.end]) for b in scanner.bodies if b.complete]
     valid = [c for c in calls if c is not None]
-    if not valid:
+    if cut and not valid and scanner.bodies and not scanner.bodies[-1].complete:
+        partial = _cut_call(scanner.bodies[-1], text)
+        valid = [partial] if partial is not None else []
+    # A cut call shows no markup, unless what began was a bare object (llama3_json), which
+    # may be an answer as well as a call.
+    if not valid and not (cut and text.startswith(scanner.marker, start)):
         return Parsed(text or None, [])
     return Parsed(text[:start].strip() or None, valid if parallel else valid[:1])
 

@@ -1,6 +1,6 @@
-"""Tools in the prompt and in the grammar: the messages a chat template renders (assistant
-tool_calls, role "tool" results), the Hermes system prompt for templates that know no tools,
-and the llguidance grammar that forces a call when tool_choice requires one."""
+"""Tools in the prompt: the tools a request declares and may call, the messages a chat
+template renders (assistant tool_calls, role "tool" results) and the Hermes system prompt for
+templates that know no tools."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import llguidance
 from cpud.errors import one_line
 from cpud.frontend.errors import bad_request
 from cpud.frontend.schemas import ChatMessage, NamedToolChoice, Tool
-from cpud.structured.spec import StructuredSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -67,39 +66,6 @@ def chosen_tools(
             )
         return named, True
     return tools, choice == "required"
-
-
-def _call_schema(tool: dict, args_key: str) -> dict:
-    """A call of one function. Its arguments carry the declared parameters only (unless the
-    schema says otherwise): a function given an argument it does not take fails."""
-    fn = tool["function"]
-    params = fn["parameters"]
-    if "properties" in params and "additionalProperties" not in params:
-        params = {**params, "additionalProperties": False}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, args_key: params},
-        "required": ["name", args_key],
-        "additionalProperties": False,
-    }
-
-
-def call_grammar(tools: list[dict], parser: str, parallel: bool) -> StructuredSpec:
-    """A Lark grammar (llguidance's dialect) whose sentences are tool calls in the parser's
-    format: one call, or one or more when parallel calls are allowed."""
-    args_key = "parameters" if parser == "llama3_json" else "arguments"
-    schemas = [_call_schema(t, args_key) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if parser == "hermes":
-        more = ' ("\\n" call)*' if parallel else ""
-        rules = f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
-    elif parser == "mistral":
-        more = ' ("," body)*' if parallel else ""
-        rules = f'start: "[TOOL_CALLS][" body{more} "]"\n'
-    else:
-        more = ' ("; " body)*' if parallel else ""
-        rules = f"start: body{more}\n"
-    return StructuredSpec("grammar", rules + f"body: %json{json.dumps(schema)}\n", source="tools")
 
 
 def hermes_system_prompt(tools: list[dict]) -> str:

@@ -33,7 +33,8 @@ def grammar_text(spec: StructuredSpec) -> str:
     raise RequestError(f"{spec.source}: unknown constraint kind {spec.kind!r}", spec.source)
 
 
-def json_grammar(spec: StructuredSpec) -> str:
+def json_schema(spec: StructuredSpec) -> dict:
+    """The schema of a kind "json" spec as an object."""
     try:
         schema = json.loads(spec.value or "{}")
     except ValueError as exc:
@@ -47,6 +48,11 @@ def json_grammar(spec: StructuredSpec) -> str:
             f"{spec.source}: a JSON schema must be an object, got {type(schema).__name__}",
             spec.source,
         )
+    return schema
+
+
+def json_grammar(spec: StructuredSpec) -> str:
+    schema = json_schema(spec)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             closed_objects(schema), defaults=JSON_DEFAULTS
@@ -99,14 +105,46 @@ def closed_objects(schema: object, close: bool = True) -> object:
     return out
 
 
+def answer_lark(spec: StructuredSpec) -> str | None:
+    """A Lark expression whose sentences are the spec's, to stand beside other alternatives
+    in a grammar; None for kind "grammar" (a whole Lark grammar does not nest)."""
+    if spec.kind == "json":
+        return embedded_json(json_schema(spec))
+    if spec.kind == "regex":
+        if not spec.value:
+            raise RequestError(f"{spec.source}: the regular expression is empty", spec.source)
+        return regex_lark(spec.value)
+    if spec.kind == "choice":
+        return "(" + choice_alternatives(spec) + ")"
+    return None
+
+
+def regex_lark(pattern: str) -> str:
+    """A regular expression as a Lark `/.../` terminal: slashes and line breaks escaped,
+    escapes kept as they are."""
+    out = []
+    chars = iter(pattern)
+    for char in chars:
+        if char == "\\":
+            out.append(char + next(chars, ""))
+        elif char == "/":
+            out.append("\\/")
+        else:
+            out.append({"\n": "\\n", "\r": "\\r"}.get(char, char))
+    return "/" + "".join(out) + "/"
+
+
 def choice_lark(spec: StructuredSpec) -> str:
-    """A Lark grammar whose sentences are exactly the choices (JSON string literals are Lark
-    string literals)."""
+    """A Lark grammar whose sentences are exactly the choices."""
+    return f"start: {choice_alternatives(spec)}\n"
+
+
+def choice_alternatives(spec: StructuredSpec) -> str:
+    """The choices as Lark alternatives (JSON string literals are Lark string literals)."""
     if not spec.choices:
         raise RequestError(f"{spec.source}: at least one choice is needed", spec.source)
     if len(spec.choices) > MAX_CHOICES:
         raise RequestError(f"{spec.source}: at most {MAX_CHOICES} choices", spec.source)
     if any(not isinstance(c, str) or c == "" for c in spec.choices):
         raise RequestError(f"{spec.source}: choices must be non-empty strings", spec.source)
-    alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(spec.choices))
-    return f"start: {alternatives}\n"
+    return " | ".join(json.dumps(c) for c in dict.fromkeys(spec.choices))

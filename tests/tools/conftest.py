@@ -29,3 +29,13 @@ def smol_client(smol):
     from openai import OpenAI
 
     return OpenAI(base_url=smol.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def compiler():
+    """(the default model's tokenizer, a grammar compiler for it)"""
+    from cpud.structured.compiler import GrammarCompiler
+    from cpud.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_path())
+    return tokenizer, GrammarCompiler(tokenizer)

@@ -9,8 +9,9 @@ import pytest
 
 from cpud.frontend.errors import APIError
 from cpud.frontend.schemas import ChatMessage, FunctionCall, ToolCall
-from cpud.frontend.tool_calls import ToolCallStream, detect_parser, parse
-from cpud.frontend.tool_prompt import call_grammar, conversation, tool_dicts
+from cpud.frontend.tool_calls import Parsed, ToolCallStream, detect_parser, parse
+from cpud.frontend.tool_grammar import call_grammar
+from cpud.frontend.tool_prompt import conversation, tool_dicts
 
 WEATHER = {
     "type": "function",
@@ -68,6 +69,37 @@ def test_a_broken_call_leaves_the_text_as_content():
     assert parsed.calls == [] and parsed.content == text
 
 
+CUT = {
+    "hermes": 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+    "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Pa',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CUT))
+def test_a_call_cut_by_max_tokens_comes_as_far_as_it_came(parser):
+    """As its stream sends it: the name, the arguments so far, no markup in the content."""
+    text = CUT[parser]
+    parsed = parse(text, parser, cut=True)
+    assert parsed.content == "Let me check."
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", '{"city": "Pa')]
+    stream = ToolCallStream(parser)
+    content, deltas = stream.feed(text, True)
+    assert content == "Let me check."
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Pa'
+    before_name = text[: text.index('"get_weather"')]
+    assert parse(before_name, parser, cut=True) == Parsed("Let me check.", [])
+    assert parse(text, parser).content == text  # not cut: a broken call is text
+    whole = TEXTS[parser]
+    after_whole = whole[: whole.rindex('{"a"') + 4]  # the second call cut in its arguments
+    assert [c.name for c in parse(after_whole, parser, cut=True).calls] == ["get_weather"]
+
+
+def test_a_cut_bare_object_stays_content():
+    """llama3_json: an object that is not yet a call may be an answer."""
+    text = '{"city": "Pa'
+    assert parse(text, "llama3_json", cut=True) == Parsed(text, [])
+
+
 @pytest.mark.parametrize("parser", sorted(TEXTS))
 @pytest.mark.parametrize("step", [1, 2, 7])
 def test_streamed_deltas_rebuild_the_calls(parser, step):
@@ -108,16 +140,6 @@ def test_parser_detected_from_the_template():
     assert detect_parser("<|python_tag|>{{ tools }}") == "llama3_json"
     assert detect_parser("{{ messages }}") == "hermes"
     assert detect_parser(None) == "hermes"
-
-
-@pytest.fixture(scope="module")
-def compiler():
-    from cpud.default_model import default_model_path
-    from cpud.structured.compiler import GrammarCompiler
-    from cpud.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(default_model_path())
-    return tokenizer, GrammarCompiler(tokenizer)
 
 
 GOOD = {
