@@ -35,5 +35,6 @@ SLOW_MODULES = frozenset(
         "test_native_engine.py",
         "test_startup_work.py",
         "test_tp_processes.py",
+        "tools/test_tool_clients_schemas.py",
     }
 )

@@ -304,9 +304,11 @@ def full_choice(
     message: dict = {"role": "assistant", "content": out.text}
     reason = finish_reason(out)
     if job.tool_parser is not None:
-        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls)
-        if parsed.calls:
+        cut = reason == "length"
+        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls, cut)
+        if parsed.calls or parsed.content != (out.text or None):
             message["content"] = parsed.content
+        if parsed.calls:
             message["tool_calls"] = [
                 {
                     "id": new_call_id(),

@@ -308,8 +308,11 @@ async def respond_responses(
     final = (await collect_or_abort(request, streams))[0]
     out = final.outputs[0]
     answer.measure(final, out)
-    parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls) if job.tool_parser else None
-    if parsed is not None and parsed.calls:
+    parsed = None
+    if job.tool_parser:
+        cut = out.finish_reason == "length"
+        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls, cut)
+    if parsed is not None and (parsed.calls or parsed.content != (out.text or None)):
         if parsed.content:
             answer.output.append(message_item(parsed.content))
         for call in parsed.calls:
