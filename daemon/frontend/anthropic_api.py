@@ -46,7 +46,9 @@ from cpud.frontend.schemas import (
     ChatMessage,
     FunctionCall,
     FunctionDef,
+    JsonSchemaFormat,
     NamedToolChoice,
+    ResponseFormat,
     TextPart,
     Tool,
     ToolCall,
@@ -216,6 +218,22 @@ def check_supported(body: MessagesFields | MessagesRequest) -> None:
         raise bad_request("stop_sequences must not hold empty strings", "stop_sequences")
 
 
+def output_format(body: MessagesRequest) -> ResponseFormat | None:
+    """output_config.format as the chat path's response_format (the answer's text is JSON of
+    that schema)."""
+    config = body.output_config
+    if config is None:
+        return None
+    if config.effort is not None:
+        raise bad_request(
+            "output_config.effort is not supported by cpud; leave it out", "output_config.effort"
+        )
+    if config.format is None:
+        return None
+    schema = JsonSchemaFormat(name="response", schema=config.format.schema)
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
 def chat_request(body: MessagesFields | MessagesRequest) -> tuple[ChatCompletionRequest, str]:
     """The chat completion request of a Messages body, and its prefill text."""
     check_supported(body)
@@ -230,6 +248,7 @@ def chat_request(body: MessagesFields | MessagesRequest) -> tuple[ChatCompletion
     )
     if isinstance(body, MessagesRequest):
         sampling = {
+            "response_format": output_format(body),
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,

@@ -126,6 +126,16 @@ class MessagesMetadata(Strict, kw_only=True):
     user_id: Name | None = None
 
 
+class OutputFormat(Strict, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Strict, kw_only=True):
+    format: OutputFormat | None = None
+    effort: Annotated[str, Meta(description="not supported: null only")] | None = None
+
+
 class MessagesFields(Strict, kw_only=True):
     """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
 
@@ -150,6 +160,7 @@ class MessagesRequest(MessagesFields, kw_only=True):
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=0, le=MAX_COUNT, description="0 means off")] | None = None
     metadata: MessagesMetadata | None = None
+    output_config: OutputConfig | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     container: Annotated[Any, Meta(description="not supported: null only")] = None
 

@@ -161,6 +161,23 @@ def test_a_forced_tool_use_and_its_result_round_trip(smol):
     assert answer["stop_reason"] in ("end_turn", "max_tokens")
 
 
+def test_output_config_format_makes_the_text_json_of_the_schema(smol):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    answer = post(
+        smol,
+        max_tokens=30,
+        messages=[{"role": "user", "content": "Is Paris in France?"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert answer.status_code == 200, answer.text
+    jsonschema.validate(json.loads(answer.json()["content"][0]["text"]), schema)
+
+
 def test_a_stream_follows_anthropics_event_order(smol):
     # Cached prompt blocks and a fresh prefill may round a near tie apart: both cached here.
     post(smol, max_tokens=1)
@@ -272,6 +289,7 @@ REFUSED = [
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
     ({"output_format": {"type": "json_schema"}}, "output_format"),
+    ({"output_config": {"effort": "high"}}, "effort"),
     (
         {
             "messages": [
