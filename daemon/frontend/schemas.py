@@ -404,7 +404,9 @@ class ResponsesRequest(Strict, kw_only=True):
         ]
         | None
     ) = None
-    max_tool_calls: Annotated[int, Meta(description="not supported: null only")] | None = None
+    max_tool_calls: (
+        Annotated[int, Meta(ge=0, le=MAX_COUNT, description="not supported: null only")] | None
+    ) = None
     prompt: Annotated[dict[str, Any], Meta(description="not supported: null only")] | None = None
     conversation: (
         Annotated[str | dict[str, Any], Meta(description="not supported: null only")] | None
