@@ -114,7 +114,7 @@ class ToolCallStream:
 
     @property
     def called(self) -> bool:
-        return bool(self.calls)
+        return any(sent.name_sent for sent in self.calls)
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         """(new content, tool-call deltas) for the text so far (the previous text and more)."""
@@ -137,6 +137,10 @@ class ToolCallStream:
             delta = self._advance(index, scanner.bodies[index], text, finished)
             if delta is not None:
                 deltas.append(delta)
+        if finished and not self.called and not text.startswith(scanner.marker, start):
+            # A bare object (llama3_json) that named no function was an answer after all.
+            content += text[self.content_chars :]
+            self.content_chars = len(text)
         return content, deltas
 
     def _advance(self, index: int, body: CallBody, text: str, finished: bool) -> dict | None:

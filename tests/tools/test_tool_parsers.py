@@ -100,6 +100,16 @@ def test_a_cut_bare_object_stays_content():
     assert parse(text, "llama3_json", cut=True) == Parsed(text, [])
 
 
+def test_a_bare_json_answer_streams_as_content():
+    """llama3_json beside a JSON response_format: an object naming no function is the
+    answer, sent as content when it ends."""
+    text = '{"city": "Oslo", "sunny": true}'
+    stream = ToolCallStream("llama3_json")
+    assert stream.feed(text[:9], False) == ("", [])
+    assert stream.feed(text, True) == (text, [])
+    assert not stream.called
+
+
 @pytest.mark.parametrize("parser", sorted(TEXTS))
 @pytest.mark.parametrize("step", [1, 2, 7])
 def test_streamed_deltas_rebuild_the_calls(parser, step):
