@@ -106,9 +106,10 @@ async def decode(request: Request, state: ServerState, kind: type) -> object:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)
     try:
-        raw = await asyncio.wait_for(
-            read_body(request, limit, state.body_pacer),
-            state.config.body_seconds,
+        # A body still arriving when the server stops admitting gets the refusal (a drain
+        # does not wait for it).
+        raw = await state.lifecycle.before_admission(
+            asyncio.wait_for(read_body(request, limit, state.body_pacer), state.config.body_seconds)
         )
     except asyncio.TimeoutError:
         raise APIError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import time
 
 from request_outcomes import Requests
@@ -70,6 +71,35 @@ def test_drain_refuses_what_it_has_not_admitted_and_cuts_with_an_error(model_fac
     assert int(line.group(2)) == 2, line.group(0)
     assert f"{len(refused)} refused" in line.group(0), line.group(0)
     # Some were refused after waiting for the tokenizer: they had arrived before the drain began.
-    waited = re.findall(r'"POST /v1/chat/completions" 503 ([\d.]+)s error=draining', log)
+    waited = re.findall(r'"POST /v1/chat/completions" 503 ([\d.]+)s .*error=draining', log)
     assert max(map(float, waited)) > 0.05, waited
     assert "Traceback" not in log, log
+
+
+def test_a_body_still_arriving_does_not_hold_the_drain(model_factory, tmp_path):
+    srv = start_server(model_factory("qwen3"), tmp_path / "serve.log", "--max-model-len", "256")
+    try:
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as conn:
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                b'{"prompt":'
+            )
+            time.sleep(0.5)  # the handler is reading the body
+            started = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            received = b""
+            while chunk := conn.recv(65536):  # the server closes the connection once answered
+                received += chunk
+            answer = received.decode()
+            assert srv.proc.wait(20) == 0, srv.log()
+        # well inside the 30 s drain timeout, which it would otherwise wait out
+        assert time.monotonic() - started < 10
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+    assert answer.startswith("HTTP/1.1 503"), answer
+    assert '"code":"draining"' in answer.replace(" ", ""), answer
+    assert "0 cut at the drain timeout, 1 refused" in srv.log(), srv.log()
