@@ -20,7 +20,7 @@ SLOW_TEMPLATE = (
     "{% for i in range(1500) %}{% for j in range(1500) %}{% endfor %}{% endfor %}"
     "{{ messages[0]['content'] }}"
 )
-LONG = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "n": 8, "ignore_eos": True}
+LONG = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "n": 32, "ignore_eos": True}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
