@@ -131,8 +131,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--allowed-headers",
         nargs="+",
         metavar="HEADER",
-        help="request headers cross-origin requests may send, with --allowed-origins "
-        "(default: *)",
+        help="request headers cross-origin requests may send, with --allowed-origins (default: *)",
     )
     parser.add_argument(
         "--chat-template",
