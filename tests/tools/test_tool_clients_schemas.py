@@ -8,30 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from enum import Enum
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-
-
-class Unit(str, Enum):
-    celsius = "celsius"
-    fahrenheit = "fahrenheit"
-
-
-class Place(BaseModel):
-    city: str
-    country: str
-
-
-class Forecast(BaseModel):
-    """The weather forecast of a place."""
-
-    place: Place
-    unit: Unit
+from tool_models import Forecast, Place, Unit
 
 
 class City(BaseModel):

@@ -12,21 +12,12 @@ import msgspec
 import openai
 import pytest
 from pydantic import BaseModel
+from tool_models import Place, Unit
 
 from cpud.frontend.schemas import Tool
 from cpud.frontend.tool_grammar import call_grammar
 from cpud.frontend.tool_prompt import tool_dicts
 from cpud.structured.spec import StructuredSpec
-
-
-class Unit(str, Enum):
-    celsius = "celsius"
-    fahrenheit = "fahrenheit"
-
-
-class Place(BaseModel):
-    city: str
-    country: str
 
 
 class Forecast(BaseModel):
