@@ -2,9 +2,74 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
 
 from cpud.errors import ConfigError
+
+
+class RowWindow:
+    """Rows [row0, row0 + rows) of a checkpoint tensor, read like a tensor of its own (one
+    part of a tensor that stacks several, such as Phi-3's qkv_proj)."""
+
+    def __init__(self, source: Any, row0: int, rows: int):
+        self.source, self.row0, self.rows = source, row0, rows
+
+    def get_shape(self) -> list[int]:
+        shape = self.source.get_shape()
+        return [self.rows, *list(shape)[1:]]
+
+    def _rows(self, key: slice) -> slice:
+        start, stop, step = key.indices(self.rows)
+        if step != 1:
+            raise TypeError("a window of a checkpoint tensor is read by contiguous rows")
+        return slice(self.row0 + start, self.row0 + stop)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, tuple):
+            return self.source[(self._rows(key[0]), *key[1:])]
+        return self.source[self._rows(key)]
+
+    def blocks(self, rows: slice, columns: slice = slice(None)) -> Any:
+        return self.source.blocks(self._rows(rows), columns)
+
+
+def targets(model: nn.Module, name: str) -> list[tuple[str, object, tuple[int, int] | None]]:
+    """(parameter, shard id, (first row, rows) or None) of each piece a checkpoint tensor
+    loads into: one, or one per part of a tensor the family stacks (Model.fused_parts)."""
+    fused = getattr(model, "fused_parts", None)
+    parts = fused(name) if fused is not None else None
+    if parts:
+        return [(target, shard, (row0, rows)) for target, shard, row0, rows in parts]
+    target, shard_id = stacked_target(model, name)
+    return [(target, shard_id, None)]
+
+
+def load_tensor(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    name: str,
+    source: Any,
+    skip: frozenset[str],
+    loaded: set[tuple[str, object]],
+    missing: Callable[[], ConfigError],
+    wrap: Callable[[Any, nn.Parameter, object], Any] = lambda source, param, shard_id: source,
+) -> None:
+    """Loads checkpoint tensor `name` (cpud's name) from `source` into its parameter(s), each
+    reading `wrap(source, param, shard_id)`; `missing()` is raised when the model has no such
+    parameter."""
+    for target, shard_id, window in targets(model, name):
+        param = params.get(target)
+        if param is None:
+            raise missing()
+        if target not in skip:
+            piece = wrap(source, param, shard_id)
+            if window is not None:
+                piece = RowWindow(piece, *window)
+            param.weight_loader(param, piece, shard_id)
+        loaded.add((target, shard_id))
 
 
 def stacked_target(model: nn.Module, name: str) -> tuple[str, object]:

@@ -1,16 +1,18 @@
-"""A Llama-family model's decoder layers as one native call per step (native/decoder.c).
+"""A recipe decoder's layers as one native call per step (native/decoder.c).
 
 The per-op path crosses from Python into C a dozen times per layer (norms, GEMMs, rotary, KV
 write, attention, all-reduces), with argument checks and tensor views in between: about 10 ms of
 a 49 ms decode-1 step on qwen3-0.6b. Here the layer stack runs as one call over a table of
 weight and cache addresses built once; embedding, final norm, LM head and sampling stay in
-Python. Same kernels in the same order as ranks/models/llama.py, so the same tokens.
+Python. Same kernels in the same order as ranks/models/decoder.py, so the same tokens; the
+model's DecoderRecipe (norm rounding, sandwich norms, activation, per-layer RoPE table and
+window, residual multiplier) travels as data in the dims and layer tables.
 
 The model hands over its shape and weights through ``decoder_weights()``
 (ranks/models/decoder_weights.py). Expert layers (ranks/models/moe.py) run router, routing and
 experts in the same call (native/moe.c).
 
-Used where the model is a LlamaForCausalLM whose linears are each packed (native bf16) or kept
+Used where the model is a DecoderForCausalLM whose linears are each packed (native bf16) or kept
 quantized (ranks/quant_linear.py: the quantized GEMM, bf16 or fp32 activations), its experts
 packed (bf16), and the TP
 group is a single rank or the shared-memory group; otherwise (torch kernels, dense fp32, OPT,
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from cpud.native.kernels import DTYPE_CODE, check_rc
-from cpud.ranks.models.llama import KVCache, LlamaForCausalLM
+from cpud.ranks.models.decoder import DecoderForCausalLM, KVCache
 from cpud.ranks.ops import Ops
 from cpud.ranks.paged_kv import AttentionMetadata
 from cpud.ranks.parallel import TPGroup
@@ -49,8 +51,8 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
 
     if ops.name != "native":
         return f"kernels are {ops.name!r}, not native"
-    if not isinstance(model, LlamaForCausalLM):
-        return f"{type(model).__name__} is not a Llama-family decoder"
+    if not isinstance(model, DecoderForCausalLM):
+        return f"{type(model).__name__} is not a recipe decoder"
     if model.cfg.shared_expert_intermediate_size:
         return "shared experts (Qwen2-MoE) run op by op"
     for layer in model.decoder_weights().layers:
@@ -71,7 +73,9 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
 class FusedDecoder:
     """Runs `model`'s decoder layers with one native call per step (see the module doc)."""
 
-    def __init__(self, model: LlamaForCausalLM, ops: Any, group: TPGroup, kv_caches: list[KVCache]):
+    def __init__(
+        self, model: DecoderForCausalLM, ops: Any, group: TPGroup, kv_caches: list[KVCache]
+    ):
         from cpud.native import _loader
 
         reason = unsupported_reason(model, ops, group)
@@ -84,9 +88,8 @@ class FusedDecoder:
         self._shm = inner if group.size > 1 else None
         table = model.decoder_weights()
         self.table = table
-        cos_sin = table.cos_sin
         dtype = kv_caches[0][0].dtype
-        if dtype not in DTYPE_CODE or cos_sin.dtype != torch.float32:
+        if dtype not in DTYPE_CODE:
             raise ValueError(f"fused decoder: dtype {dtype} is not float32 or bfloat16")
         self.dtype = dtype
         self.hidden = model.cfg.hidden_size
@@ -100,22 +103,25 @@ class FusedDecoder:
         dims.heads = table.heads
         dims.kv_heads = table.kv_heads
         dims.head_dim = table.head_dim
-        dims.rot_dim = cos_sin.shape[1]
+        dims.rot_dim = table.rotary_dim
         dims.intermediate = self.intermediate
-        dims.max_pos = cos_sin.shape[0]
+        dims.max_pos = table.max_positions
         dims.num_blocks = num_blocks
         dims.block_size = block_size
-        dims.window = table.window
         dims.eps = table.eps
         dims.scale = table.scale
-        dims.cos_sin = cos_sin.data_ptr()
+        self.norm_dtype = table.layers[0].input_norm.dtype
+        dims.norm_wdt = DTYPE_CODE[self.norm_dtype]
+        dims.activation = 1 if table.gelu else 0
+        dims.rotary_neox = 1
+        dims.residual_scale = table.residual_scale
         dims.quant_flags = 0
         dims.experts = table.experts
         dims.experts_per_tok = table.experts_per_tok
         dims.expert_inter = table.expert_inter
         dims.moe_flags = table.moe_flags
         self._dims = dims
-        self._keep = [cos_sin]  # everything whose address the tables hold
+        self._keep: list[torch.Tensor] = []  # everything whose address the tables hold
         # bytes of weights the dense linears read per step, and their time summed over steps
         self.linear_bytes = 0
         self.linear_seconds = 0.0
@@ -134,11 +140,16 @@ class FusedDecoder:
         layers = self.table.layers
         table = self._ffi.new("cpud_decoder_layer[]", len(layers))
         for entry, layer, (key_cache, value_cache) in zip(table, layers, kv_caches):
-            entry.input_norm = self._addr(layer.input_norm, self.dtype)
-            entry.post_norm = self._addr(layer.post_norm, self.dtype)
+            norms = self.norm_dtype
+            entry.input_norm = self._addr(layer.input_norm, norms)
+            entry.post_norm = self._addr(layer.post_norm, norms)
             if layer.q_norm is not None:
-                entry.q_norm = self._addr(layer.q_norm, self.dtype)
-                entry.k_norm = self._addr(layer.k_norm, self.dtype)
+                entry.q_norm = self._addr(layer.q_norm, norms)
+                entry.k_norm = self._addr(layer.k_norm, norms)
+            entry.attn_out_norm = self._addr(layer.attn_out_norm, norms)
+            entry.ffn_out_norm = self._addr(layer.ffn_out_norm, norms)
+            entry.cos_sin = self._addr(layer.cos_sin, torch.float32)
+            entry.window = layer.window
             self._linear(entry, "qkv", layer.qkv)
             entry.o_bias = self._addr(layer.o_bias, self.dtype)
             self._linear(entry, "o", layer.o)

@@ -15,8 +15,9 @@ from torch import nn
 from cpud.errors import ConfigError
 from cpud.model.gguf_model import mapped_tensors, read_gguf_model
 from cpud.model.gguf_names import hf_name
-from cpud.ranks.checkpoint_targets import check_complete, stacked_target
+from cpud.ranks.checkpoint_targets import check_complete, load_tensor
 from cpud.ranks.gguf_blocks import Blocks, slice_blocks, tensor_shape, to_dense
+from cpud.ranks.models import registry
 
 RowOrder = Callable[[np.ndarray], np.ndarray]
 
@@ -83,21 +84,27 @@ def load_gguf_weights(
     """Fill every parameter of `model` from the GGUF file at `path` (see loader.load_weights)."""
     checked = read_gguf_model(path)
     params = dict(model.named_parameters())
-    order = unpermute_rows(model.cfg.head_dim) if checked.architecture == "llama" else None
-    tensors = [(t, hf_name(t.name)) for t in mapped_tensors(path).values()]
+    family = registry.by_name(model.cfg.family)
+    permuted = checked.architecture in family.gguf_permuted_qk
+    order = unpermute_rows(model.cfg.head_dim) if permuted else None
+    tensors = [(t, hf_name(t.name, family.name)) for t in mapped_tensors(path).values()]
     tensors = [(t, name) for t, name in tensors if name is not None]
     loaded: set[tuple[str, object]] = set()
     for done, (tensor, name) in enumerate(tensors, 1):
         if progress is not None:
             progress(done, len(tensors))
-        target, shard_id = stacked_target(model, name)
-        param = params.get(target)
-        if param is None:
-            raise ConfigError(
+        load_tensor(
+            model,
+            params,
+            name,
+            tensor,
+            skip,
+            loaded,
+            lambda tensor=tensor: ConfigError(
                 f"{path} holds tensor {tensor.name}, which {model.cfg.architecture} does not have"
-            )
-        if target not in skip:
-            permuted = order if shard_id in ("q", "k") else None
-            param.weight_loader(param, TensorSource(tensor, param.dtype, permuted), shard_id)
-        loaded.add((target, shard_id))
+            ),
+            lambda t, param, shard_id: TensorSource(
+                t, param.dtype, order if shard_id in ("q", "k") else None
+            ),
+        )
     check_complete(model, params, loaded, str(path))

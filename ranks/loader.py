@@ -9,7 +9,7 @@ from pathlib import Path
 from torch import nn
 
 from cpud.errors import ConfigError
-from cpud.ranks.checkpoint_targets import check_complete, stacked_target
+from cpud.ranks.checkpoint_targets import check_complete, load_tensor
 
 
 def _open(path: Path):
@@ -56,14 +56,16 @@ def load_weights(
                     continue
                 if tied and ckpt_name == "lm_head.weight":
                     continue
-                target, shard_id = stacked_target(model, ckpt_name)
-                param = params.get(target)
-                if param is None:
-                    raise ConfigError(
+                load_tensor(
+                    model,
+                    params,
+                    ckpt_name,
+                    f.get_slice(name),
+                    skip,
+                    loaded,
+                    lambda path=path, name=name: ConfigError(
                         f"{path.name} holds tensor {name!r}, which {model.cfg.architecture} "
                         f"does not have: config.json does not match the weights"
-                    )
-                if target not in skip:
-                    param.weight_loader(param, f.get_slice(name), shard_id)
-                loaded.add((target, shard_id))
+                    ),
+                )
     check_complete(model, params, loaded, str(model_dir))

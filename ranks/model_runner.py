@@ -16,7 +16,7 @@ from cpud.protocol.step import StepPlan, StepResult
 from cpud.ranks.fused_decoder import FusedDecoder, unsupported_reason
 from cpud.ranks.kv_pretouch import KVPretouch
 from cpud.ranks.loader import load_weights
-from cpud.ranks.models import (
+from cpud.ranks.models.build import (
     begin_native_pack,
     build_model,
     finish_native_pack,

@@ -15,6 +15,7 @@ from cpud.model.quant_check import DENSE_TYPES, HEAD_TYPE
 from cpud.ranks.checkpoint_targets import stacked_target
 from cpud.ranks.layers.embedding import ParallelLMHead
 from cpud.ranks.layers.linear import PackableLinear
+from cpud.ranks.models import registry
 from cpud.ranks.quant_linear import FLOAT_TYPES, QuantPart, plan_layer, quantizable_layers
 
 EMBEDDING = "token_embd.weight"
@@ -30,7 +31,7 @@ def gguf_quant_plan(model: nn.Module, path: str | Path) -> tuple[dict[str, list[
     owner = {id(layer.weight): name for name, layer in layers.items()}
     types: dict[str, dict[Any, str]] = {}
     for info in checked.tensors.values():
-        name = hf_name(info.name)
+        name = hf_name(info.name, model.cfg.family)
         if name is None or not name.endswith(".weight") or len(info.shape) != 2:
             continue
         target, shard_id = stacked_target(model, name)
@@ -88,7 +89,7 @@ def describe_weights(model: nn.Module, isa: str | None = None) -> str:
 
 
 def _linears_per_layer(cfg: ModelConfig) -> int:
-    return 6 if cfg.family == "opt" else 7  # q, k, v, o (+ gate, up, down | fc1, fc2)
+    return registry.by_name(cfg.family).linears_per_layer
 
 
 def weight_formats(

@@ -18,7 +18,7 @@ import pytest
 from cpud import LLM
 from cpud.config import EngineArgs, resolve_config
 from cpud.errors import ConfigError
-from cpud.model.model_config import parse_model_config
+from cpud.model.hf_config import parse_model_config
 from cpud_server_helpers import free_port
 
 

@@ -171,7 +171,7 @@ def test_qwen2_moe_shared_expert_matches_transformers(model_factory, hf_models):
 def test_memory_plan_counts_every_expert(arch, model_factory):
     from cpud.model.load import load_model_config
     from cpud.placement.memory_plan import shard_param_count
-    from cpud.ranks.models import build_model
+    from cpud.ranks.models.build import build_model
     from cpud.ranks.parallel import SingleRank
 
     class SecondOfTwo(SingleRank):
@@ -194,7 +194,7 @@ def test_moe_config_errors(model_factory):
     import json
 
     from cpud.errors import ConfigError
-    from cpud.model.model_config import parse_model_config
+    from cpud.model.hf_config import parse_model_config
 
     raw = json.loads((model_factory("qwen3_moe") / "config.json").read_text())
     cfg = parse_model_config(raw)

@@ -97,7 +97,7 @@ def test_sharded_logits_equal_unsharded(arch, tp, model_factory):
 
 def test_kv_heads_replicate_when_tp_exceeds_them(model_factory):
     # qwen2 tiny: 8 query heads over 2 KV heads; tp=4 gives each rank 2 q heads and 1 KV head.
-    from cpud.ranks.models import build_model
+    from cpud.ranks.models.build import build_model
 
     cfg = load_model_config(model_factory("qwen2"))
     hub = ThreadGroupHub(4)
@@ -109,7 +109,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them(model_factory):
 
 def test_tp_that_does_not_divide_heads_is_a_clear_error(model_factory):
     from cpud.errors import ConfigError
-    from cpud.ranks.models import build_model
+    from cpud.ranks.models.build import build_model
 
     cfg = load_model_config(model_factory("llama"))
     with pytest.raises(ConfigError, match="not divisible by the tensor-parallel size 3"):

@@ -1,17 +1,21 @@
-"""llama.cpp's tensor names for cpud's Llama-family decoder: the Hugging Face name each one
-maps to, the shape the model config implies, and which axis tensor parallelism splits."""
+"""llama.cpp's tensor names for cpud's decoder: the module name each one maps to (the common
+table, plus a family's own, ranks/models/registry.py), the shape the model config implies, and
+which axis tensor parallelism splits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpud.model.gguf_meta import ROPE_FREQS
 from cpud.model.model_config import ModelConfig
+from cpud.ranks.models import registry
+
+__all__ = ["COLUMNS", "ROPE_FREQS", "ROWS", "WHOLE", "Expected", "expected_tensors", "hf_name"]
 
 ROWS = "rows"  # column-parallel and vocab-parallel: each rank reads whole rows
 COLUMNS = "columns"  # row-parallel: each rank reads a range of every row
 WHOLE = "whole"  # replicated
 
-ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors: read into the config, not a parameter
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -31,17 +35,22 @@ _LAYER = {
     "ffn_down_exps": "mlp.experts.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # sandwich norms (Gemma): on the attention output and on the feed-forward output
+    "post_attention_norm": "attn_out_norm",
+    "post_ffw_norm": "ffn_out_norm",
 }
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for one the decoder has no parameter for."""
+def hf_name(name: str, family: str = "llama") -> str | None:
+    """The module name (Hugging Face's where cpud keeps it) of a GGUF tensor of `family`;
+    None for one the decoder has no parameter for."""
     stem, _, suffix = name.rpartition(".")
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{int(parts[1])}.{_LAYER[parts[2]]}.{suffix}"
+    layer = {**_LAYER, **registry.by_name(family).gguf_layer_names}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{int(parts[1])}.{layer[parts[2]]}.{suffix}"
     return None
 
 
@@ -53,6 +62,13 @@ class Expected:
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, Expected]:
     """Every tensor a GGUF file of this config holds (llama.cpp's names), rope_freqs aside."""
+    own = registry.by_name(cfg.family).gguf_tensors
+    return own(cfg) if own is not None else common_tensors(cfg)
+
+
+def common_tensors(cfg: ModelConfig) -> dict[str, Expected]:
+    """The tensors of a Llama-shaped decoder with this config and recipe, llama.cpp's names."""
+    sandwich = cfg.recipe is not None and cfg.recipe.sandwich_norms
     h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kv, ffn = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     out = {
@@ -89,5 +105,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Expected]:
         if cfg.qk_norm:
             layer["attn_q_norm.weight"] = Expected((cfg.head_dim,), WHOLE)
             layer["attn_k_norm.weight"] = Expected((cfg.head_dim,), WHOLE)
+        if sandwich:
+            layer["post_attention_norm.weight"] = Expected((h,), WHOLE)
+            layer["post_ffw_norm.weight"] = Expected((h,), WHOLE)
         out.update((f"blk.{i}.{name}", spec) for name, spec in layer.items())
     return out

@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 
 from cpud.errors import ConfigError
-from cpud.model.model_config import ModelConfig, parse_model_config, read_json_object
+from cpud.model.hf_config import parse_model_config
+from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.protocol.launch import ModelFacts
 
 

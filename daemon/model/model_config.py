@@ -9,23 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from cpud.errors import ConfigError, one_line
-
-# HF architectures -> the cpud model family that runs them.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "Qwen2MoeForCausalLM": "moe",
-    "Qwen3MoeForCausalLM": "moe",
-    "MixtralForCausalLM": "moe",
-    "OPTForCausalLM": "opt",
-}
+from cpud.model.recipe import DecoderRecipe, LayerRecipe, Rope
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
+    family: str  # the registered family that runs it (ranks/models/registry.py)
     model_type: str
     hidden_size: int
     num_layers: int
@@ -64,10 +54,8 @@ class ModelConfig:
     enable_bias: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def family(self) -> str:
-        return ARCHITECTURES[self.architecture]
+    # What the decoder layers compute (None: a family with its own model, such as OPT)
+    recipe: DecoderRecipe | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -129,7 +117,7 @@ def read_json_object(path: str | Path, finite: bool = True) -> dict[str, Any]:
     return value
 
 
-_REQUIRED = object()
+REQUIRED = object()
 MAX_SIZE = 2**31 - 1
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -143,7 +131,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Fields:
+class ConfigFields:
     """Typed reads of config.json keys; a missing or null key takes the default."""
 
     def __init__(self, raw: dict[str, Any], source: str, arch: str, prefix: str = ""):
@@ -156,13 +144,13 @@ class _Fields:
     def value(self, key: str, default: Any) -> Any:
         value = self.raw.get(key)
         if value is None:
-            if default is _REQUIRED:
+            if default is REQUIRED:
                 where = f"{self.source}: required key {self.prefix}{key}"
                 raise ConfigError(f"{where} is missing for {self.arch}")
             return default
         return value
 
-    def size(self, key: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+    def size(self, key: str, default: Any = REQUIRED, minimum: int = 1) -> int:
         """An integer in [minimum, MAX_SIZE]; integral floats (64.0) are accepted."""
         value = self.value(key, default)
         if isinstance(value, float) and value.is_integer():
@@ -207,7 +195,7 @@ class _Fields:
         return tuple(ids)
 
 
-def _rope_scaling(f: _Fields) -> dict[str, Any] | None:
+def rope_scaling(f: ConfigFields) -> dict[str, Any] | None:
     """rope_scaling (or a non-default rope_parameters) with its type and factors checked."""
     params = f.raw.get("rope_parameters") or {}
     scaling, key = f.raw.get("rope_scaling"), "rope_scaling"
@@ -223,8 +211,8 @@ def _rope_scaling(f: _Fields) -> dict[str, Any] | None:
         raise f.error(f"{key}.rope_type", f"one of {', '.join(ROPE_TYPES)}", kind)
     if kind == "default":
         return scaling
-    sub = _Fields(scaling, f.source, f.arch, prefix=f"{key}.")
-    sub.number("factor", _REQUIRED)
+    sub = ConfigFields(scaling, f.source, f.arch, prefix=f"{key}.")
+    sub.number("factor", REQUIRED)
     for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
         sub.number(name, 1.0)
     sub.flag("truncate", True)
@@ -237,68 +225,30 @@ def _rope_scaling(f: _Fields) -> dict[str, Any] | None:
     return scaling
 
 
-def _architecture(raw: dict[str, Any], source: str) -> str:
-    archs = raw.get("architectures") or []
-    if not isinstance(archs, list):
-        raise ConfigError(f"{source}: architectures must be a list, got {_describe(archs)}")
-    arch = next((a for a in archs if isinstance(a, str) and a in ARCHITECTURES), None)
-    if arch is None:
-        supported = ", ".join(sorted(ARCHITECTURES))
-        raise ConfigError(
-            f"{source}: architecture {archs or raw.get('model_type')!r} is not supported "
-            f"(supported: {supported})"
-        )
-    return arch
-
-
-def _opt_config(f: _Fields, common: dict[str, Any]) -> ModelConfig:
-    hidden, heads = common["hidden_size"], common["num_heads"]
-    act = f.text("activation_function", "relu")
-    if act not in ("relu", "gelu"):
-        raise ConfigError(f"{f.source}: OPT activation {act!r} is not supported (relu, gelu)")
-    if hidden % heads:
-        raise ConfigError(
-            f"{f.source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
-        )
-    return ModelConfig(
-        **common,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        intermediate_size=f.size("ffn_dim"),
-        max_position_embeddings=f.size("max_position_embeddings"),
-        norm_eps=1e-5,
-        tie_word_embeddings=f.flag("tie_word_embeddings", True),
-        hidden_act=act,
-        word_embed_proj_dim=f.size("word_embed_proj_dim", hidden),
-        do_layer_norm_before=f.flag("do_layer_norm_before", True),
-        enable_bias=f.flag("enable_bias", True),
-    )
-
-
-def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """The decoder's settings from a decoded config.json; a ConfigError names the key at fault
-    (wrong type, not positive, not finite, or inconsistent with another key)."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source} holds a JSON {type(raw).__name__}, not an object")
-    arch = _architecture(raw, source)
-    f = _Fields(raw, source, arch)
-    model_type = f.text("model_type", "") or ""
-    hidden, heads = f.size("hidden_size"), f.size("num_attention_heads")
-    common: dict[str, Any] = dict(
-        architecture=arch,
-        model_type=model_type,
-        hidden_size=hidden,
+def common_fields(f: ConfigFields, architecture: str, family: str) -> dict[str, Any]:
+    """The fields every family's config.json states the same way."""
+    return dict(
+        architecture=architecture,
+        family=family,
+        model_type=f.text("model_type", "") or "",
+        hidden_size=f.size("hidden_size"),
         num_layers=f.size("num_hidden_layers"),
-        num_heads=heads,
+        num_heads=f.size("num_attention_heads"),
         vocab_size=f.size("vocab_size"),
         checkpoint_dtype=f.text("torch_dtype", None) or f.text("dtype", None),
         bos_token_id=f.token_id("bos_token_id"),
         eos_token_ids=f.token_ids("eos_token_id"),
     )
-    if ARCHITECTURES[arch] == "opt":
-        return _opt_config(f, common)
 
-    if raw.get("head_dim") is None and hidden % heads:
+
+def decoder_fields(
+    f: ConfigFields, common: dict[str, Any], activations: tuple[str, ...] = ("silu",)
+) -> dict[str, Any]:
+    """The fields of a Llama-shaped decoder's config.json (GQA, RoPE, RMSNorm, gated MLP), read
+    and checked against each other; a family adds or overrides its own."""
+    source, arch = f.source, f.arch
+    hidden, heads = common["hidden_size"], common["num_heads"]
+    if f.raw.get("head_dim") is None and hidden % heads:
         raise ConfigError(
             f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
             f"(and no head_dim is given)"
@@ -319,23 +269,16 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
     params = f.raw.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise f.error("rope_parameters", "an object or null", params)
-    theta = _Fields(params or {}, source, arch, "rope_parameters.").number("rope_theta", 10000.0)
-    # transformers' MistralConfig defaults to a 4096 window when the key is absent.
-    if "sliding_window" in raw:
-        sliding = f.size("sliding_window", 0, minimum=0)
-    else:
-        sliding = 4096 if model_type == "mistral" else 0
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not f.flag(
-        "use_sliding_window", False
-    ):
-        sliding = 0
-    act = f.text("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{source}: hidden_act {act!r} is not supported (silu)")
+    theta = ConfigFields(params or {}, source, arch, "rope_parameters.").number(
+        "rope_theta", 10000.0
+    )
+    act = f.text("hidden_act", activations[0])
+    if act not in activations:
+        raise ConfigError(
+            f"{source}: hidden_act {act!r} is not supported ({', '.join(activations)})"
+        )
     attention_bias = f.flag("attention_bias", False)
-    moe = _moe_fields(f, arch, common["num_layers"]) if ARCHITECTURES[arch] == "moe" else {}
-    return ModelConfig(
-        **common,
+    return dict(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=f.size("intermediate_size"),
@@ -343,45 +286,33 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         norm_eps=f.number("rms_norm_eps", 1e-6),
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
         rope_theta=f.number("rope_theta", theta),
-        rope_scaling=_rope_scaling(f),
+        rope_scaling=rope_scaling(f),
         partial_rotary_factor=partial,
-        qkv_bias=arch == "Qwen2ForCausalLM"
-        or (arch == "Qwen2MoeForCausalLM" and f.flag("qkv_bias", True))
-        or attention_bias,
+        qkv_bias=attention_bias,
         o_bias=attention_bias,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        sliding_window=sliding or None,
+        sliding_window=f.size("sliding_window", 0, minimum=0) or None,
         hidden_act=act,
-        **moe,
     )
 
 
-def _moe_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
-    """Expert count, routing and which layers stay dense, checked against each other."""
-    # transformers 5 writes num_local_experts for Qwen3-MoE too; published configs say num_experts
-    experts = f.size("num_local_experts" if f.raw.get("num_experts") is None else "num_experts")
-    top_k = f.size("num_experts_per_tok")
-    if top_k > experts:
-        raise f.error("num_experts_per_tok", f"at most the {experts} experts", top_k)
-    if arch == "MixtralForCausalLM":
-        return dict(
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=f.size("intermediate_size"),
-            norm_topk_prob=True,
-        )
-    step = f.size("decoder_sparse_step", 1)
-    only = f.value("mlp_only_layers", [])
-    if not isinstance(only, list) or not all(is_int(i) and 0 <= i < num_layers for i in only):
-        raise f.error("mlp_only_layers", f"a list of layer indices below {num_layers}", only)
-    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
-    shared = f.size("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
-    return dict(
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=f.size("moe_intermediate_size"),
-        norm_topk_prob=f.flag("norm_topk_prob", False),
-        router_weights_in_dtype=True,
-        dense_layers=dense,
-        shared_expert_intermediate_size=shared,
+def standard_recipe(fields: dict[str, Any], **changes: Any) -> DecoderRecipe:
+    """The recipe of a Llama-shaped decoder with these config fields: one RoPE table, the
+    same window on every layer, 1/sqrt(head_dim) scaling; `changes` override recipe fields."""
+    window = fields.get("sliding_window") or 0
+    head_dim = fields["head_dim"]
+    recipe = dict(
+        layers=tuple(LayerRecipe(window=window) for _ in range(fields["num_layers"])),
+        ropes=(Rope(fields.get("rope_theta", 10000.0), fields.get("rope_scaling")),),
+        attention_scale=head_dim**-0.5,
+        qk_norm=fields.get("qk_norm", False),
+        rotary_dim=int(head_dim * fields.get("partial_rotary_factor", 1.0)),
+        qkv_bias=fields.get("qkv_bias", False),
+        o_bias=fields.get("o_bias", False),
     )
+    recipe.update(changes)
+    return DecoderRecipe(**recipe)
+
+
+def decoder_config(fields: dict[str, Any], **recipe_changes: Any) -> ModelConfig:
+    """A ModelConfig from a family's fields, with the standard recipe (`recipe_changes` apply)."""
+    return ModelConfig(**fields, recipe=standard_recipe(fields, **recipe_changes))

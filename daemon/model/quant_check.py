@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
+from cpud.ranks.models import registry
 
 # --quantization value -> GGUF type name of the linears (ranks/quantize_dense.py)
 DENSE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}
@@ -26,15 +27,11 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 def linear_ks(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
     """(checkpoint tensor, K per rank) of each kind of linear, layer 0 standing for all."""
+    own = registry.by_name(cfg.family).linear_ks
+    if own is not None:
+        return own(cfg, tp)
     h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim // tp
     first = "model.layers.0"
-    if cfg.family == "opt":
-        return [
-            (f"{first}.self_attn.q_proj.weight", h),
-            (f"{first}.self_attn.out_proj.weight", q),
-            (f"{first}.fc1.weight", h),
-            (f"{first}.fc2.weight", cfg.intermediate_size // tp),
-        ]
     return [
         (f"{first}.self_attn.q_proj.weight", h),
         (f"{first}.self_attn.o_proj.weight", q),

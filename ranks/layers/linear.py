@@ -135,6 +135,7 @@ class ColumnParallelLinear(PackableLinear):
         self.group = group
         self.local_sizes = [divide(size, group.size, "output features") for size in output_sizes]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        self.checkpoint_sizes = list(output_sizes)  # rows of each part in a checkpoint
         out_local = sum(self.local_sizes)
         self.weight = new_param((out_local, in_features), dtype, self.load_shard)
         self.bias = new_param((out_local,), dtype, self.load_shard) if bias else None
@@ -148,6 +149,13 @@ class ColumnParallelLinear(PackableLinear):
     def block_region(self, shard_id: Any) -> tuple[int, slice, slice]:
         offset, start, size = self.shard_rows(shard_id)
         return offset, slice(start, start + size), slice(None)
+
+    def part_index(self, shard_id: Any) -> int:
+        return 0 if shard_id is None else int(shard_id)
+
+    def part_rows(self, shard_ids: tuple[Any, ...]) -> list[int]:
+        """Rows each part takes in a checkpoint tensor that stacks them (Phi-3's fused ones)."""
+        return [self.checkpoint_sizes[self.part_index(s)] for s in shard_ids]
 
     def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         offset, start, size = self.shard_rows(shard_id)
@@ -182,6 +190,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size = self.num_heads_local * head_dim
         kv_size = self.num_kv_heads_local * head_dim
         super().__init__(hidden_size, [q_size * tp, kv_size * tp, kv_size * tp], bias, dtype, group)
+        kv_rows = num_kv_heads * head_dim
+        self.checkpoint_sizes = [num_heads * head_dim, kv_rows, kv_rows]
+
+    def part_index(self, shard_id: Any) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard_id]
 
     def shard_rows(self, shard_id: Any) -> tuple[int, int, int]:
         index = {"q": 0, "k": 1, "v": 2}[shard_id]

@@ -173,10 +173,10 @@ class SparseMoeBlock(Layer):
         self.shared_expert: Layer | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if cfg.shared_expert_intermediate_size:
-            from cpud.ranks.models.llama import LlamaMLP
+            from cpud.ranks.models.decoder import GatedMLP
 
             shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
-            self.shared_expert = LlamaMLP(shared, dtype, group, ops)
+            self.shared_expert = GatedMLP(shared, dtype, group, ops)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, dtype)
 
     @property

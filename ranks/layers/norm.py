@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,12 +14,34 @@ if TYPE_CHECKING:
     from cpud.ranks.ops import Ops
 
 
+def load_with_offset(offset: float) -> Any:
+    """A loader of a norm weight stored as w that keeps offset + w (Gemma's 1 + weight)."""
+
+    def load(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        load_whole(param, source, shard_id)
+        param.data += offset
+
+    return load
+
+
 class RMSNorm(Layer):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: Ops):
+    """RMSNorm with the weight in the activations' dtype (Llama rounding), or in fp32 with an
+    offset added at load (`fp32_weight`: Gemma's x * (1 + w) rounded once)."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype,
+        ops: Ops,
+        fp32_weight: bool = False,
+        offset: float = 0.0,
+    ):
         super().__init__()
         self.eps = eps
         self.ops = ops
-        self.weight = new_param((dim,), dtype, load_whole)
+        loader = load_with_offset(offset) if offset else load_whole
+        self.weight = new_param((dim,), torch.float32 if fp32_weight else dtype, loader)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of x over its last dim ([T, H] or [T, heads, H]); x is left intact."""

@@ -1,4 +1,4 @@
-"""What a Llama-family model hands the fused decoder (ranks/fused_decoder.py): its shape and,
+"""What a recipe decoder hands the fused decoder (ranks/fused_decoder.py): its shape and,
 per layer, the tensors and linears the one native call reads. Models build it with
 ``decoder_weights()``; the fused decoder reads nothing else of the model."""
 
@@ -28,6 +28,11 @@ class DecoderLayerWeights:
     down: PackableLinear | None = None
     router: PackableLinear | None = None
     experts: Any = None
+    cos_sin: torch.Tensor | None = None  # [max positions, rotary dim] fp32; None: no rotary
+    window: int = 0  # sliding window (0: none)
+    # sandwich norms (Gemma): on the attention output and on the feed-forward output
+    attn_out_norm: torch.Tensor | None = None
+    ffn_out_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,14 @@ class DecoderWeights:
     q_size: int
     kv_size: int
     intermediate: int  # per rank: the dense feed-forward's, else the experts'
-    cos_sin: torch.Tensor  # [max positions, rotary dim] fp32
-    window: int  # 0: none
     eps: float
     scale: float
     embed: Callable[[torch.Tensor], torch.Tensor]
     final_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_dim: int
+    max_positions: int
+    gelu: bool = False  # gated GELU-tanh, else gated SiLU
+    residual_scale: float = 1.0
     experts: int = 0
     experts_per_tok: int = 0
     expert_inter: int = 0  # per rank

@@ -16,8 +16,8 @@ import torch
 
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.moe import ALL, SparseMoeBlock
+from cpud.ranks.models.decoder import DecoderForCausalLM, DecoderLayer
 from cpud.ranks.models.decoder_weights import DecoderLayerWeights, DecoderWeights
-from cpud.ranks.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 
@@ -32,7 +32,7 @@ _MIXTRAL = (
 _PART = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class MoeForCausalLM(LlamaForCausalLM):
+class MoeForCausalLM(DecoderForCausalLM):
     def decoder_weights(self) -> DecoderWeights:
         table = super().decoder_weights()
         block = next(layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "experts"))
@@ -47,8 +47,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         )
 
     @staticmethod
-    def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights:
-        table = LlamaForCausalLM.layer_weights(layer)
+    def layer_weights(layer: DecoderLayer) -> DecoderLayerWeights:
+        table = DecoderForCausalLM.layer_weights(layer)
         if not isinstance(layer.mlp, SparseMoeBlock):
             return table
         return replace(table, router=layer.mlp.gate, experts=layer.mlp.experts)

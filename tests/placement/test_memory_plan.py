@@ -14,7 +14,7 @@ from cpud.errors import ConfigError
 from cpud.fixtures.config import model_config
 from cpud.fixtures.presets import resolve
 from cpud.fixtures.weights import tensor_specs
-from cpud.model.model_config import parse_model_config
+from cpud.model.hf_config import parse_model_config
 from cpud.model.sizes import kv_block_bytes
 from cpud.placement.binding import binding_spec, plan_binding
 from cpud.placement.memory_plan import (
@@ -25,7 +25,7 @@ from cpud.placement.memory_plan import (
     weight_bytes,
 )
 from cpud.placement.topology import discover_topology
-from cpud.ranks.models import build_model
+from cpud.ranks.models.build import build_model
 
 BF16 = torch.bfloat16
 # two nodes with 12 GiB available each (10 free + 1 page cache + 1 reclaimable slab)
