@@ -14,22 +14,32 @@ static int dtype_ok(int dt) { return dt == CPUD_F32 || dt == CPUD_BF16; }
 
 int cpud_max_threads(void) { return omp_get_max_threads(); }
 
+/* A norm weight of w_dtype may scale rows of dtype: the same dtype, or f32 (Gemma form). */
+static int norm_dtypes_ok(int dtype, int w_dtype) {
+    return dtype_ok(dtype) && (w_dtype == dtype || w_dtype == CPUD_F32);
+}
+
 int cpud_rms_norm(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t out,
-                  int64_t out_stride, intptr_t w, int64_t T, int64_t n, int64_t H, float eps) {
+                  int64_t out_stride, intptr_t w, int w_dtype, int64_t T, int64_t n, int64_t H,
+                  float eps) {
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops) return CPUD_EISA;
-    if (!dtype_ok(dtype) || !x || !out || !w || T < 0 || n < 1 || H < 1) return CPUD_EARG;
-    ops->rms_norm(dtype, CADDR(x), x_stride, ADDR(out), out_stride, CADDR(w), T, n, H, eps);
+    if (!norm_dtypes_ok(dtype, w_dtype) || !x || !out || !w || T < 0 || n < 1 || H < 1)
+        return CPUD_EARG;
+    ops->rms_norm(dtype, CADDR(x), x_stride, ADDR(out), out_stride, CADDR(w), w_dtype, T, n, H,
+                  eps);
     return CPUD_OK;
 }
 
 int cpud_fused_add_rms_norm(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t residual,
-                            int64_t r_stride, intptr_t w, int64_t T, int64_t H, float eps) {
+                            int64_t r_stride, intptr_t w, int w_dtype, int64_t T, int64_t H,
+                            float eps) {
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops) return CPUD_EISA;
-    if (!dtype_ok(dtype) || !x || !residual || !w || T < 0 || H < 1) return CPUD_EARG;
-    ops->fused_add_rms_norm(dtype, ADDR(x), x_stride, ADDR(residual), r_stride, CADDR(w), T, H,
-                            eps);
+    if (!norm_dtypes_ok(dtype, w_dtype) || !x || !residual || !w || T < 0 || H < 1)
+        return CPUD_EARG;
+    ops->fused_add_rms_norm(dtype, ADDR(x), x_stride, ADDR(residual), r_stride, CADDR(w), w_dtype,
+                            T, H, eps);
     return CPUD_OK;
 }
 
@@ -55,6 +65,15 @@ int cpud_silu_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t
     if (!ops) return CPUD_EISA;
     if (!dtype_ok(dtype) || !x || !out || T < 0 || I < 1) return CPUD_EARG;
     ops->silu_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I);
+    return CPUD_OK;
+}
+
+int cpud_gelu_tanh_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t out,
+                           int64_t out_stride, int64_t T, int64_t I) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!dtype_ok(dtype) || !x || !out || T < 0 || I < 1) return CPUD_EARG;
+    ops->gelu_tanh_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I);
     return CPUD_OK;
 }
 

@@ -71,14 +71,16 @@ static ALWAYS_INLINE float rnd1(float v, int dt) {
 /* One tier's kernels; argument meanings as in cpud_native.h, pointers typed. */
 typedef struct cpud_ops {
     void (*rms_norm)(int dt, const void *x, int64_t xs, void *out, int64_t os, const void *w,
-                     int64_t T, int64_t n, int64_t H, float eps);
+                     int wdt, int64_t T, int64_t n, int64_t H, float eps);
     void (*fused_add_rms_norm)(int dt, void *x, int64_t xs, void *res, int64_t rs, const void *w,
-                               int64_t T, int64_t H, float eps);
+                               int wdt, int64_t T, int64_t H, float eps);
     void (*rotary)(int dt, const int64_t *pos, void *q, int64_t qs, void *k, int64_t ks,
                    const float *cos_sin, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                    int64_t rot, int neox);
     void (*silu_and_mul)(int dt, const void *x, int64_t xs, void *out, int64_t os, int64_t T,
                          int64_t I);
+    void (*gelu_tanh_and_mul)(int dt, const void *x, int64_t xs, void *out, int64_t os, int64_t T,
+                              int64_t I);
     void (*argmax_rows)(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
                         int64_t *out);
     int (*paged_attention)(int dt, const void *q, int64_t qs, const void *kc, const void *vc,

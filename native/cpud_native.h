@@ -33,23 +33,26 @@ int cpud_detect_isa(void);
 /* Threads an OpenMP parallel region started by the calling thread would get. */
 int cpud_max_threads(void);
 
-/* out = rmsnorm(x) * w, rows of H computed in fp32, HF rounding. x may alias out. */
+/* out = rmsnorm(x) * w, rows of H computed in fp32. x may alias out.  w_dtype picks the
+ * rounding: dtype gives HF LlamaRMSNorm's dt(dt(x * inv) * w); CPUD_F32 on bf16 x gives
+ * Gemma's dt(x * inv * w) in fp32, rounded once (Gemma3RMSNorm with its 1 + w folded into an
+ * f32 weight).  Any other pairing is CPUD_EARG. */
 int cpud_rms_norm(int isa, int dtype,
                   intptr_t x,       /* [T][n][H], token stride x_stride       */
                   int64_t x_stride,
                   intptr_t out,     /* [T][n][H], token stride out_stride     */
                   int64_t out_stride,
-                  intptr_t w,       /* [H], dtype                              */
-                  int64_t T, int64_t n, int64_t H, float eps);
+                  intptr_t w,       /* [H], w_dtype                            */
+                  int w_dtype, int64_t T, int64_t n, int64_t H, float eps);
 
-/* residual += x; x = rmsnorm(residual) * w, in place. */
+/* residual += x; x = rmsnorm(residual) * w, in place; w_dtype as in cpud_rms_norm. */
 int cpud_fused_add_rms_norm(int isa, int dtype,
                             intptr_t x,        /* [T][H], token stride x_stride   */
                             int64_t x_stride,
                             intptr_t residual, /* [T][H], token stride r_stride   */
                             int64_t r_stride,
-                            intptr_t w,        /* [H]                             */
-                            int64_t T, int64_t H, float eps);
+                            intptr_t w,        /* [H], w_dtype                    */
+                            int w_dtype, int64_t T, int64_t H, float eps);
 
 /* Rotary embedding in place on the first rot_dim dims of every head.
  * neox != 0: rotate halves; neox == 0: gpt-j interleaved pairs. */
@@ -69,6 +72,13 @@ int cpud_silu_and_mul(int isa, int dtype,
                       int64_t x_stride,
                       intptr_t out, /* [T][I], token stride out_stride */
                       int64_t out_stride, int64_t T, int64_t I);
+
+/* out = dt(dt(gelu_tanh(x[:, :I])) * x[:, I:]): torch's gelu(approximate="tanh") in fp32 */
+int cpud_gelu_tanh_and_mul(int isa, int dtype,
+                           intptr_t x,   /* [T][2I], token stride x_stride */
+                           int64_t x_stride,
+                           intptr_t out, /* [T][I], token stride out_stride */
+                           int64_t out_stride, int64_t T, int64_t I);
 
 /* out[r] = index of the first largest of x[r][0..n) (NaN never counts; 0 when no value
  * beats -inf): greedy sampling over logits */

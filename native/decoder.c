@@ -114,12 +114,12 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     for (int64_t i = 0; i < n_layers; i++) {
         const cpud_decoder_layer *l = &layers[i];
         int rc;
-        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, T, H, d->eps);
+        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, dt, T, H, d->eps);
         rc = linear(isa, ops, d, &l->q_qkv, l->qkv, l->qkv_bias, x, H, qkv, qn, T, qn, H, s);
         if (rc) return rc;
         if (l->q_norm) {
-            ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, T, nh, hd, d->eps);
-            ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, T, nkv, hd, d->eps);
+            ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, dt, T, nh, hd, d->eps);
+            ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, dt, T, nkv, hd, d->eps);
         }
         ops->rotary(dt, pos, q, qn, k, qn, (const float *)d->cos_sin, T, nh, nkv, hd, d->rot_dim,
                     1);
@@ -133,7 +133,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
         if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
-        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, T, H, d->eps);
+        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, dt, T, H, d->eps);
         if (l->router) {
             rc = cpud_moe_ffn_ops(ops, dt, x, x, T, H, d->expert_inter, d->experts,
                                   d->experts_per_tok, d->moe_flags, (const uint16_t *)l->router,

@@ -110,6 +110,33 @@ def _contig(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int 
         raise ValueError(f"{name}: must be contiguous")
 
 
+def _norm_weight(x: torch.Tensor, weight: torch.Tensor, hidden: int) -> int:
+    """Checks a norm's [hidden] weight: x's dtype, or float32 on bfloat16 x (Gemma form);
+    returns its dtype code."""
+    if weight.dtype == torch.float32 and x.dtype == torch.bfloat16:
+        _contig(weight, "weight", torch.float32, (hidden,))
+    else:
+        _contig(weight, "weight", x.dtype, (hidden,))
+    return DTYPE_CODE[weight.dtype]
+
+
+def _gated_io(x: torch.Tensor, out: torch.Tensor | None) -> tuple[int, int, torch.Tensor, int, int]:
+    """Checks a gated activation's x [T, 2I] and out [T, I] (made when None); returns
+    (dtype code, x token stride, out, out token stride, I)."""
+    dt = _dtype(x, "x")
+    xs = _tokens(x, "x", 2)
+    if x.shape[1] % 2:
+        raise ValueError(f"x: last dim {x.shape[1]} must be even")
+    inter = x.shape[1] // 2
+    if out is None:
+        out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+    else:
+        _same_dtype(x, out, "out")
+        if out.shape != (x.shape[0], inter):
+            raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], inter)}")
+    return dt, xs, out, _tokens(out, "out", 2), inter
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A [N, K] weight packed for ``Kernels.gemm_packed``.
@@ -257,14 +284,16 @@ class Kernels:
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """out = RMSNorm(x) * weight over the last dim (HF rounding); in place when out is None.
+        """out = RMSNorm(x) * weight over the last dim; in place when out is None.
 
-        x, out: [T, H] or [T, n, H] (e.g. q/k norm per head); weight: [H], x's dtype.
+        x, out: [T, H] or [T, n, H] (e.g. q/k norm per head); weight: [H] in x's dtype (HF
+        LlamaRMSNorm rounding) or float32 on bfloat16 x (Gemma form: x * inv * weight in fp32,
+        rounded once).
         """
         dt = _dtype(x, "x")
         xs = _tokens(x, "x", x.dim() if x.dim() in (2, 3) else 2)
         hidden = x.shape[-1]
-        _contig(weight, "weight", x.dtype, (hidden,))
+        wdt = _norm_weight(x, weight, hidden)
         if out is None:
             out, os_ = x, xs
         else:
@@ -281,6 +310,7 @@ class Kernels:
             out.data_ptr(),
             os_,
             weight.data_ptr(),
+            wdt,
             x.shape[0],
             heads,
             hidden,
@@ -292,14 +322,15 @@ class Kernels:
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> None:
-        """residual += x; x = RMSNorm(residual) * weight; both [T, H] in place."""
+        """residual += x; x = RMSNorm(residual) * weight; both [T, H] in place; weight as in
+        ``rms_norm``."""
         dt = _dtype(x, "x")
         xs = _tokens(x, "x", 2)
         _same_dtype(x, residual, "residual")
         rs = _tokens(residual, "residual", 2)
         if residual.shape != x.shape:
             raise ValueError(f"residual: shape {tuple(residual.shape)} != x {tuple(x.shape)}")
-        _contig(weight, "weight", x.dtype, (x.shape[1],))
+        wdt = _norm_weight(x, weight, x.shape[1])
         rc = _loader.lib.cpud_fused_add_rms_norm(
             self._code,
             dt,
@@ -308,6 +339,7 @@ class Kernels:
             residual.data_ptr(),
             rs,
             weight.data_ptr(),
+            wdt,
             x.shape[0],
             x.shape[1],
             float(eps),
@@ -365,22 +397,21 @@ class Kernels:
 
     def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (HF rounding)."""
-        dt = _dtype(x, "x")
-        xs = _tokens(x, "x", 2)
-        if x.shape[1] % 2:
-            raise ValueError(f"x: last dim {x.shape[1]} must be even")
-        inter = x.shape[1] // 2
-        if out is None:
-            out = torch.empty(x.shape[0], inter, dtype=x.dtype)
-        else:
-            _same_dtype(x, out, "out")
-            if out.shape != (x.shape[0], inter):
-                raise ValueError(f"out: shape {tuple(out.shape)}, expected {(x.shape[0], inter)}")
-        os_ = _tokens(out, "out", 2)
+        dt, xs, out, os_, inter = _gated_io(x, out)
         rc = _loader.lib.cpud_silu_and_mul(
             self._code, dt, x.data_ptr(), xs, out.data_ptr(), os_, x.shape[0], inter
         )
         check_rc(rc, "silu_and_mul")
+        return out
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, I] = gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I]: torch's
+        gelu(approximate="tanh") in fp32, rounded to x's dtype, then the product (HF)."""
+        dt, xs, out, os_, inter = _gated_io(x, out)
+        rc = _loader.lib.cpud_gelu_tanh_and_mul(
+            self._code, dt, x.data_ptr(), xs, out.data_ptr(), os_, x.shape[0], inter
+        )
+        check_rc(rc, "gelu_tanh_and_mul")
         return out
 
     # ----------------------------------------------------------- argmax

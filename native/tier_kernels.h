@@ -74,83 +74,7 @@ static ALWAYS_INLINE TGT void dot4_f32(const float *a, const float *b, int64_t b
         for (int r = 0; r < 4; r++) out[r] += a[i] * b[r * bs + i];
 }
 
-/* ------------------------------------------------------------- rms norm */
-
-/* x: [H] dt -> sum of squares in fp32 */
-static ALWAYS_INLINE TGT float sumsq(const void *x, int64_t H, int dt) {
-    vf acc0 = vf_zero(), acc1 = vf_zero();
-    int64_t i = 0;
-    for (; i + 2 * VW <= H; i += 2 * VW) {
-        vf a = ldv(x, i, dt), b = ldv(x, i + VW, dt);
-        acc0 = vf_fma(a, a, acc0);
-        acc1 = vf_fma(b, b, acc1);
-    }
-    for (; i + VW <= H; i += VW) {
-        vf a = ldv(x, i, dt);
-        acc0 = vf_fma(a, a, acc0);
-    }
-    float s = vf_hsum(vf_add(acc0, acc1));
-    for (; i < H; i++) {
-        float v = ld1(x, i, dt);
-        s += v * v;
-    }
-    return s;
-}
-
-/* x: [H] -> out: [H] = dt(dt(x * inv) * w), w: [H]; HF LlamaRMSNorm rounding. */
-static ALWAYS_INLINE TGT void scale_row(const void *x, void *out, const void *w, int64_t H,
-                                        float inv, int dt) {
-    const vf vinv = vf_set1(inv);
-    int64_t i = 0;
-    for (; i + VW <= H; i += VW)
-        stv(out, i, vf_mul(rndv(vf_mul(ldv(x, i, dt), vinv), dt), ldv(w, i, dt)), dt);
-    for (; i < H; i++) st1(out, i, rnd1(ld1(x, i, dt) * inv, dt) * ld1(w, i, dt), dt);
-}
-
-/* x: [H] -> out: [H], w: [H] */
-static ALWAYS_INLINE TGT void rms_row(const void *x, void *out, const void *w, int64_t H,
-                                      float eps, int dt) {
-    const float inv = 1.0f / sqrtf(sumsq(x, H, dt) / (float)H + eps);
-    scale_row(x, out, w, H, inv, dt);
-}
-
-/* x: [T][n][H] (token stride xs) -> out: [T][n][H] (token stride os), w: [H] */
-static TGT void rms_norm_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
-                           const void *w, int64_t T, int64_t n, int64_t H, float eps) {
-    const int64_t rows = T * n;
-#pragma omp parallel for schedule(static) if (rows * H >= CPUD_PAR_MIN && rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t t = r / n, h = r % n;
-        const void *xr = at(x, t * xs + h * H, dt);
-        void *outr = at(out, t * os + h * H, dt);
-        if (dt == CPUD_BF16)
-            rms_row(xr, outr, w, H, eps, CPUD_BF16);
-        else
-            rms_row(xr, outr, w, H, eps, CPUD_F32);
-    }
-}
-
-/* x: [H], res: [H] -> res = dt(res + x); x = rmsnorm(res) * w */
-static ALWAYS_INLINE TGT void add_rms_row(void *x, void *res, const void *w, int64_t H, float eps,
-                                          int dt) {
-    int64_t i = 0;
-    for (; i + VW <= H; i += VW) stv(res, i, vf_add(ldv(res, i, dt), ldv(x, i, dt)), dt);
-    for (; i < H; i++) st1(res, i, ld1(res, i, dt) + ld1(x, i, dt), dt);
-    rms_row(res, x, w, H, eps, dt);
-}
-
-/* x: [T][H] (token stride xs), res: [T][H] (token stride rs), w: [H] */
-static TGT void fused_add_rms_norm_k(int dt, void *x, int64_t xs, void *res, int64_t rs,
-                                     const void *w, int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T * H >= CPUD_PAR_MIN && T > 1)
-    for (int64_t t = 0; t < T; t++) {
-        void *xr = at(x, t * xs, dt), *rr = at(res, t * rs, dt);
-        if (dt == CPUD_BF16)
-            add_rms_row(xr, rr, w, H, eps, CPUD_BF16);
-        else
-            add_rms_row(xr, rr, w, H, eps, CPUD_F32);
-    }
-}
+#include "tier_norms.h"
 
 /* ---------------------------------------------------------------- rotary */
 
@@ -225,35 +149,7 @@ static TGT void rotary_k(int dt, const int64_t *pos, void *q, int64_t qs, void *
     }
 }
 
-/* ----------------------------------------------------------- activation */
-
-/* x: [2I] (gate | up) -> out: [I] = dt(dt(silu(gate)) * up), as HF computes it */
-static ALWAYS_INLINE TGT void silu_mul_row(const void *x, void *out, int64_t I, int dt) {
-    const void *up = at(x, I, dt);
-    const vf one = vf_set1(1.0f), zero = vf_zero();
-    int64_t i = 0;
-    for (; i + VW <= I; i += VW) {
-        vf g = ldv(x, i, dt);
-        vf s = vf_div(g, vf_add(one, vf_exp(vf_sub(zero, g))));
-        stv(out, i, vf_mul(rndv(s, dt), ldv(up, i, dt)), dt);
-    }
-    for (; i < I; i++) {
-        float g = ld1(x, i, dt);
-        st1(out, i, rnd1(g / (1.0f + expf(-g)), dt) * ld1(up, i, dt), dt);
-    }
-}
-
-/* x: [T][2I] (stride xs) -> out: [T][I] (stride os) */
-static TGT void silu_and_mul_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
-                               int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= CPUD_PAR_MIN && T > 1)
-    for (int64_t t = 0; t < T; t++) {
-        if (dt == CPUD_BF16)
-            silu_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_BF16);
-        else
-            silu_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_F32);
-    }
-}
+#include "tier_activations.h"
 
 /* ------------------------------------------------------------- argmax */
 

@@ -6,6 +6,7 @@
         .fused_add_rms_norm = fused_add_rms_norm_k,                                                \
         .rotary = rotary_k,                                                                        \
         .silu_and_mul = silu_and_mul_k,                                                            \
+        .gelu_tanh_and_mul = gelu_tanh_and_mul_k,                                                  \
         .argmax_rows = argmax_rows_k,                                                              \
         .paged_attention = paged_attention_k,                                                      \
         .gemm_packed = gemm_packed_k,                                                              \

@@ -17,7 +17,9 @@ class Ops(Protocol):
     name: str
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dim of [T, H] or [T, heads, H]; may reuse x's storage."""
+        """RMSNorm over the last dim of [T, H] or [T, heads, H]; may reuse x's storage.
+        weight in x's dtype: HF LlamaRMSNorm; float32 on a lower-precision x: Gemma's form
+        (x * inv * weight in fp32, rounded once; weight holds Gemma's 1 + w)."""
         ...
 
     def add_rms_norm(
@@ -27,12 +29,22 @@ class Ops(Protocol):
         ...
 
     def rotary(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: torch.Tensor,
+        neox: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Neox-style rotation of q [T, nh, hd] and k [T, nkv, hd]; cos_sin [P, rot] fp32."""
+        """Rotation of q [T, nh, hd] and k [T, nkv, hd] (neox: halves, else gpt-j pairs);
+        cos_sin [P, rot] fp32."""
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, approximate="tanh") * up for x [T, 2I] = gate | up, in x's dtype."""
+        ...
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [S]: index of the first largest logit of each row of [S, vocab]."""
@@ -60,6 +72,8 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if weight.dtype == torch.float32 and x.dtype != torch.float32:
+            return (x32 * weight).to(x.dtype)  # Gemma3RMSNorm
         return weight * x32.to(x.dtype)
 
     def add_rms_norm(
@@ -69,17 +83,31 @@ class TorchOps:
         return self.rms_norm(summed, weight, eps), summed
 
     def rotary(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: torch.Tensor,
+        neox: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         half = cos_sin.shape[-1] // 2
         table = cos_sin[positions].unsqueeze(1)
-        cos = torch.cat((table[..., :half], table[..., :half]), dim=-1).to(q.dtype)
-        sin = torch.cat((table[..., half:], table[..., half:]), dim=-1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = table[..., :half], table[..., half:]
+        if neox:
+            cos = torch.cat((cos, cos), dim=-1).to(q.dtype)
+            sin = torch.cat((sin, sin), dim=-1).to(q.dtype)
+        else:
+            cos = cos.repeat_interleave(2, dim=-1).to(q.dtype)
+            sin = sin.repeat_interleave(2, dim=-1).to(q.dtype)
+        return _rotate(q, cos, sin, neox), _rotate(k, cos, sin, neox)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -118,11 +146,16 @@ class TorchOps:
         return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x * cos + rotate(x) * sin on the first rot_dim dims: rotate_half (neox) or
+    rotate_every_two (gpt-j pairs)."""
     rot_dim = cos.shape[-1]
     rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    half = rot_dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    if neox:
+        half = rot_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    else:
+        rotated = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
     out = rot * cos + rotated * sin
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
@@ -145,13 +178,21 @@ class NativeOps:
         return x, residual
 
     def rotary(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: torch.Tensor,
+        neox: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k.rotary_embedding(positions, q, k, cos_sin, is_neox=True)
+        self.k.rotary_embedding(positions, q, k, cos_sin, is_neox=neox)
         return q, k
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.gelu_tanh_and_mul(x)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         # torch's max over 32 x 151936 bf16 logits takes ~4 ms on 2 cores, the kernel ~0.3
