@@ -21,8 +21,10 @@ from gguf_vocab import add_tokenizer_metadata
 from safetensors.numpy import load_file
 
 from cpud.fixtures import make_model, presets
+from cpud.fixtures.archs import ARCH_MODULES
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH |= {a: m.GGUF_ARCH for a, m in ARCH_MODULES.items() if hasattr(m, "GGUF_ARCH")}
 FILE_TYPES = {
     T.F32: gguf.LlamaFileType.ALL_F32,
     T.F16: gguf.LlamaFileType.MOSTLY_F16,
@@ -60,12 +62,14 @@ KQUANT_SHAPE = dict(
 TypeChoice = T | Callable[[str, tuple[int, ...]], T]
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, model_type: str = "llama") -> str | None:
     stem, suffix = hf_name.rsplit(".", 1)
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"
     _, _, layer, part = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[part]}.{suffix}"
+    names = LAYER_NAMES | getattr(ARCH_MODULES.get(model_type), "GGUF_LAYER_NAMES", {})
+    stem = names[part]  # None: a tensor the family's converter leaves out
+    return None if stem is None else f"blk.{layer}.{stem}.{suffix}"
 
 
 def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -129,6 +133,9 @@ def _set_parameters(w: gguf.GGUFWriter, arch: str, config: dict, file_type: int)
         w.add_vocab_size(config["vocab_size"])
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         w.add_rope_dimension_count(head_dim)
+    own = getattr(ARCH_MODULES.get(config["model_type"]), "gguf_parameters", None)
+    if own is not None:
+        own(w, config)
 
 
 def encode(values: np.ndarray, qtype: T) -> np.ndarray:
@@ -162,7 +169,9 @@ def write_gguf(
     tensors = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for hf, values in tensors.items():
-        name = gguf_name(hf)
+        name = gguf_name(hf, config["model_type"])
+        if name is None:  # a tensor the family's converter leaves out or folds elsewhere
+            continue
         values = values.astype(np.float32)
         if arch == "llama" and ".attn_q." in name:
             values = permute(values, heads, heads)
