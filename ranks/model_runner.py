@@ -28,8 +28,10 @@ from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.sampler import sample, score_prompts
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
+from cpud.settings import ENGINE, defaults
 
 log = logging.getLogger("cpud.rank")
+_ENGINE = defaults(ENGINE)  # defaults of the settings a runner gets resolved
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,13 @@ class RunnerConfig:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    seed: int = 0
-    kernels: str = "auto"  # "auto" | "native" | "torch"
+    seed: int = _ENGINE["seed"]
+    kernels: str = _ENGINE["kernels"]
     weight_cache: Path | None = None  # directory of packed shards kept between starts
-    kv_pretouch: bool = True  # map the KV cache pages while the runner idles (kv_pretouch)
+    kv_pretouch: bool = _ENGINE["kv_pretouch"]  # map the KV cache pages while the runner idles
     # native kernels: auto keeps a GGUF file's quantized linears in blocks; q8_0|q4_0|q4_k
     # quantizes dense linears at load (ranks/quantize_dense.py); none runs everything dense
-    quantization: str = "auto"
+    quantization: str = _ENGINE["quantization"]
 
 
 class ModelRunner:
@@ -82,8 +84,16 @@ class ModelRunner:
         self.decoder = (
             FusedDecoder(self.model, self.ops, group, self.kv_caches) if reason is None else None
         )
-        if reason is not None:
-            log.info("decoder layers run op by op: %s", reason)
+        if group.rank == 0:
+            recipe = model_cfg.recipe.describe() if model_cfg.recipe is not None else "own model"
+            how = "fused (one native call per step)" if reason is None else f"op by op: {reason}"
+            log.info(
+                "model family %s (%s): %s; decoder layers %s",
+                model_cfg.family,
+                model_cfg.architecture,
+                recipe,
+                how,
+            )
         self._idle_since: float | None = time.monotonic()
         self.kv_pretouch = (
             KVPretouch(self.kv_caches, self.idle_seconds).start() if config.kv_pretouch else None

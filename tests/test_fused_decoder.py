@@ -151,7 +151,7 @@ def test_unsupported_setups_run_op_by_op(model_factory):
     assert "not packed" in unsupported_reason(fp32.model, fp32.ops, fp32.group)
     opt = LLM(model_factory("opt"), dtype="bfloat16", kernels="native").engine.executor.runner
     assert opt.decoder is None
-    assert "not a Llama-family" in unsupported_reason(opt.model, opt.ops, opt.group)
+    assert "not a recipe decoder" in unsupported_reason(opt.model, opt.ops, opt.group)
 
     class OtherGroup:
         rank, size = 0, 2

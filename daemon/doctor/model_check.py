@@ -59,9 +59,12 @@ def model_check(planning: Planning) -> Check:
             f", {model.num_experts} experts of intermediate {model.moe_intermediate_size}"
             f" (top {model.num_experts_per_tok})"
         )
+    recipe = model.recipe.describe() if model.recipe is not None else "its own model (per-op path)"
     value: dict[str, object] = {
         "path": str(path),
         "architecture": model.architecture,
+        "family": model.family,
+        "recipe": recipe,
         "layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "vocab_size": model.vocab_size,
@@ -79,6 +82,7 @@ def model_check(planning: Planning) -> Check:
         summary = f"{path.name} (GGUF, {gib(value['file_bytes'])}): {shape}; runs in {config.dtype}"
     else:
         summary = f"{path.name}: {shape}; runs in {config.dtype}"
+    details = (f"family {model.family}: {recipe}", *details)
     weights, weight_details = _weight_rows(config, path)
     value["weights"] = weights
     summary += f", --quantization {config.quantization}"
