@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from cpud import envs
+from cpud import envs, settings
 from cpud.cors_policy import CorsPolicy
 from cpud.errors import ConfigError
 from cpud.model.cpu_features import resolve_dtype
@@ -18,78 +16,80 @@ from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.model.safetensors_check import check_weights
 from cpud.model.sizes import kv_block_bytes
 from cpud.protocol.launch import EngineSpec
+from cpud.settings import (
+    DEFAULT_KV_CACHE_SPACE_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    ENGINE,
+    MAX_MODEL_LEN_CAP,
+    SERVE,
+)
+from cpud.settings.flags import engine_kwargs as engine_kwargs  # parsed flags -> EngineArgs
 from cpud.structured.limits import GrammarLimits
 from cpud.user_files import check_model_files_are_regular
 
 GiB = 1 << 30
-KERNEL_KINDS = ("auto", "native", "torch")
-DEFAULT_KV_CACHE_SPACE_GIB = 4.0
+KERNEL_KINDS = settings.choices("kernels")
+COLLECTIVES = settings.choices("collective")
+_ENGINE = settings.defaults(ENGINE)
+_SERVE = settings.defaults(SERVE)
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """User-facing knobs; None means 'choose for me'."""
+    """User-facing knobs, each declared (default, flag, meaning) in cpud.settings; None means
+    'choose for me'."""
 
-    model: str | os.PathLike | None = None
-    dtype: str = "auto"
-    tp: int = 1
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_space_gib: float | None = None
-    # Share of each rank's available node memory (after weights and runtime) for the KV cache;
-    # used when no space is given. vLLM's --gpu-memory-utilization maps here.
-    kv_cache_fraction: float | None = None
-    num_kv_blocks: int | None = None
-    seed: int = 0
-    kernels: str = "auto"
-    bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND syntax; None: env, else auto
-    reserved_cpus: int | None = None
-    collective: str = "shm"  # "shm" | "gloo"
-    weight_cache: str = "auto"  # "auto" ($CPUD_CACHE_DIR/packed), "off", or a directory
-    kv_pretouch: bool = True  # map the KV cache pages while the ranks idle after the load
-    # auto: GGUF blocks run the int8 kernels; none: dequantize them; q8_0|q4_0|q4_k: quantize
-    # a dense checkpoint at load (ranks/quantize_dense.py)
-    quantization: str = "auto"
-    int8_kernels: bool | None = None  # deprecated: True is quantization auto, False none
-    chat_template: str | None = None  # --chat-template: a file or the template itself
-    tool_call_parser: str | None = None  # --tool-call-parser; None: detect from the template
+    model: str | os.PathLike | None = _ENGINE["model"]
+    dtype: str = _ENGINE["dtype"]
+    tp: int = _ENGINE["tp"]
+    max_model_len: int | None = _ENGINE["max_model_len"]
+    block_size: int = _ENGINE["block_size"]
+    max_num_seqs: int = _ENGINE["max_num_seqs"]
+    max_num_batched_tokens: int | None = _ENGINE["max_num_batched_tokens"]
+    enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]
+    kv_cache_space_gib: float | None = _ENGINE["kv_cache_space_gib"]
+    kv_cache_fraction: float | None = _ENGINE["kv_cache_fraction"]
+    num_kv_blocks: int | None = _ENGINE["num_kv_blocks"]
+    seed: int = _ENGINE["seed"]
+    kernels: str = _ENGINE["kernels"]
+    bind: str | None = _ENGINE["bind"]
+    reserved_cpus: int | None = _ENGINE["reserved_cpus"]
+    collective: str = _ENGINE["collective"]
+    weight_cache: str = _ENGINE["weight_cache"]
+    kv_pretouch: bool = _ENGINE["kv_pretouch"]
+    quantization: str = _ENGINE["quantization"]
+    int8_kernels: bool | None = _ENGINE["int8_kernels"]
+    chat_template: str | None = _ENGINE["chat_template"]
+    tool_call_parser: str | None = _ENGINE["tool_call_parser"]
 
 
-# Flags (argparse destinations) whose EngineArgs field has another name.
-FLAG_FIELDS = {"kv_cache_space": "kv_cache_space_gib", "kv_cache_pretouch": "kv_pretouch"}
-
-
-def engine_kwargs(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """The EngineArgs fields among parsed flags (`vars(namespace)`), the model excepted: a
-    command passes on every engine setting it parses without listing them."""
-    names = {f.name for f in fields(EngineArgs)} - {"model"}
-    pairs = ((FLAG_FIELDS.get(key, key), value) for key, value in flags.items())
-    return {name: value for name, value in pairs if name in names}
+def _grammar_limits() -> GrammarLimits:
+    return GrammarLimits(
+        compile_timeout=_SERVE["grammar_compile_timeout"],
+        compile_threads=_SERVE["grammar_compile_threads"],
+        cache_mib=_SERVE["grammar_cache_mib"],
+    )
 
 
 @dataclass(frozen=True)
 class ServeArgs:
-    """How `cpud serve` listens, admits, drains and watches its ranks."""
+    """How `cpud serve` listens, admits, drains and watches its ranks (each setting declared
+    in cpud.settings)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)  # never in logs, files or argv
-    served_model_names: tuple[str, ...] = ()
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    max_waiting: int = 1024
-    metrics_need_key: bool = False
-    ready_timeout: float = 600.0  # seconds ranks may take to load
-    rank_timeout: float = 30.0  # seconds without a heartbeat before a child counts as lost
-    step_timeout: float = 300.0  # seconds one step may run before its rank counts as hung
-    stall_timeout: float = 10.0  # seconds without a finished step before /health says 503
-    # usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details);
-    # off: omitted, so no client learns from it what others sent
-    enable_prompt_tokens_details: bool = True
-    http2: bool = False  # cleartext HTTP/2 (prior knowledge, h2c upgrade) beside HTTP/1.1
-    grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    host: str = _SERVE["host"]
+    port: int = _SERVE["port"]
+    api_key: str | None = field(default=_SERVE["api_key"], repr=False)  # never logged or sent
+    served_model_names: tuple[str, ...] = ()  # none: the --model value
+    drain_timeout: float = _SERVE["drain_timeout"]
+    max_waiting: int = _SERVE["max_waiting"]
+    metrics_need_key: bool = _SERVE["metrics_need_key"]
+    ready_timeout: float = _SERVE["ready_timeout"]
+    rank_timeout: float = _SERVE["rank_timeout"]
+    step_timeout: float = _SERVE["step_timeout"]
+    stall_timeout: float = _SERVE["stall_timeout"]
+    enable_prompt_tokens_details: bool = _SERVE["enable_prompt_tokens_details"]
+    http2: bool = _SERVE["http2"]
+    grammar: GrammarLimits = field(default_factory=_grammar_limits)
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # off unless origins are listed
 
     def __post_init__(self) -> None:
@@ -119,11 +119,11 @@ class EngineConfig:
     enable_prefix_caching: bool
     num_kv_blocks: int
     seed: int
-    kernels: str = "auto"
-    collective: str = "shm"
+    kernels: str = _ENGINE["kernels"]
+    collective: str = _ENGINE["collective"]
     weight_cache: str | None = None  # directory of packed weight shards; None: off
-    kv_pretouch: bool = True
-    quantization: str = "auto"
+    kv_pretouch: bool = _ENGINE["kv_pretouch"]
+    quantization: str = _ENGINE["quantization"]
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -201,17 +201,17 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         raise ConfigError(f"block_size must be a multiple of 16, got {args.block_size}")
     if args.kernels not in KERNEL_KINDS:
         raise ConfigError(f"kernels must be one of {', '.join(KERNEL_KINDS)}, got {args.kernels!r}")
-    if args.collective not in ("shm", "gloo"):
-        raise ConfigError(f"collective must be shm or gloo, got {args.collective!r}")
+    if args.collective not in COLLECTIVES:
+        raise ConfigError(f"collective must be {' or '.join(COLLECTIVES)}, got {args.collective!r}")
     dtype = resolve_dtype(args.dtype, checkpoint_dtype=model.checkpoint_dtype, kernels=args.kernels)
     quantization = resolve_quantization(args, model, Path(model_dir), dtype)
-    max_model_len = args.max_model_len or min(model.max_position_embeddings, 8192)
+    max_model_len = args.max_model_len or min(model.max_position_embeddings, MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
         raise ConfigError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{model.max_position_embeddings}: lower --max-model-len"
         )
-    batched = args.max_num_batched_tokens or 2048
+    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype)
     blocks_per_seq = -(-max_model_len // args.block_size)
     if args.num_kv_blocks is not None:

@@ -1,4 +1,5 @@
-"""Environment variables cpud reads, each parsed in one typed place."""
+"""Environment variables cpud reads, each parsed in one typed place. Which variables set which
+setting is declared with the setting, in cpud.settings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import os
 from collections.abc import Mapping
 
 from cpud.errors import ConfigError
+from cpud.settings import setting
+
+# vLLM's name for --kv-cache-space: the engine reads it too, so the offline LLM honours it.
+KV_CACHE_SPACE_VARIABLE = setting("kv_cache_space_gib").env_aliases[0]
+API_KEY_VARIABLES = (*setting("api_key").env_names, *setting("api_key_file").env_names)
 
 
 def _float(name: str) -> float | None:
@@ -21,15 +27,13 @@ def _float(name: str) -> float | None:
 
 def kv_cache_space_gib() -> float | None:
     """VLLM_CPU_KVCACHE_SPACE: KV cache size per rank in GiB (vLLM's name, same meaning)."""
-    return _float("VLLM_CPU_KVCACHE_SPACE")
+    return _float(KV_CACHE_SPACE_VARIABLE)
 
 
 def api_key() -> str | None:
     """CPUD_API_KEY, else VLLM_API_KEY (vLLM's name): the key clients must send."""
-    return os.environ.get("CPUD_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-
-
-API_KEY_VARIABLES = ("CPUD_API_KEY", "VLLM_API_KEY", "CPUD_API_KEY_FILE")
+    names = setting("api_key").env_names
+    return next((os.environ[name] for name in names if os.environ.get(name)), None)
 
 
 def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
@@ -38,25 +42,9 @@ def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in API_KEY_VARIABLES}
 
 
-# `cpud serve` flags also read from the environment (flag > env > default): each --foo-bar as
-# CPUD_FOO_BAR, and the vLLM names below, so a vLLM CPU deployment's environment carries over.
-ENV_PREFIX = "CPUD_"
-VLLM_FLAG_ENV = {
-    "--bind": "VLLM_CPU_OMP_THREADS_BIND",
-    "--reserved-cpus": "VLLM_CPU_NUM_OF_RESERVED_CPU",
-    "--kv-cache-space": "VLLM_CPU_KVCACHE_SPACE",
-    "--api-key": "VLLM_API_KEY",
-}
+# How a boolean flag's variable is spelled.
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def flag_env_names(flag: str) -> list[str]:
-    """Environment variables that set `flag`, strongest first."""
-    names = [ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()]
-    if flag in VLLM_FLAG_ENV:
-        names.append(VLLM_FLAG_ENV[flag])
-    return names
 
 
 def parse_env_value(name: str, raw: str, flag: str, kind: str, convert, choices) -> object:

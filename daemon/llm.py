@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -13,23 +14,51 @@ from cpud.engine.outputs import RequestOutput
 from cpud.model_dir import resolve_model_dir
 from cpud.placement.start import plan_start
 from cpud.sampling_params import SamplingParams
+from cpud.settings import ENGINE, in_group
 from cpud.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+# keyword alias -> setting (tensor_parallel_size -> tp)
+KEYWORD_ALIASES = {alias: s.name for s in in_group(ENGINE) for alias in s.keyword_aliases}
+
+
+def engine_args(model: str | os.PathLike | None, keywords: dict[str, Any]) -> EngineArgs:
+    """EngineArgs from LLM(...)'s keywords: the engine settings (cpud.settings) and their
+    aliases; TypeError for any other, or for a setting given twice with two values."""
+    names = {s.name for s in in_group(ENGINE)} - {"model"}
+    chosen: dict[str, Any] = {}
+    for keyword, value in keywords.items():
+        name = KEYWORD_ALIASES.get(keyword, keyword)
+        if name not in names:
+            raise TypeError(f"LLM() got an unexpected keyword argument {keyword!r}")
+        if value is None and keyword in KEYWORD_ALIASES:
+            continue  # an alias left at None gives way to the setting's own keyword
+        if name in chosen and chosen[name] != value:
+            raise TypeError(f"LLM() got {name} and its alias {keyword} with different values")
+        chosen[name] = value
+    return EngineArgs(model=model, **chosen)
+
+
+def _signature() -> inspect.Signature:
+    """LLM's signature as the settings table declares it: (self, model=None, *, setting=...)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for item in in_group(ENGINE):
+        if item.name == "model":
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            params.insert(1, inspect.Parameter("model", kind, default=item.default))
+            continue
+        params.append(inspect.Parameter(item.name, keyword, default=item.default))
+        params += [inspect.Parameter(a, keyword, default=None) for a in item.keyword_aliases]
+    return inspect.Signature(params)
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | os.PathLike | None = None,
-        *,
-        dtype: str = "auto",
-        tp: int = 1,
-        tensor_parallel_size: int | None = None,
-        **engine_args: Any,
-    ):
-        tp = tensor_parallel_size or tp
-        args = EngineArgs(model=model, dtype=dtype, tp=tp, **engine_args)
+    def __init__(self, model: str | os.PathLike | None = None, **settings: Any):
+        """The engine of `model` (default: SmolLM2-135M-Instruct), set by keywords: every
+        engine setting of cpud.settings (dtype, tp or tensor_parallel_size, max_model_len,
+        kernels, ...), each defaulting as the table says."""
+        args = engine_args(model, settings)
         model_dir = resolve_model_dir(model)
         start = plan_start(args, model_dir)
         self.config = start.config
@@ -106,3 +135,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+LLM.__init__.__signature__ = _signature()

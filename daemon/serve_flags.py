@@ -1,147 +1,106 @@
-"""The flags of `cpud serve` beyond the engine's: listening, keys, names, timeouts, templates."""
+"""ServeArgs from the parsed flags of `cpud serve` (declared in cpud.settings): the API key from
+its flag, its file or the environment, and the grammar and CORS settings grouped."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import stat
+import sys
+
+from cpud.config import ServeArgs
+
+MAX_API_KEY_BYTES = 4096
 
 
-class _StoreGiven(argparse.Action):
-    """Stores the value and notes that the flag came on the command line (in `given`), which
-    an environment default does not."""
+def serve_args(args: argparse.Namespace) -> ServeArgs:
+    """The serve settings of a parsed `cpud serve` command line; ConfigError for a bad one."""
+    from cpud.cors_policy import CorsPolicy, word_list
+    from cpud.structured.limits import GrammarLimits
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.given = {*namespace.given, self.dest}
+    return ServeArgs(
+        host=args.host,
+        port=args.port,
+        api_key=api_key(args),
+        served_model_names=tuple(args.served_model_name or ()),
+        drain_timeout=args.drain_timeout,
+        metrics_need_key=args.metrics_need_key,
+        max_waiting=args.max_pending_requests,
+        ready_timeout=args.ready_timeout,
+        rank_timeout=args.rank_timeout,
+        step_timeout=args.step_timeout,
+        stall_timeout=args.stall_timeout,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        http2=args.http2,
+        grammar=GrammarLimits(
+            compile_timeout=args.grammar_compile_timeout,
+            compile_threads=args.grammar_compile_threads,
+            cache_mib=args.grammar_cache_mib,
+        ),
+        cors=CorsPolicy(
+            origins=word_list(args.allowed_origins),
+            methods=word_list(args.allowed_methods) or ("*",),
+            headers=word_list(args.allowed_headers) or ("*",),
+        ),
+    )
 
 
-def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port of the OpenAI API")
-    parser.add_argument(
-        "--api-key",
-        action=_StoreGiven,
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY`; on the command line every user sees it in the "
-        "process list: prefer --api-key-file or the environment",
-    )
-    parser.add_argument(
-        "--api-key-file",
-        action=_StoreGiven,
-        metavar="PATH",
-        help="read the API key from PATH (one line; keep the file 0600 or 0640)",
-    )
-    parser.add_argument(
-        "--served-model-name", nargs="+", help="model names clients use (default: --model)"
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests may take to finish after SIGTERM",
-    )
-    parser.add_argument(
-        "--metrics-need-key", action="store_true", help="also require the API key for /metrics"
-    )
-    parser.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=1024,
-        help="requests admitted at once (running + queued); more get 429 with Retry-After",
-    )
-    parser.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=600.0,
-        help="seconds the ranks may take to bind, pin and load their weights",
-    )
-    parser.add_argument(
-        "--rank-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a rank or the frontend may go without a heartbeat before the daemon "
-        "counts it as lost and exits 3 for a restart",
-    )
-    parser.add_argument(
-        "--step-timeout",
-        type=float,
-        default=300.0,
-        help="seconds one model step may run before its rank counts as hung",
-    )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=10.0,
-        help="seconds queued work may wait for a step to finish before /health answers 503",
-    )
-    parser.add_argument(
-        "--http2",
-        action="store_true",
-        help="also speak cleartext HTTP/2 (prior knowledge or an h2c upgrade); a connection "
-        "that resets more than 100 streams within 10 s is closed",
-    )
-    parser.add_argument(
-        "--enable-prompt-tokens-details",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix "
-        "cache served (on by default); --no-enable-prompt-tokens-details leaves it out so that "
-        "no client learns from it what others sent (send cache_salt for that too)",
-    )
-    parser.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="seconds a constrained request waits for its grammar (compile and first mask, "
-        "queueing included); too slow is a 400, compile threads busy with others a 429",
-    )
-    parser.add_argument(
-        "--grammar-compile-threads",
-        type=int,
-        default=2,
-        help="output grammars compiled at once, each on a thread of lowered CPU priority",
-    )
-    parser.add_argument(
-        "--grammar-cache-mib",
-        type=int,
-        default=128,
-        metavar="MIB",
-        help="memory the compiled-grammar cache may hold (estimated); bigger grammars are not kept",
-    )
-    parser.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        metavar="ORIGIN",
-        help="browser origins that may call the API (CORS), e.g. http://localhost:3000, or *; "
-        "as words, commas or a JSON list. Default: none, and no preflight is answered",
-    )
-    parser.add_argument(
-        "--allowed-methods",
-        nargs="+",
-        metavar="METHOD",
-        help="methods cross-origin requests may use, with --allowed-origins (default: *)",
-    )
-    parser.add_argument(
-        "--allowed-headers",
-        nargs="+",
-        metavar="HEADER",
-        help="request headers cross-origin requests may send, with --allowed-origins (default: *)",
-    )
-    parser.add_argument(
-        "--chat-template",
-        metavar="FILE_OR_STRING",
-        help="chat template (jinja) replacing the model's, or for a model without one: a file, "
-        "else the template itself (backslash escapes decoded), as vLLM's flag",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=("hermes", "llama3_json", "mistral"),
-        help="the format of the model's tool calls, as vLLM names it (default: read from the "
-        "chat template, else hermes)",
-    )
+def read_api_key_file(path: str) -> str:
+    """The API key in `path`: one line, one trailing newline dropped. ConfigError for a file
+    that cannot be read, is empty or holds more than a key; a warning when every user may read
+    it."""
+    from cpud.errors import ConfigError
+    from cpud.user_files import open_regular
+
+    try:
+        with open_regular(path, "--api-key-file ") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            raw = file.read(MAX_API_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_API_KEY_BYTES:
+        raise ConfigError(f"--api-key-file {path} is over {MAX_API_KEY_BYTES} bytes: not a key")
+    try:
+        key = raw.decode().removesuffix("\n").removesuffix("\r")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--api-key-file {path} is not UTF-8 text") from None
+    if not key:
+        raise ConfigError(f"--api-key-file {path} is empty: write the key into it")
+    if key != key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ConfigError(
+            f"--api-key-file {path} must hold the key alone on one line, without spaces or "
+            "control characters around or in it"
+        )
+    if stat.S_ISREG(mode) and mode & stat.S_IROTH:
+        print(
+            f"cpud: warning: --api-key-file {path} is readable by every user "
+            f"(mode {stat.S_IMODE(mode):04o}): chmod o-r it",
+            file=sys.stderr,
+        )
+    return key
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """From --api-key-file, --api-key or the environment: a flag beats the environment; two
+    sources at the same level are an error."""
+    from cpud import envs
+    from cpud.errors import ConfigError
+
+    given = {"api_key", "api_key_file"} & args.given
+    if len(given) == 2:
+        raise ConfigError("--api-key and --api-key-file both give the API key: give one")
+    if given == {"api_key"}:
+        print(
+            "cpud: warning: --api-key shows the key to every user of this machine in the "
+            "process list; use --api-key-file or the CPUD_API_KEY environment variable",
+            file=sys.stderr,
+        )
+        return args.api_key
+    if not given and args.api_key and args.api_key_file:
+        raise ConfigError(
+            "CPUD_API_KEY_FILE and an API key variable (CPUD_API_KEY, VLLM_API_KEY) are both "
+            "set: set one"
+        )
+    if args.api_key_file:
+        return read_api_key_file(args.api_key_file)
+    return args.api_key or envs.api_key()

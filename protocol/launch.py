@@ -50,7 +50,8 @@ class TokenizerFacts(msgspec.Struct, frozen=True):
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
-    """The resolved engine config (cpud.config.EngineConfig without the model facts)."""
+    """The resolved engine config (cpud.config.EngineConfig without the model facts). Every
+    setting is given resolved: none defaults here (cpud.settings owns the defaults)."""
 
     model_dir: str
     dtype: str  # torch attribute name: "bfloat16", "float16" or "float32"
@@ -62,11 +63,11 @@ class EngineSpec(msgspec.Struct, frozen=True):
     enable_prefix_caching: bool
     num_kv_blocks: int  # exact, the same in every process
     seed: int
-    kernels: str = "auto"
-    collective: str = "shm"  # "shm" | "gloo"
-    weight_cache: str | None = None  # directory of packed weight shards; None: off
-    kv_pretouch: bool = True
-    quantization: str = "auto"
+    kernels: str
+    collective: str
+    weight_cache: str | None  # directory of packed weight shards; None: off
+    kv_pretouch: bool
+    quantization: str
     model: ModelFacts | None = None  # None: read them from model_dir
 
 
@@ -85,7 +86,7 @@ class RankSpec(msgspec.Struct, frozen=True):
     runtime_dir: str
     cpus: list[int] | None  # None: no binding (nobind)
     numa_node: int | None
-    collective: str  # "shm" | "gloo"
+    collective: str  # one of cpud.settings.choices("collective")
     engine: EngineSpec
 
 

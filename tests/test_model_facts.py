@@ -80,7 +80,8 @@ def test_a_rank_spec_with_facts_builds_the_config_without_a_parse(
 
     for path in (gguf_file("llama", T.Q8_0), model_factory("llama")):
         want = load_model_config(path)
-        spec = EngineSpec(str(path), "float32", 1, 64, 16, 4, 64, True, 8, 0)
+        resolved = ("auto", "shm", None, True, "auto")  # kernels ... quantization
+        spec = EngineSpec(str(path), "float32", 1, 64, 16, 4, 64, True, 8, 0, *resolved)
         spec = msgspec.structs.replace(spec, model=model_facts(path, want))
         spec = over_the_wire(spec, EngineSpec)
         gguf_model._CACHE.clear()
