@@ -35,7 +35,8 @@ def _kv_fraction(args: argparse.Namespace) -> float | None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    from cpud.config import engine_kwargs, int8_kernels_quantization
+    from cpud.config import int8_kernels_quantization
+    from cpud.settings.flags import engine_kwargs
 
     if args.int8_kernels is not None:  # resolve_quantization reads it into quantization
         value = int8_kernels_quantization(args.int8_kernels)
