@@ -17,6 +17,7 @@ from cpud.cli import apply_env_defaults, build_parser, main
 from cpud.config import EngineArgs, ServeArgs
 from cpud.errors import ConfigError
 from cpud.settings import DOCTOR, ENGINE, GENERATE, SERVE, SETTINGS, Setting, in_group
+from cpud.structured.limits import GrammarLimits
 
 # Flags of the commands that are not settings: the doctor's report format and its testing
 # aids, and the sampling of `cpud generate`'s prompts.
@@ -117,6 +118,7 @@ def test_engine_and_serve_args_default_as_the_table_says():
     for name in shared - {"served_model_names"}:  # None there: the --model value, () here
         assert fields[name].default == serve[name], name
     grammar = ServeArgs().grammar
+    assert grammar == GrammarLimits()  # its own defaults (cpud.structured.limits) agree
     assert (grammar.compile_timeout, grammar.compile_threads, grammar.cache_mib) == (
         serve["grammar_compile_timeout"],
         serve["grammar_compile_threads"],

@@ -75,7 +75,7 @@ def _argument(item: Setting, check_positive: bool, documents_env: bool) -> dict[
     notes = []
     if documents_env:
         notes.append("env " + " or ".join(item.env_names))
-    if item.default not in (None, False):
+    if item.default is not None and item.default is not False:
         notes.append("default %(default)s")
     text = item.help.replace("%", "%%")
     options["help"] = f"{text} [{'; '.join(notes)}]" if notes else text
