@@ -220,19 +220,26 @@ int cpud_shm_gather_last_dim(cpud_shm *h, int elem_size,
 int cpud_shm_barrier(cpud_shm *h, int64_t timeout_ns, int *peer);
 
 /* ---------------------------------------------------------------------------
- * A stack of Llama-family decoder layers in one call (decoder.c): per layer
- *   residual += x; x = rmsnorm(residual)            (input_norm)
- *   qkv = x W_qkv^T (+ f32 bias); q, k per-head rmsnorm (optional); rotary (neox)
- *   k, v -> KV cache at slots; attn = paged attention(q)
- *   x = attn W_o^T; all-reduce(x) (tp); x += o_bias (optional)
- *   residual += x; x = rmsnorm(residual)            (post_norm)
- *   x = silu_and_mul(x W_gate_up^T) W_down^T; all-reduce(x) (tp)
- * with the same kernels and the same rounding as the per-op entry points.
+ * A stack of decoder layers in one call (decoder.c), run as the recipe in
+ * cpud_decoder_dims says: per layer
+ *   residual += x; x = norm(residual)               (input_norm)
+ *   qkv = x W_qkv^T (+ f32 bias); q, k per-head norm (optional);
+ *   rotary with the layer's cos_sin (none where it is 0; neox or gpt-j pairs)
+ *   k, v -> KV cache at slots; attn = paged attention(q) (the layer's window)
+ *   x = attn W_o^T; all-reduce(x) (tp); x += o_bias (optional);
+ *   x = norm(x) (attn_out_norm, optional); x = dt(x * residual_scale) (unless 1)
+ *   residual += x; x = norm(residual)               (post_norm)
+ *   x = act_and_mul(x W_gate_up^T) W_down^T (act: silu or gelu_tanh), or the
+ *   expert layer; all-reduce(x) (tp);
+ *   x = norm(x) (ffn_out_norm, optional); x = dt(x * residual_scale) (unless 1)
+ * with the same kernels and the same rounding as the per-op entry points
+ * (every norm cpud_rms_norm / cpud_fused_add_rms_norm with w_dtype norm_wdt).
  * Index data (positions, slots, block tables) is checked once, before the
  * first layer.  Weights are packed (cpud_pack_rows) or quantized (cpud_qlinear,
  * cpud_quant_gemm, qkv_bias then in the parts).  Before the first layer
  * x holds the embeddings and residual zeros; after the last, x holds the last
- * MLP output and residual the sum it is added to.
+ * feed-forward output (normed and scaled as above) and residual the sum it is
+ * added to.
  * ------------------------------------------------------------------------- */
 /* A linear kept quantized (cpud_quant_gemm's layout): parts[i] computes output columns
  * [n[0] + .. + n[i-1], + n[i]) in type qtype[i], with an optional [n[i]] f32 bias.
@@ -245,8 +252,8 @@ typedef struct cpud_qlinear {
 } cpud_qlinear;
 
 typedef struct cpud_decoder_layer {
-    intptr_t input_norm, post_norm; /* [H] dtype                                   */
-    intptr_t q_norm, k_norm;        /* [hd] dtype, or both 0                        */
+    intptr_t input_norm, post_norm; /* [H] norm_wdt                                */
+    intptr_t q_norm, k_norm;        /* [hd] norm_wdt, or both 0                     */
     intptr_t qkv, qkv_bias;         /* packed [(nh + 2 nkv) hd, H]; [.] f32 or 0    */
     intptr_t o, o_bias;             /* packed [H, nh hd]; [H] dtype or 0            */
     intptr_t gate_up, down;         /* packed [2 I, H], [H, I]                      */
@@ -255,17 +262,29 @@ typedef struct cpud_decoder_layer {
     /* An expert layer (router != 0) runs cpud_moe_ffn instead of gate_up / down: router
      * packed [E][H], experts as cpud_moe_experts' gate_up and down. */
     intptr_t router, experts_gate_up, experts_down;
+    intptr_t cos_sin; /* [max_pos][rot_dim] f32 cos | sin of this layer's RoPE, or 0: no rotary
+                         in this layer (NoPE) */
+    int64_t window;   /* this layer's sliding window in tokens (0: global) */
+    /* [H] norm_wdt weights applied to the attention output and to the feed-forward output
+     * before their residual add (Gemma's post_attention_layernorm / post_feedforward_layernorm),
+     * or 0 */
+    intptr_t attn_out_norm, ffn_out_norm;
 } cpud_decoder_layer;
 
 typedef struct cpud_decoder_dims {
     int dtype;
     int64_t hidden, heads, kv_heads, head_dim, rot_dim, intermediate;
-    int64_t max_pos, num_blocks, block_size, window; /* window 0: none */
+    int64_t max_pos, num_blocks, block_size;
     float eps, scale;
-    intptr_t cos_sin; /* [max_pos][rot_dim] f32, cos | sin halves */
     int quant_flags;  /* cpud_quant_gemm's flags for quantized linears */
     int64_t experts, experts_per_tok, expert_inter; /* expert layers: E, k, I per rank */
     int moe_flags;                                  /* cpud_moe_flags                  */
+    int norm_wdt;    /* dtype of every norm weight: dtype (Llama rounding) or CPUD_F32 (Gemma
+                        form) */
+    int activation;  /* 0: silu (gated), 1: gelu_tanh (gated); expert layers: silu only */
+    int rotary_neox; /* 1: neox (rotate halves), 0: gpt-j pairs */
+    float residual_scale; /* each block's output (attention, feed-forward) is multiplied by it
+                             before its residual add (Granite's residual_multiplier); 1: none */
 } cpud_decoder_dims;
 
 typedef struct cpud_decoder_step {

@@ -1,17 +1,26 @@
-/* cpud_decoder_layers (cpud_native.h): a stack of Llama-family decoder layers (a dense or
- * a mixture-of-experts feed-forward, moe.c) as one call into the kernel table, so a step
- * costs one crossing from Python instead of a dozen per layer.  The kernels and their order
- * are those of the per-op path (ranks/models/llama.py, moe.py), so both give the same bits. */
+/* cpud_decoder_layers (cpud_native.h): a stack of decoder layers (a dense or a
+ * mixture-of-experts feed-forward, moe.c) as one call into the kernel table, so a step costs
+ * one crossing from Python instead of a dozen per layer.  The recipe in cpud_decoder_dims and
+ * the layer table (norm rounding, activation, rotary per layer, output norms, residual scale,
+ * window per layer) picks the kernels; they and their order are those of the per-op path
+ * (ranks/models/decoder.py, moe.py), so both give the same bits. */
 #include "dispatch.h"
 #include "moe.h"
 #include "step_checks.h"
+
+static int recipe_ok(const cpud_decoder_dims *d) {
+    return (d->norm_wdt == d->dtype || d->norm_wdt == CPUD_F32) &&
+           (d->activation == 0 || d->activation == 1) &&
+           (d->rotary_neox == 0 || d->rotary_neox == 1) && isfinite(d->residual_scale) &&
+           d->residual_scale > 0.0f;
+}
 
 static int dims_ok(const cpud_decoder_dims *d) {
     return (d->dtype == CPUD_F32 || d->dtype == CPUD_BF16) && d->hidden > 0 && d->heads > 0 &&
            d->kv_heads > 0 && d->heads % d->kv_heads == 0 && d->head_dim > 0 &&
            d->rot_dim >= 2 && d->rot_dim % 2 == 0 && d->rot_dim <= d->head_dim &&
            d->rot_dim <= CPUD_ROT_MAX && d->intermediate > 0 && d->max_pos > 0 &&
-           d->num_blocks >= 0 && d->block_size > 0 && d->window >= 0 && d->cos_sin;
+           d->num_blocks >= 0 && d->block_size > 0 && recipe_ok(d);
 }
 
 static int qlinear_ok(const cpud_qlinear *q, intptr_t packed, int64_t N) {
@@ -27,14 +36,25 @@ static int qlinear_ok(const cpud_qlinear *q, intptr_t packed, int64_t N) {
 
 static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
     const int64_t qn = (d->heads + 2 * d->kv_heads) * d->head_dim;
-    const int ffn_ok = l->router ? d->experts > 0 && d->experts_per_tok > 0 &&
-                                       d->expert_inter > 0 && l->experts_gate_up &&
-                                       l->experts_down
+    const int ffn_ok = l->router ? d->activation == 0 && d->experts > 0 &&
+                                       d->experts_per_tok > 0 && d->expert_inter > 0 &&
+                                       l->experts_gate_up && l->experts_down
                                  : qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
                                        qlinear_ok(&l->q_down, l->down, d->hidden);
     return l->input_norm && l->post_norm && !l->q_norm == !l->k_norm &&
            qlinear_ok(&l->q_qkv, l->qkv, qn) && qlinear_ok(&l->q_o, l->o, d->hidden) && ffn_ok &&
-           l->key_cache && l->value_cache;
+           l->key_cache && l->value_cache && l->window >= 0;
+}
+
+/* The window whose attention reads the most blocks: 0 (global) if any layer has it, else the
+ * widest; every layer's block reads lie within those of this window. */
+static int64_t widest_window(const cpud_decoder_layer *layers, int64_t n_layers) {
+    int64_t widest = 0;
+    for (int64_t i = 0; i < n_layers; i++) {
+        if (layers[i].window == 0) return 0;
+        if (layers[i].window > widest) widest = layers[i].window;
+    }
+    return widest;
 }
 
 /* out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias): the packed bf16 GEMM,
@@ -53,7 +73,8 @@ static int linear(int isa, const cpud_ops *ops, const cpud_decoder_dims *d, cons
     return rc;
 }
 
-static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {
+/* window: the widest of the layers' (widest_window) */
+static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s, int64_t window) {
     if (s->T < 0 || s->S < 0 || s->max_blocks < 0 || !s->positions || !s->slots ||
         !s->query_start_loc || !s->seq_lens || (s->S > 0 && !s->block_tables) || !s->x ||
         !s->residual || !s->qkv || !s->attn || !s->gate_up || !s->act)
@@ -63,7 +84,7 @@ static int step_ok(const cpud_decoder_dims *d, const cpud_decoder_step *s) {
            cpud_attention_plan_ok((const int32_t *)s->query_start_loc,
                                   (const int32_t *)s->seq_lens, (const int32_t *)s->block_tables,
                                   s->max_blocks, s->T, s->S, d->num_blocks, d->block_size,
-                                  d->window);
+                                  window);
 }
 
 /* x [T][H] summed over the group in place; time and count go to s. */
@@ -86,6 +107,22 @@ static void add_bias(int dt, char *x, const void *bias, int64_t T, int64_t H) {
     }
 }
 
+/* A block's output x [T][H] before its residual add: x = norm(x) with w (if any), then
+ * x = dt(x * scale) unless scale is 1, as torch's x * scale rounds it. */
+static void block_out(const cpud_ops *ops, const cpud_decoder_dims *d, char *x, intptr_t w,
+                      int64_t T) {
+    const int dt = d->dtype;
+    const int64_t H = d->hidden;
+    if (w) ops->rms_norm(dt, x, H, x, H, (const void *)w, d->norm_wdt, T, 1, H, d->eps);
+    if (d->residual_scale == 1.0f) return;
+    const float scale = d->residual_scale;
+#pragma omp parallel for schedule(static) if (T * H >= CPUD_PAR_MIN && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        void *row = x + t * H * dtype_size(dt);
+        for (int64_t i = 0; i < H; i++) st1(row, i, ld1(row, i, dt) * scale, dt);
+    }
+}
+
 int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_layer *layers,
                         int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
                         int64_t timeout_ns, int *peer) {
@@ -96,12 +133,12 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     s->allreduce_calls = 0;
     s->failed_collective = 0;
     s->linear_ns = 0;
-    if (!step_ok(d, s)) return CPUD_EARG;
     for (int64_t i = 0; i < n_layers; i++)
         if (!layer_ok(d, &layers[i])) return CPUD_EARG;
+    if (!step_ok(d, s, widest_window(layers, n_layers))) return CPUD_EARG;
     if (s->T == 0) return CPUD_OK;
 
-    const int dt = d->dtype, es = dtype_size(dt);
+    const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt;
     const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
     const int64_t *pos = (const int64_t *)s->positions, *slots = (const int64_t *)s->slots;
@@ -114,26 +151,28 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     for (int64_t i = 0; i < n_layers; i++) {
         const cpud_decoder_layer *l = &layers[i];
         int rc;
-        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, dt, T, H, d->eps);
+        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->input_norm, wdt, T, H, d->eps);
         rc = linear(isa, ops, d, &l->q_qkv, l->qkv, l->qkv_bias, x, H, qkv, qn, T, qn, H, s);
         if (rc) return rc;
         if (l->q_norm) {
-            ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, dt, T, nh, hd, d->eps);
-            ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, dt, T, nkv, hd, d->eps);
+            ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, wdt, T, nh, hd, d->eps);
+            ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, wdt, T, nkv, hd, d->eps);
         }
-        ops->rotary(dt, pos, q, qn, k, qn, (const float *)d->cos_sin, T, nh, nkv, hd, d->rot_dim,
-                    1);
+        if (l->cos_sin)
+            ops->rotary(dt, pos, q, qn, k, qn, (const float *)l->cos_sin, T, nh, nkv, hd,
+                        d->rot_dim, d->rotary_neox);
         cpud_kv_scatter(k, qn, (char *)l->key_cache, slots, T, nkv, hd, d->block_size, es);
         cpud_kv_scatter(v, qn, (char *)l->value_cache, slots, T, nkv, hd, d->block_size, es);
         rc = ops->paged_attention(dt, q, qn, (const void *)l->key_cache,
                                   (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
-                                  qd, s->S, nh, nkv, hd, d->block_size, d->scale, d->window);
+                                  qd, s->S, nh, nkv, hd, d->block_size, d->scale, l->window);
         if (rc) return rc;
         rc = linear(isa, ops, d, &l->q_o, l->o, 0, attn, qd, x, H, T, H, qd, s);
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
         if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
-        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, dt, T, H, d->eps);
+        block_out(ops, d, x, l->attn_out_norm, T);
+        ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, wdt, T, H, d->eps);
         if (l->router) {
             rc = cpud_moe_ffn_ops(ops, dt, x, x, T, H, d->expert_inter, d->experts,
                                   d->experts_per_tok, d->moe_flags, (const uint16_t *)l->router,
@@ -143,11 +182,15 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
             rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H,
                         s);
             if (rc) return rc;
-            ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
+            if (d->activation == 1)
+                ops->gelu_tanh_and_mul(dt, gu, 2 * I, act, I, T, I);
+            else
+                ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
             rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I, s);
         }
         if (rc) return rc;
         if ((rc = all_reduce(tp, dt, x, T * H, timeout_ns, peer, s))) return rc;
+        block_out(ops, d, x, l->ffn_out_norm, T);
     }
     return CPUD_OK;
 }
