@@ -23,7 +23,7 @@ from cpud.native.kernels import Kernels
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.fused_decoder import FusedDecoder
 from cpud.ranks.models import registry
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 from cpud.ranks.ops import NativeOps
 
 # The toy checkpoint's own names for the Llama fixture's tensors.

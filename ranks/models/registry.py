@@ -1,61 +1,24 @@
 """The model families cpud runs. Each family module (ranks/models/families/) declares one
-`Family`: the Hugging Face and GGUF architecture names it answers to, how its config and
-tensor names map onto cpud's decoder, and the decoder recipe its config implies. Nothing
+`Family` (ranks/models/family.py): the Hugging Face and GGUF architecture names it answers to,
+how its config and tensor names map onto cpud's decoder, and the decoder recipe its config
+implies. Nothing
 outside a family's module and this registry names a family. Torch-free: the supervisor and
 the frontend read configs through it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cpud.errors import ConfigError
+from cpud.ranks.models.families import FAMILIES
+from cpud.ranks.models.family import Family
 
-if TYPE_CHECKING:
-    from cpud.model.gguf_meta import GGUFMeta
-    from cpud.model.model_config import ConfigFields, ModelConfig
-
-# The torch modules that build a family's model (ranks/models/build.py)
-MODEL_KINDS = ("decoder", "moe", "opt")
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    hf_architectures: tuple[str, ...]
-    # config.json (read through ConfigFields) -> ModelConfig with its recipe
-    hf_config: Callable[[ConfigFields, str], ModelConfig]
-    gguf_architectures: tuple[str, ...] = ()
-    # GGUF metadata and tensor table -> ModelConfig with its recipe
-    gguf_config: Callable[[GGUFMeta], ModelConfig] | None = None
-    model: str = "decoder"
-    # (checkpoint name fragment, cpud module name fragment); the first that matches applies
-    checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # A checkpoint tensor holding several of cpud's parts stacked by rows: (checkpoint
-    # fragment, cpud fragment, part ids in row order); sizes come from the model.
-    fused_checkpoint: tuple[tuple[str, str, tuple[Any, ...]], ...] = ()
-    # GGUF layer tensor stems -> cpud module names, over the common table (model/gguf_names.py)
-    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
-    # llama.cpp's converter interleaves Q/K rows of these GGUF architectures for its RoPE
-    gguf_permuted_qk: tuple[str, ...] = ()
-    # GGUF tensors of a config (name -> Expected) when they differ from the common table
-    gguf_tensors: Callable[[ModelConfig], dict[str, Any]] | None = None
-    # Chat template for files that carry none
-    chat_template: str | None = None
-    # (checkpoint tensor, K per rank) of each kind of linear when not the Llama names
-    linear_ks: Callable[[ModelConfig, int], list[tuple[str, int]]] | None = None
-    linears_per_layer: int = 7  # q, k, v, o, gate, up, down
-
-    def __post_init__(self) -> None:
-        if self.model not in MODEL_KINDS:
-            raise ValueError(f"family {self.name}: model {self.model!r} not in {MODEL_KINDS}")
+__all__ = ["Family", "by_name", "families", "for_gguf", "for_hf", "registered"]
 
 
 def _builtin() -> tuple[Family, ...]:
-    from cpud.ranks.models.families import FAMILIES
-
     return FAMILIES
 
 

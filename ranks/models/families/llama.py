@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from cpud.model.model_config import ConfigFields, ModelConfig, common_fields, decoder_config
 from cpud.model.model_config import decoder_fields as hf_decoder_fields
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 
 if TYPE_CHECKING:
     from cpud.model.gguf_meta import GGUFMeta

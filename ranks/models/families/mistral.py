@@ -10,7 +10,7 @@ from cpud.model.model_config import (
     decoder_config,
     decoder_fields,
 )
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 
 
 def hf_config(f: ConfigFields, architecture: str) -> ModelConfig:

@@ -15,7 +15,7 @@ from cpud.model.model_config import (
     is_int,
 )
 from cpud.ranks.models.families.qwen import qwen_window
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 
 if TYPE_CHECKING:
     from cpud.model.gguf_meta import GGUFMeta

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cpud.errors import ConfigError
 from cpud.model.model_config import ConfigFields, ModelConfig, common_fields
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 
 
 def hf_config(f: ConfigFields, architecture: str) -> ModelConfig:

@@ -12,7 +12,7 @@ from cpud.model.model_config import (
     decoder_config,
     decoder_fields,
 )
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 
 if TYPE_CHECKING:
     from cpud.model.gguf_meta import GGUFMeta
