@@ -330,19 +330,20 @@ int cpud_moe_ffn(int isa, int dtype, intptr_t x, int64_t T, int64_t H, int64_t I
  * GEMM on GGUF-quantized weights (quant_*.c).  Rows of W[N][K] are repacked
  * once (cpud.native.quant.pack_quantized) into groups of CPUD_QROWS rows:
  *   qs: [ceil(N/16)][K/bs][qbytes] u8, sc: [ceil(N/16)][K/bs][sbytes] u8
- * (bs, qbytes, sbytes per type below; rows past N are zero).  Every quant is
+ * (bs, qbytes, sbytes per type: quant_formats.h; rows past N are zero).  Every quant is
  * an unsigned byte; the 4 consecutive k of one row share a dword and 16 rows'
  * dwords form one 64-byte dot operand.  x is quantized per row to int8 blocks
  * of 32 (scale amax/127, round to nearest even) and dotted in int32.
  * ------------------------------------------------------------------------- */
 #define CPUD_QROWS 16
+/* The codes of quant_formats.h, where each type's bs, qbytes and sbytes are. */
 enum cpud_qtype {
-    CPUD_Q8_0 = 0, /* bs 32:  qbytes 512,  sbytes 32  */
-    CPUD_Q4_0 = 1, /* bs 32:  qbytes 256,  sbytes 32  */
-    CPUD_Q4_1 = 2, /* bs 32:  qbytes 256,  sbytes 64  */
-    CPUD_Q4_K = 3, /* bs 256: qbytes 2048, sbytes 320 */
-    CPUD_Q5_K = 4, /* bs 256: qbytes 2560, sbytes 320 */
-    CPUD_Q6_K = 5  /* bs 256: qbytes 3072, sbytes 288 */
+    CPUD_Q8_0 = 0,
+    CPUD_Q4_0 = 1,
+    CPUD_Q4_1 = 2,
+    CPUD_Q4_K = 3,
+    CPUD_Q5_K = 4,
+    CPUD_Q6_K = 5
 };
 /* flags for cpud_quant_gemm.  The amx tier runs cpud_quant_bf16_min_m rows of x and more (64;
  * Q6_K 32) on AMX-BF16 tiles (bf16 x, each 16-row weight group dequantized to bf16 once per
@@ -379,5 +380,9 @@ int cpud_quant_bf16_min_m(int isa, int flags, int qtype);
  * amx-int8: 4 chains of 16 x 16 x 64 tdpbssd tiles);
  * returns the int8 ops (2 per multiply-add) done, -1 on a bad isa. */
 double cpud_quant_compute_probe(int isa, int flags, int64_t iters);
+/* qtype's GGUF type id, values and bytes per GGUF block, and packed bytes of quants and of
+ * scales per block of CPUD_QROWS rows (quant_formats.h); CPUD_EARG for a bad qtype. */
+int cpud_quant_format(int qtype, int *ggml_type, int *block_values, int *block_bytes,
+                      int *qbytes, int *sbytes);
 
 #endif

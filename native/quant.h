@@ -30,10 +30,26 @@ typedef struct qact {
     int64_t K;
 } qact;
 
-/* Per qtype: k per block, bytes of quants and of scales per block of 16 rows. */
-static const int q_bs[] = {32, 32, 32, 256, 256, 256};
-static const int q_qbytes[] = {512, 256, 256, 2048, 2560, 3072};
-static const int q_sbytes[] = {32, 32, 64, 320, 320, 288};
+/* The kernel families of quant_formats.h (quant_kernels.h's blk_b32, blk_k45, blk_q6k). */
+enum { QF_b32, QF_k45, QF_q6k };
+
+/* A qtype's format (quant_formats.h): its GGUF type id, k and bytes per GGUF block, bytes of
+ * packed quants and of scales per block of 16 rows, its family, k per weight scale, whether
+ * weights have mins, and the rows of x from which the amx tier runs the bf16-tile kernel (below
+ * it, AMX-INT8 / VNNI). */
+typedef struct qformat {
+    int ggml_type, bs, block_bytes, qbytes, sbytes, family, kt, mins, bf16_min_m;
+} qformat;
+
+#define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, qbytes, sbytes,       \
+                           family, scale_values, mins, bf16_min_m)                                 \
+    [code] = {ggml_type,   block_values, block_bytes, qbytes,    sbytes,                           \
+              QF_##family, scale_values, mins,        bf16_min_m},
+/* [qtype] */
+static const qformat q_fmt[] = {
+#include "quant_formats.h"
+};
+#define Q_TYPES ((int)(sizeof q_fmt / sizeof q_fmt[0]))
 
 /* cpud_qlinear's parts, at most */
 #define CPUD_QPARTS_MAX 3
@@ -78,10 +94,6 @@ int cpud_qgemm_amx_bf16(int qt, const void *x, int dt, int64_t xs, const uint8_t
                         const uint8_t *sc, const float *bias, void *out, int odt, int64_t os,
                         int64_t M, int64_t N, int64_t K);
 #endif
-/* Per qtype: rows of x from which the amx tier runs the bf16-tile kernel (below it, AMX-INT8 /
- * VNNI).  Measured: the dequantization of a group costs about what 30-60 rows of int8 tile
- * products with their fp32 rescaling cost; Q6_K's rescaling (per 16 k) costs twice as much. */
-static const int q_bf16_min_m[] = {64, 64, 64, 64, 64, 32};
 
 /* A thread's scratch (*buf, *cap: its _Thread_local slot) of at least n bytes, 64-aligned,
  * kept for the thread's next call; NULL when out of memory. */

@@ -32,6 +32,7 @@ import torch
 from . import _loader
 from .hugepages import huge_empty
 from .kernels import _require, check_rc, gemm_io
+from .quant_formats import KERNEL_FORMATS
 
 ROWS = 16  # CPUD_QROWS
 NO_VNNI = 1  # CPUD_QUANT_NO_VNNI
@@ -39,14 +40,10 @@ NO_AMX = 2  # CPUD_QUANT_NO_AMX
 NO_AMX_BF16 = 4  # CPUD_QUANT_NO_AMX_BF16
 
 # name: (cpud_qtype, values per block, bytes per GGUF block, packed quant bytes, scale bytes),
-# the last two per block of ROWS rows (cpud_native.h).
+# the last two per block of ROWS rows: KERNEL_FORMATS (quant_formats.h) as tuples.
 QTYPES: dict[str, tuple[int, int, int, int, int]] = {
-    "Q8_0": (0, 32, 34, 512, 32),
-    "Q4_0": (1, 32, 18, 256, 32),
-    "Q4_1": (2, 32, 20, 256, 64),
-    "Q4_K": (3, 256, 144, 2048, 320),
-    "Q5_K": (4, 256, 176, 2560, 320),
-    "Q6_K": (5, 256, 210, 3072, 288),
+    f.name: (f.code, f.block_values, f.block_bytes, f.qbytes, f.sbytes)
+    for f in KERNEL_FORMATS.values()
 }
 _CHUNK_GROUPS = 64  # row groups repacked per numpy pass (bounds the scratch)
 
@@ -74,15 +71,15 @@ class QuantWeight:
     @property
     def gguf_bytes(self) -> int:
         """Bytes of the same rows in the GGUF file."""
-        _, bs, tsize, _, _ = QTYPES[self.qtype]
-        return self.n * (self.k // bs) * tsize
+        fmt = KERNEL_FORMATS[self.qtype]
+        return self.n * (self.k // fmt.block_values) * fmt.block_bytes
 
 
 def qtype_name(qtype: Any) -> str:
     """ "Q4_K" for "Q4_K", "q4_k" or gguf's GGMLQuantizationType.Q4_K; ValueError otherwise."""
     name = str(getattr(qtype, "name", qtype)).upper()
-    if name not in QTYPES:
-        raise ValueError(f"qtype {qtype!r} not supported; one of {', '.join(QTYPES)}")
+    if name not in KERNEL_FORMATS:
+        raise ValueError(f"qtype {qtype!r} not supported; one of {', '.join(KERNEL_FORMATS)}")
     return name
 
 
@@ -156,7 +153,7 @@ def _pack_quants(name: str, q: np.ndarray) -> np.ndarray:
             << (2 * np.arange(4, dtype=np.uint8))[:, None, None]
         )
         parts.append(h.sum(axis=3, dtype=np.uint8))
-    return np.concatenate(parts, axis=2).reshape(g, k // QTYPES[name][1], -1)
+    return np.concatenate(parts, axis=2).reshape(g, k // KERNEL_FORMATS[name].block_values, -1)
 
 
 def _pack_scales(name: str, scales: list[np.ndarray], g: int) -> np.ndarray:
@@ -166,6 +163,10 @@ def _pack_scales(name: str, scales: list[np.ndarray], g: int) -> np.ndarray:
         s = s.reshape(g, ROWS, s.shape[1], -1).transpose(0, 2, 3, 1)  # [g, nb, j, r]
         out.append(np.ascontiguousarray(s).view(np.uint8).reshape(g, s.shape[1], -1))
     return np.concatenate(out, axis=2)
+
+
+def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def pack_quantized(
@@ -182,7 +183,8 @@ def pack_quantized(
     Works through 1024 rows at a time; memory: the packed result plus a few MB.  alloc(shape,
     dtype) gives the result's two tensors (e.g. ``HugeArena.take``); default: huge pages."""
     name = qtype_name(qtype)
-    _, bs, tsize, qbytes, sbytes = QTYPES[name]
+    fmt = KERNEL_FORMATS[name]
+    bs, tsize = fmt.block_values, fmt.block_bytes
     if n < 1 or k < 1 or k % bs:
         raise ValueError(f"{name}: k={k} must be a positive multiple of {bs} (n={n})")
     arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
@@ -192,8 +194,8 @@ def pack_quantized(
         )
     blocks = arr.reshape(n, k // bs, tsize)
     groups, nb = -(-n // ROWS), k // bs
-    new = alloc or (huge_empty if huge_pages else torch.empty)
-    qs, sc = new((groups, nb, qbytes), torch.uint8), new((groups, nb, sbytes), torch.uint8)
+    new = alloc or (huge_empty if huge_pages else _plain_empty)
+    qs, sc = new((groups, nb, fmt.qbytes), torch.uint8), new((groups, nb, fmt.sbytes), torch.uint8)
     qs_np, sc_np = qs.numpy(), sc.numpy()
     for g0 in range(0, groups, _CHUNK_GROUPS):
         g1 = min(groups, g0 + _CHUNK_GROUPS)
@@ -247,7 +249,7 @@ def quant_gemm(
     rc = _loader.lib.cpud_quant_gemm(
         code,
         _flags(vnni, amx, amx_bf16),
-        QTYPES[packed.qtype][0],
+        KERNEL_FORMATS[packed.qtype].code,
         x.data_ptr(),
         xdt,
         xs,
@@ -287,7 +289,7 @@ def quant_linear(
     q = _loader.ffi.new("cpud_qlinear *")
     q.parts = len(parts)
     for i, p in enumerate(parts):
-        q.qtype[i], q.n[i] = QTYPES[p.qtype][0], p.n
+        q.qtype[i], q.n[i] = KERNEL_FORMATS[p.qtype].code, p.n
         q.qs[i], q.sc[i] = p.qs.data_ptr(), p.sc.data_ptr()
         q.bias[i] = 0 if p.bias is None else p.bias.data_ptr()
     rc = _loader.lib.cpud_quant_linear(
@@ -313,7 +315,7 @@ def bf16_tile_rows(
 ) -> int | None:
     """Rows of x from which quant_gemm runs qtype on AMX-BF16 tiles (weights dequantized to
     bf16 per group, x rounded to bf16); None where that tier and flags never do."""
-    code = QTYPES[qtype_name(qtype)][0]
+    code = KERNEL_FORMATS[qtype_name(qtype)].code
     rows = _loader.lib.cpud_quant_bf16_min_m(_isa_code(isa), _flags(vnni, amx, amx_bf16), code)
     check_rc(min(rows, 0), "bf16_tile_rows")
     return rows or None

@@ -42,8 +42,6 @@ static ATGT void amx_config(int kt) {
     _tile_loadconfig(&c);
 }
 
-static int q_kt(int qt) { return qt == CPUD_Q6_K ? 16 : 32; }
-
 /* One group's weights for tile products: B [nsub][KT/4][64] i8; per sub-block the 16 rows'
  * scales sw and mins mw (fp32, 0 where the type has none). */
 typedef struct {
@@ -59,30 +57,31 @@ static ATGT void unpack_group(int qt, const uint8_t *q, const uint8_t *s, int64_
     const __m512i c32 = _mm512_set1_epi8(32);
     const __m512 z = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (qt <= CPUD_Q4_1) {
-            const uint8_t *sb = s + b * q_sbytes[qt];
+        if (q_fmt[qt].family == QF_b32) {
+            const uint8_t *sb = s + b * q_fmt[qt].sbytes;
             int8_t *o = g->b + b * 512;
             _mm512_store_ps(g->sw + b * 16, fv_h16((const uint16_t *)sb));
-            const fv mn = qt == CPUD_Q4_1 ? fv_h16((const uint16_t *)(sb + 32)) : z;
+            const fv mn = q_fmt[qt].mins ? fv_h16((const uint16_t *)(sb + 32)) : z;
             _mm512_store_ps(g->mw + b * 16, mn);
+            const uint8_t *qb = q + b * q_fmt[qt].qbytes;
             for (int c = 0; c < (qt == CPUD_Q8_0 ? 8 : 4); c++) {
                 if (qt == CPUD_Q8_0) {
-                    st_b(o + c * 64, _mm512_xor_si512(qv_ld(q + b * 512 + c * 64), c128));
+                    st_b(o + c * 64, _mm512_xor_si512(qv_ld(qb + c * 64), c128));
                     continue;
                 }
-                const qv w = qv_ld(q + b * 256 + c * 64);
+                const qv w = qv_ld(qb + c * 64);
                 const qv lo = qv_lo(w), hi = qv_hi(w);
                 st_b(o + 2 * c * 64, qt == CPUD_Q4_0 ? _mm512_sub_epi8(lo, c8) : lo);
                 st_b(o + (2 * c + 1) * 64, qt == CPUD_Q4_0 ? _mm512_sub_epi8(hi, c8) : hi);
             }
             continue;
         }
-        const uint8_t *sb = s + b * q_sbytes[qt];
+        const uint8_t *sb = s + b * q_fmt[qt].sbytes;
         const fv d = fv_h16((const uint16_t *)sb);
         for (int j = 0; j < 8; j++) {
             int8_t *o = g->b + (b * 8 + j) * 512;
-            if (qt == CPUD_Q6_K) {
-                const uint8_t *qj = q + b * 3072 + j * 384;
+            if (q_fmt[qt].family == QF_q6k) {
+                const uint8_t *qj = q + b * q_fmt[qt].qbytes + j * 384;
                 for (int h = 0; h < 2; h++) {
                     const int u = (int)(b * 16) + 2 * j + h;
                     const qv hb = qv_ld(qj + 256 + h * 64);
@@ -100,7 +99,7 @@ static ATGT void unpack_group(int qt, const uint8_t *q, const uint8_t *s, int64_
                 }
                 continue;
             }
-            const int five = qt == CPUD_Q5_K, sub = five ? 320 : 256;
+            const int five = qt == CPUD_Q5_K, sub = q_fmt[qt].qbytes / 8;
             const uint8_t *qj = q + b * 8 * sub + j * sub;
             const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
             const fv dmin = fv_h16((const uint16_t *)(sb + 32));
@@ -270,11 +269,11 @@ static ATGT void qgemm_amx(int qt, const qact *a, const uint8_t *qs, const uint8
         qgemm_k(qt, a, qs, sc, bias, out, odt, os, M, N);
         return;
     }
-    const int kt = q_kt(qt), mins = qt == CPUD_Q4_1 || qt == CPUD_Q4_K || qt == CPUD_Q5_K;
-    const int64_t K = a->K, nb = K / q_bs[qt], nsub = K / kt, Mpad = (M + 15) / 16 * 16;
-    const int64_t hu = Q_HALF(nb) * (q_bs[qt] / kt);
+    const int kt = q_fmt[qt].kt, mins = q_fmt[qt].mins;
+    const int64_t K = a->K, nb = K / q_fmt[qt].bs, nsub = K / kt, Mpad = (M + 15) / 16 * 16;
+    const int64_t hu = Q_HALF(nb) * (q_fmt[qt].bs / kt);
     const int64_t groups = (N + QR - 1) / QR, nmc = (M + AMC - 1) / AMC, tasks = groups * nmc;
-    const int64_t qstride = nb * q_qbytes[qt], sstride = nb * q_sbytes[qt];
+    const int64_t qstride = nb * q_fmt[qt].qbytes, sstride = nb * q_fmt[qt].sbytes;
     float *dx = q_grow(&t_xs, &t_xs_cap, (size_t)(2 * Mpad * nsub) * sizeof(float));
     if (!dx) { /* no memory for the tile path's scratch: the vector kernel needs none */
         qgemm_k(qt, a, qs, sc, bias, out, odt, os, M, N);

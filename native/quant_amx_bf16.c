@@ -99,12 +99,12 @@ static ALWAYS_INLINE BTGT void conv_step(bconv *c) {
 static BTGT bconv conv_start(int qt, const uint8_t *qs, const uint8_t *sc, int64_t qstride,
                              int64_t sstride, int64_t p, int64_t groups, int64_t K,
                              const bscratch *w, int slot) {
-    const int kt = qt == CPUD_Q6_K ? 16 : 32;
+    const int kt = q_fmt[qt].kt;
     int n = 0;
     for (int j = 0; j < 2; j++) {
         const int64_t g = 2 * p + j;
         if (g < groups) {
-            cpud_qamx_unpack(qt, qs + g * qstride, sc + g * sstride, K / q_bs[qt], w->q[j],
+            cpud_qamx_unpack(qt, qs + g * qstride, sc + g * sstride, K / q_fmt[qt].bs, w->q[j],
                              w->sw[j], w->mw[j]);
             n++;
         } else {
@@ -169,9 +169,9 @@ static _Thread_local size_t t_x_cap, t_w_cap;
 BTGT int cpud_qgemm_amx_bf16(int qt, const void *x, int dt, int64_t xs, const uint8_t *qs,
                              const uint8_t *sc, const float *bias, void *out, int odt, int64_t os,
                              int64_t M, int64_t N, int64_t K) {
-    const int kt = qt == CPUD_Q6_K ? 16 : 32;
-    const int64_t nb = K / q_bs[qt], Mpad = (M + 31) / 32 * 32, groups = (N + QR - 1) / QR;
-    const int64_t qstride = nb * q_qbytes[qt], sstride = nb * q_sbytes[qt];
+    const int kt = q_fmt[qt].kt;
+    const int64_t nb = K / q_fmt[qt].bs, Mpad = (M + 31) / 32 * 32, groups = (N + QR - 1) / QR;
+    const int64_t qstride = nb * q_fmt[qt].qbytes, sstride = nb * q_fmt[qt].sbytes;
     const int64_t pairs = (groups + 1) / 2;
     int64_t mc = XCHUNK_BYTES / (K * 2) / 32 * 32;
     mc = mc < 32 ? 32 : mc > Mpad ? Mpad : mc;

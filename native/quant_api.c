@@ -6,6 +6,17 @@
 #include "dispatch.h"
 #include "quant.h"
 
+/* enum cpud_qtype (the public header) names the codes of quant_formats.h. */
+#define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, ...)                 \
+    _Static_assert(CPUD_##name == code, "enum cpud_qtype: " #name " is not code " #code);
+#include "quant_formats.h"
+/* Every code 0 .. Q_TYPES - 1 has its format (a gap would leave a zeroed entry in q_fmt). */
+#define CPUD_KERNEL_FORMAT(...) +1
+enum { Q_LISTED = 0
+#include "quant_formats.h"
+};
+_Static_assert(Q_LISTED == Q_TYPES, "quant_formats.h: kernel codes must run 0, 1, ... unbroken");
+
 /* The amx tier itself implies tile data permission (dispatch.c). */
 static int amx_int8(void) { return CPUD_CAN_AMX && (cpud_vnni_bits() & 4); }
 
@@ -31,8 +42,8 @@ static int bf16_tiles(int isa, int flags) {
 static int dt_ok(int dt) { return dt == CPUD_F32 || dt == CPUD_BF16; }
 
 static int part_ok(int qtype, intptr_t qs, intptr_t sc, int64_t N, int64_t K) {
-    return qtype >= CPUD_Q8_0 && qtype <= CPUD_Q6_K && qs && qs % 64 == 0 && sc && N >= 1 &&
-           K >= 1 && K % q_bs[qtype] == 0;
+    return qtype >= 0 && qtype < Q_TYPES && qs && qs % 64 == 0 && sc && N >= 1 && K >= 1 &&
+           K % q_fmt[qtype].bs == 0;
 }
 
 static int x_ok(intptr_t x, int x_dtype, int64_t x_stride, intptr_t out, int out_dtype,
@@ -70,7 +81,7 @@ int cpud_quant_gemm(int isa, int flags, int qtype, intptr_t x, int x_dtype, int6
         return CPUD_EARG;
     if (M == 0) return CPUD_OK;
 #if CPUD_CAN_AMX
-    if (bf16_tiles(isa, flags) && M >= q_bf16_min_m[qtype] &&
+    if (bf16_tiles(isa, flags) && M >= q_fmt[qtype].bf16_min_m &&
         cpud_qgemm_amx_bf16(qtype, (const void *)x, x_dtype, x_stride, (const uint8_t *)qs,
                             (const uint8_t *)sc, (const float *)bias, (void *)out, out_dtype,
                             out_stride, M, N, K) == CPUD_OK)
@@ -132,6 +143,19 @@ double cpud_quant_compute_probe(int isa, int flags, int64_t iters) {
 }
 
 int cpud_quant_bf16_min_m(int isa, int flags, int qtype) {
-    if (!qops_for(isa, flags) || qtype < CPUD_Q8_0 || qtype > CPUD_Q6_K) return -1;
-    return bf16_tiles(isa, flags) ? q_bf16_min_m[qtype] : 0;
+    if (!qops_for(isa, flags) || qtype < 0 || qtype >= Q_TYPES) return -1;
+    return bf16_tiles(isa, flags) ? q_fmt[qtype].bf16_min_m : 0;
+}
+
+int cpud_quant_format(int qtype, int *ggml_type, int *block_values, int *block_bytes,
+                      int *qbytes, int *sbytes) {
+    if (qtype < 0 || qtype >= Q_TYPES || !ggml_type || !block_values || !block_bytes || !qbytes ||
+        !sbytes)
+        return CPUD_EARG;
+    *ggml_type = q_fmt[qtype].ggml_type;
+    *block_values = q_fmt[qtype].bs;
+    *block_bytes = q_fmt[qtype].block_bytes;
+    *qbytes = q_fmt[qtype].qbytes;
+    *sbytes = q_fmt[qtype].sbytes;
+    return CPUD_OK;
 }

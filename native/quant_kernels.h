@@ -42,8 +42,9 @@ typedef struct qtile {
 /* Q8_0 / Q4_0 / Q4_1 block b: one scale (and min) per 32; wide: Q8_0's byte quants. */
 static ALWAYS_INLINE QTGT void blk_b32(const qtile *t, const int MR, const int qt, int64_t b,
                                        int64_t pfo, fv *acc) {
-    const int wide = qt == CPUD_Q8_0, sb = q_sbytes[qt], off = wide ? Q8_OFF : qt == CPUD_Q4_0 ? 8 : 0;
-    const uint8_t *q = t->q + b * (wide ? 512 : 256);
+    const int wide = qt == CPUD_Q8_0, sb = q_fmt[qt].sbytes;
+    const int off = wide ? Q8_OFF : qt == CPUD_Q4_0 ? 8 : 0;
+    const uint8_t *q = t->q + b * q_fmt[qt].qbytes;
     const fv dw = fv_h16((const uint16_t *)(t->s + b * sb));
     iv dot[4], dot2[4]; /* two chains per row: half the dependent dots */
     for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
@@ -70,17 +71,17 @@ static ALWAYS_INLINE QTGT void blk_b32(const qtile *t, const int MR, const int q
         const float dx = XD(t, m, b);
         const int32_t sx = XS32(t, m, b);
         acc[m] = fv_fma(fv_cvt(iv_subs(dot[m], off * sx)), fv_mul(dw, fv_set1(dx)), acc[m]);
-        if (qt == CPUD_Q4_1)
+        if (q_fmt[qt].mins)
             acc[m] = fv_fma(fv_h16((const uint16_t *)(t->s + b * sb + 32)), fv_set1(dx * (float)sx), acc[m]);
     }
 }
 
 /* Q4_K / Q5_K block b: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high
  * bits. */
-static ALWAYS_INLINE QTGT void blk_k45(const qtile *t, const int MR, const int five, int64_t b,
+static ALWAYS_INLINE QTGT void blk_k45(const qtile *t, const int MR, const int qt, int64_t b,
                                        int64_t pfo, fv *acc) {
-    const int sub = five ? 320 : 256;
-    const uint8_t *s = t->s + b * 320, *q = t->q + b * 8 * sub;
+    const int five = qt == CPUD_Q5_K, sub = q_fmt[qt].qbytes / 8;
+    const uint8_t *s = t->s + b * q_fmt[qt].sbytes, *q = t->q + b * 8 * sub;
     const fv d = fv_h16((const uint16_t *)s), dmin = fv_h16((const uint16_t *)(s + 32));
     for (int j = 0; j < 8; j++) {
         const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
@@ -114,10 +115,9 @@ static ALWAYS_INLINE QTGT void blk_k45(const qtile *t, const int MR, const int f
 }
 
 /* Q6_K block b: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
-static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int unused, int64_t b,
+static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int qt, int64_t b,
                                        int64_t pfo, fv *acc) {
-    (void)unused;
-    const uint8_t *s = t->s + b * 288, *q = t->q + b * 3072;
+    const uint8_t *s = t->s + b * q_fmt[qt].sbytes, *q = t->q + b * q_fmt[qt].qbytes;
     const fv d = fv_h16((const uint16_t *)s);
     for (int j = 0; j < 8; j++)
         for (int h = 0; h < 2; h++) {
@@ -163,28 +163,24 @@ static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int u
 
 typedef void (*tile_fn)(const qtile *t);
 
-#define TILE_MR(name, call)                                                                        \
-    static QTGT void name##_1(const qtile *t) { call(t, 1); }                                     \
-    static QTGT void name##_2(const qtile *t) { call(t, 2); }                                     \
-    static QTGT void name##_4(const qtile *t) { call(t, 4); }
-
-#define T_Q8_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q8_0, q_qbytes[CPUD_Q8_0])
-#define T_Q4_0(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_0, q_qbytes[CPUD_Q4_0])
-#define T_Q4_1(t, mr) TILE_TWO_HALVES(t, mr, blk_b32, CPUD_Q4_1, q_qbytes[CPUD_Q4_1])
-#define T_Q4_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 0, q_qbytes[CPUD_Q4_K])
-#define T_Q5_K(t, mr) TILE_TWO_HALVES(t, mr, blk_k45, 1, q_qbytes[CPUD_Q5_K])
-#define T_Q6_K(t, mr) TILE_TWO_HALVES(t, mr, blk_q6k, 0, q_qbytes[CPUD_Q6_K])
-TILE_MR(q8_0, T_Q8_0)
-TILE_MR(q4_0, T_Q4_0)
-TILE_MR(q4_1, T_Q4_1)
-TILE_MR(q4_k, T_Q4_K)
-TILE_MR(q5_k, T_Q5_K)
-TILE_MR(q6_k, T_Q6_K)
+/* Per format of quant_formats.h: tile_<name>_<MR> for MR 1, 2, 4, on its family's blk. */
+#define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, qb, sb, family, ...) \
+    static QTGT void tile_##name##_1(const qtile *t) {                                             \
+        TILE_TWO_HALVES(t, 1, blk_##family, code, q_fmt[code].qbytes);                             \
+    }                                                                                              \
+    static QTGT void tile_##name##_2(const qtile *t) {                                             \
+        TILE_TWO_HALVES(t, 2, blk_##family, code, q_fmt[code].qbytes);                             \
+    }                                                                                              \
+    static QTGT void tile_##name##_4(const qtile *t) {                                             \
+        TILE_TWO_HALVES(t, 4, blk_##family, code, q_fmt[code].qbytes);                             \
+    }
+#include "quant_formats.h"
 
 /* [qtype][MR 1, 2, 4] */
-static const tile_fn q_tiles[6][3] = {
-    {q8_0_1, q8_0_2, q8_0_4}, {q4_0_1, q4_0_2, q4_0_4}, {q4_1_1, q4_1_2, q4_1_4},
-    {q4_k_1, q4_k_2, q4_k_4}, {q5_k_1, q5_k_2, q5_k_4}, {q6_k_1, q6_k_2, q6_k_4},
+#define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, ...)                 \
+    [code] = {tile_##name##_1, tile_##name##_2, tile_##name##_4},
+static const tile_fn q_tiles[][3] = {
+#include "quant_formats.h"
 };
 
 /* Tasks: per part, its groups of 16 w rows times chunks of QMC x rows, parts one after another;
@@ -206,11 +202,11 @@ static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out,
         const qpart *pp = p + i;
         const int qt = pp->qt;
         const int64_t local = task - first[i], g = local / nmc, mc = local % nmc;
-        const int64_t nb = a->K / q_bs[qt], m1 = (mc + 1) * QMC < M ? (mc + 1) * QMC : M;
+        const int64_t nb = a->K / q_fmt[qt].bs, m1 = (mc + 1) * QMC < M ? (mc + 1) * QMC : M;
         char *o = (char *)out + pp->col * dtype_size(odt);
         float res[4 * QR];
-        qtile t = {pp->qs + g * nb * q_qbytes[qt], pp->sc + g * nb * q_sbytes[qt], a, mc * QMC,
-                   nb, res};
+        qtile t = {pp->qs + g * nb * q_fmt[qt].qbytes, pp->sc + g * nb * q_fmt[qt].sbytes, a,
+                   mc * QMC, nb, res};
         while (t.m0 < m1) {
             const int64_t left = m1 - t.m0;
             const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;

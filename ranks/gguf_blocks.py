@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from cpud.errors import ConfigError
+from cpud.native.quant_formats import FORMATS
 
 T = GGMLQuantizationType
 DEQUANT_VALUES = 1 << 22  # values dequantized per chunk: a 16 MiB fp32 scratch at most
@@ -41,7 +42,13 @@ def slice_blocks(
     The column range must start and end on block boundaries."""
     shape = tensor_shape(tensor)
     n_rows, n_cols = (1, shape[0]) if len(shape) == 1 else shape
-    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    fmt = FORMATS.get(tensor.tensor_type.name)
+    if fmt is None:
+        raise ConfigError(
+            f"tensor {tensor.name} is {tensor.tensor_type.name}, a type cpud does not read "
+            f"(supported: {', '.join(FORMATS)})"
+        )
+    block, type_size = fmt.block_values, fmt.block_bytes
     raw = tensor.data.view(np.uint8).reshape(n_rows, -1)
     start, stop, step = columns.indices(n_cols)
     if step != 1 or start % block or stop % block:

@@ -28,7 +28,6 @@ from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, PackableLinear, RowParallelLinear
 
 MAX_PARTS = 3  # CPUD_QPARTS: runs of one type per fused linear (q, k, v at most)
-FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
 @dataclass(frozen=True)

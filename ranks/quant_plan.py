@@ -12,11 +12,12 @@ from cpud.model.gguf_model import read_gguf_model
 from cpud.model.gguf_names import hf_name
 from cpud.model.model_config import ModelConfig
 from cpud.model.quant_check import DENSE_TYPES, HEAD_TYPE
+from cpud.native.quant_formats import FLOAT_TYPES, KERNEL_FORMATS
 from cpud.ranks.checkpoint_targets import stacked_target
 from cpud.ranks.layers.embedding import ParallelLMHead
 from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.models import registry
-from cpud.ranks.quant_linear import FLOAT_TYPES, QuantPart, plan_layer, quantizable_layers
+from cpud.ranks.quant_linear import QuantPart, plan_layer, quantizable_layers
 
 EMBEDDING = "token_embd.weight"
 LM_HEAD = "output.weight"
@@ -100,7 +101,6 @@ def weight_formats(
     a dense GEMM; the embedding is listed apart (format "embedding <type>"). `cfg`: the
     model's config, needed for a checkpoint directory."""
     from cpud import native
-    from cpud.native.quant import QTYPES
 
     fast = native.available()
     if not Path(path).is_file():
@@ -129,12 +129,12 @@ def weight_formats(
     blocks_run = fast and quantization == "auto"
     rows = []
     for qtype, count in counts.most_common():
-        kernel = _kernel(None, qtype) if blocks_run and qtype in QTYPES else "dense GEMM"
+        kernel = _kernel(None, qtype) if blocks_run and qtype in KERNEL_FORMATS else "dense GEMM"
         if kernel == "dense GEMM" and qtype not in FLOAT_TYPES:
             kernel += " (dequantized at load)"
         rows.append((qtype, count, kernel))
     embedding = checked.tensors[EMBEDDING].type
-    tied_dense = checked.config.tie_word_embeddings and embedding not in QTYPES
+    tied_dense = checked.config.tie_word_embeddings and embedding not in KERNEL_FORMATS
     blocks = blocks_run and embedding not in FLOAT_TYPES and not tied_dense
     rows.append((f"embedding {embedding}", 1, "rows dequantized per token" if blocks else "dense"))
     return rows

@@ -19,21 +19,8 @@ from cpud.model.gguf_meta import ROPE_FREQS, GGUFMeta, TensorInfo, short
 from cpud.model.gguf_names import COLUMNS, expected_tensors
 from cpud.model.model_config import ModelConfig
 from cpud.model.recipe import check_recipe
+from cpud.native.quant_formats import SUPPORTED_TYPES
 from cpud.ranks.models import registry
-
-SUPPORTED_TYPES = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-)
 
 
 @dataclass(frozen=True)

@@ -7,22 +7,15 @@ from pathlib import Path
 
 from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
+from cpud.native.quant_formats import FLOAT_TYPES, KERNEL_FORMATS
 from cpud.ranks.models import registry
 
 # --quantization value -> GGUF type name of the linears (ranks/quantize_dense.py)
 DENSE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}
 QUANTIZATION_CHOICES = ("auto", "none", *DENSE_TYPES)
 HEAD_TYPE = "Q8_0"  # the LM head and the embedding table under a dense quantization
-# GGUF type: (values per block, bytes per block)
-BLOCKS = {
-    "Q8_0": (32, 34),
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
-}
-FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+# GGUF type the native GEMM runs in its blocks: (values per block, bytes per block)
+BLOCKS = {name: (f.block_values, f.block_bytes) for name, f in KERNEL_FORMATS.items()}
 
 
 def linear_ks(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
