@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cpud.errors import ConfigError
+from cpud.settings import CORS_ALLOW_ANY
 
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.\-]*://[^/\s?#]+$", re.IGNORECASE)
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z\-]+$")  # an HTTP token (RFC 9110)
@@ -38,8 +39,8 @@ def word_list(values: Iterable[str] | None) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class CorsPolicy:
     origins: tuple[str, ...] = ()  # empty: cross-origin requests get no CORS headers
-    methods: tuple[str, ...] = ("*",)
-    headers: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = CORS_ALLOW_ANY
+    headers: tuple[str, ...] = CORS_ALLOW_ANY
 
     def __post_init__(self) -> None:
         for origin in self.origins:

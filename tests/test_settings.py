@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import subprocess
 import sys
 
@@ -138,16 +139,91 @@ def test_the_flags_parse_to_the_table_defaults():
 def test_other_modules_keep_the_tables_choices_and_names():
     """Modules outside the CLI that name a choice list or a variable agree with the table."""
     from cpud.config import COLLECTIVES, KERNEL_KINDS
-    from cpud.frontend.tool_calls import PARSERS
+    from cpud.frontend.tool_call_scan import MARKERS
+    from cpud.frontend.tool_calls import PARSERS, detect_parser
+    from cpud.frontend.tool_grammar import ARGUMENTS_KEY
     from cpud.model.quant_check import QUANTIZATION_CHOICES
     from cpud.placement.binding import BIND_ENV, RESERVED_ENV
 
     assert KERNEL_KINDS == settings.choices("kernels")
     assert COLLECTIVES == settings.choices("collective")
     assert tuple(QUANTIZATION_CHOICES) == settings.choices("quantization")
-    assert tuple(PARSERS) == settings.choices("tool_call_parser")
-    assert BIND_ENV in settings.setting("bind").env_aliases
-    assert RESERVED_ENV in settings.setting("reserved_cpus").env_aliases
+    assert PARSERS is settings.choices("tool_call_parser")
+    # Each parser the table offers is one the scanner and the tool grammar know, and only those.
+    assert set(MARKERS) == set(ARGUMENTS_KEY) == set(PARSERS)
+    templates = (None, "[TOOL_CALLS]", "<tool_call>", "<|python_tag|>")
+    assert {detect_parser(t) for t in templates} == set(PARSERS)
+    assert (BIND_ENV,) == settings.setting("bind").env_aliases
+    assert (RESERVED_ENV,) == settings.setting("reserved_cpus").env_aliases
+
+
+# Run before anything else imports the modules below: the table answers with other values, and
+# each module, imported afterwards, must take them (no copy of its own can follow the change).
+CHANGED_TABLE = """
+import dataclasses, inspect, json, sys
+
+import cpud.settings as table
+
+late = ("cpud.frontend.tool_calls", "cpud.placement.binding", "cpud.placement.memory_plan",
+        "cpud.structured.limits", "cpud.cors_policy")
+assert not set(late) & set(sys.modules), set(late) & set(sys.modules)
+original = table.setting
+changes = {
+    "tool_call_parser": {"choices": ("hermes", "llama3_json", "mistral", "pythonic")},
+    "bind": {"env_aliases": ("OTHER_BIND",)},
+    "reserved_cpus": {"env_aliases": ("OTHER_RESERVED",)},
+    "grammar_compile_timeout": {"default": 7.5},
+    "grammar_compile_threads": {"default": 3},
+    "grammar_cache_mib": {"default": 64},
+    "block_size": {"default": 32},
+    "max_num_seqs": {"default": 8},
+}
+table.setting = lambda name: dataclasses.replace(original(name), **changes.get(name, {}))
+table.DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+table.CORS_ALLOW_ANY = ("GET",)
+
+from cpud.cors_policy import CorsPolicy
+from cpud.frontend.tool_calls import PARSERS
+from cpud.placement.binding import BIND_ENV, RESERVED_ENV, binding_spec
+from cpud.placement.memory_plan import plan_memory
+from cpud.structured.limits import GrammarLimits
+
+plan = inspect.signature(plan_memory).parameters
+limits = GrammarLimits()
+spec = binding_spec(env={"OTHER_BIND": "nobind", "OTHER_RESERVED": "2"})
+print(json.dumps({
+    "parsers": PARSERS,
+    "env": [BIND_ENV, RESERVED_ENV, spec.mode, spec.reserved, spec.bind_source],
+    "grammar": [limits.compile_timeout, limits.compile_threads, limits.cache_mib],
+    "plan": [plan[k].default for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")],
+    "cors": [CorsPolicy().methods, CorsPolicy().headers],
+}))
+"""
+
+
+def test_modules_take_their_defaults_choices_and_names_from_the_table():
+    out = subprocess.run(
+        [sys.executable, "-c", CHANGED_TABLE], capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout) == {
+        "parsers": ["hermes", "llama3_json", "mistral", "pythonic"],
+        "env": ["OTHER_BIND", "OTHER_RESERVED", "nobind", 2, "OTHER_BIND"],
+        "grammar": [7.5, 3, 64],
+        "plan": [32, 8, 4096],
+        "cors": [["GET"], ["GET"]],
+    }
+
+
+def test_the_modules_defaults_are_the_tables():
+    from cpud.cors_policy import CorsPolicy
+    from cpud.placement.memory_plan import plan_memory
+
+    plan = inspect.signature(plan_memory).parameters
+    assert plan["max_num_batched_tokens"].default == settings.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    for name in ("block_size", "max_num_seqs"):
+        assert plan[name].default == settings.setting(name).default, name
+    assert CorsPolicy().methods is CorsPolicy().headers is settings.CORS_ALLOW_ANY
+    assert CorsPolicy().enabled is False
 
 
 def test_doctor_refuses_non_positive_values_while_parsing_and_serve_leaves_them_to_the_engine():

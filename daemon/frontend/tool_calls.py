@@ -15,8 +15,9 @@ import uuid
 from dataclasses import dataclass
 
 from cpud.frontend.tool_call_scan import CallBody, CallScanner
+from cpud.settings import choices
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = choices("tool_call_parser")
 
 
 def detect_parser(template: str | None) -> str:

@@ -30,9 +30,11 @@ from typing import Literal
 from cpud.errors import ConfigError
 from cpud.placement.cpulist import format_cpulist, parse_cpulist, parse_id_sequence
 from cpud.placement.topology import NumaNode, Topology
+from cpud.settings import setting
 
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+# vLLM's variables, as the settings table names them (each setting names exactly one).
+(BIND_ENV,) = setting("bind").env_aliases
+(RESERVED_ENV,) = setting("reserved_cpus").env_aliases
 VISIBLE_NODES_ENV = "CPU_VISIBLE_MEMORY_NODES"
 
 DEFAULT_RESERVE_MIN_CORES = 8

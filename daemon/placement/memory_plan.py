@@ -27,6 +27,7 @@ from cpud.model.sizes import (
 )
 from cpud.placement.binding import BindingPlan
 from cpud.placement.topology import Topology
+from cpud.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS, setting
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -277,9 +278,9 @@ def plan_memory(
     topology: Topology,
     *,
     max_model_len: int,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
+    block_size: int = setting("block_size").default,
+    max_num_seqs: int = setting("max_num_seqs").default,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     kv_cache_space_gib: float | None = None,
     kv_cache_fraction: float | None = None,
     gpu_memory_utilization: float | None = None,

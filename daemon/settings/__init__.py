@@ -18,7 +18,7 @@ from cpud.settings.engine import (
     ENGINE_SETTINGS,
     MAX_MODEL_LEN_CAP,
 )
-from cpud.settings.serve import SERVE_SETTINGS
+from cpud.settings.serve import CORS_ALLOW_ANY, SERVE_SETTINGS
 from cpud.settings.setting import (
     COMMANDS,
     DOCTOR,
@@ -33,6 +33,7 @@ from cpud.settings.setting import (
 
 __all__ = [
     "COMMANDS",
+    "CORS_ALLOW_ANY",
     "DEFAULT_KV_CACHE_SPACE_GIB",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DOCTOR",

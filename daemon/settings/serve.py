@@ -7,6 +7,11 @@ from cpud.settings.setting import SERVE, Setting
 
 ONLY_SERVE = frozenset({SERVE})
 
+# What cross-origin requests may use where --allowed-methods / --allowed-headers is unset: any
+# method, any header (CorsPolicy's defaults).
+CORS_ALLOW_ANY = ("*",)
+_ANY_SHOWN = ", ".join(f"`{word}`" for word in CORS_ALLOW_ANY)
+
 
 def _serve(name: str, kind: type, default: object, help: str, flag: str, **more) -> Setting:
     return Setting(name, kind, default, help, ONLY_SERVE, flags=(flag,), **more)
@@ -80,7 +85,7 @@ SERVE_SETTINGS = (
         "--allowed-methods",
         metavar="METHOD",
         many=True,
-        shown_default="`*`",
+        shown_default=_ANY_SHOWN,
     ),
     _serve(
         "allowed_headers",
@@ -90,7 +95,7 @@ SERVE_SETTINGS = (
         "--allowed-headers",
         metavar="HEADER",
         many=True,
-        shown_default="`*`",
+        shown_default=_ANY_SHOWN,
     ),
     _serve(
         "enable_prompt_tokens_details",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cpud.errors import ConfigError
+from cpud.settings import setting
 
 if TYPE_CHECKING:
     import llguidance
@@ -24,9 +25,9 @@ class GrammarLimits:
     limits (lexer work to build a grammar's lexer, lexer work per token, lexer states, grammar
     symbols); a grammar past one is refused."""
 
-    compile_timeout: float = 10.0
-    compile_threads: int = 2
-    cache_mib: int = 128
+    compile_timeout: float = setting("grammar_compile_timeout").default
+    compile_threads: int = setting("grammar_compile_threads").default
+    cache_mib: int = setting("grammar_cache_mib").default
     lexer_fuel: int = 100_000
     step_lexer_fuel: int = 200_000
     max_lexer_states: int = 50_000
