@@ -9,6 +9,7 @@ import stat
 import sys
 
 from cpud.config import ServeArgs
+from cpud.settings import CORS_ALLOW_ANY
 
 MAX_API_KEY_BYTES = 4096
 
@@ -39,8 +40,8 @@ def serve_args(args: argparse.Namespace) -> ServeArgs:
         ),
         cors=CorsPolicy(
             origins=word_list(args.allowed_origins),
-            methods=word_list(args.allowed_methods) or ("*",),
-            headers=word_list(args.allowed_headers) or ("*",),
+            methods=word_list(args.allowed_methods) or CORS_ALLOW_ANY,
+            headers=word_list(args.allowed_headers) or CORS_ALLOW_ANY,
         ),
     )
 
