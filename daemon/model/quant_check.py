@@ -9,10 +9,11 @@ from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
 from cpud.native.quant_formats import FLOAT_TYPES, KERNEL_FORMATS
 from cpud.ranks.models import registry
+from cpud.settings import choices
 
 # --quantization value -> GGUF type name of the linears (ranks/quantize_dense.py)
 DENSE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}
-QUANTIZATION_CHOICES = ("auto", "none", *DENSE_TYPES)
+QUANTIZATION_CHOICES = choices("quantization")  # auto, none and the DENSE_TYPES keys
 HEAD_TYPE = "Q8_0"  # the LM head and the embedding table under a dense quantization
 # GGUF type the native GEMM runs in its blocks: (values per block, bytes per block)
 BLOCKS = {name: (f.block_values, f.block_bytes) for name, f in KERNEL_FORMATS.items()}
