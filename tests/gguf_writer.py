@@ -25,6 +25,8 @@ from cpud.fixtures.archs import ARCH_MODULES
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH |= {a: m.GGUF_ARCH for a, m in ARCH_MODULES.items() if hasattr(m, "GGUF_ARCH")}
+# Fixture architectures beyond `llama` whose converter permutes Q/K rows (a LlamaModel)
+PERMUTED_QK = {a for a, m in ARCH_MODULES.items() if getattr(m, "GGUF_PERMUTED_QK", False)}
 FILE_TYPES = {
     T.F32: gguf.LlamaFileType.ALL_F32,
     T.F16: gguf.LlamaFileType.MOSTLY_F16,
@@ -173,9 +175,10 @@ def write_gguf(
         if name is None:  # a tensor the family's converter leaves out or folds elsewhere
             continue
         values = values.astype(np.float32)
-        if arch == "llama" and ".attn_q." in name:
+        permuted = arch == "llama" or config["model_type"] in PERMUTED_QK
+        if permuted and ".attn_q." in name:
             values = permute(values, heads, heads)
-        elif arch == "llama" and ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             values = permute(values, heads, kv_heads)
         if name in skip:
             continue
