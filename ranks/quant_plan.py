@@ -13,7 +13,7 @@ from cpud.model.gguf_names import hf_name
 from cpud.model.model_config import ModelConfig
 from cpud.model.quant_check import DENSE_TYPES, HEAD_TYPE
 from cpud.native.quant_formats import FLOAT_TYPES, KERNEL_FORMATS
-from cpud.ranks.checkpoint_targets import stacked_target
+from cpud.ranks.checkpoint_targets import targets
 from cpud.ranks.layers.embedding import ParallelLMHead
 from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.models import registry
@@ -35,10 +35,10 @@ def gguf_quant_plan(model: nn.Module, path: str | Path) -> tuple[dict[str, list[
         name = hf_name(info.name, model.cfg.family)
         if name is None or not name.endswith(".weight") or len(info.shape) != 2:
             continue
-        target, shard_id = stacked_target(model, name)
-        param = params.get(target)
-        if param is not None and id(param) in owner:
-            types.setdefault(owner[id(param)], {})[shard_id] = info.type
+        for target, shard_id, _ in targets(model, name):  # each part of a fused tensor
+            param = params.get(target)
+            if param is not None and id(param) in owner:
+                types.setdefault(owner[id(param)], {})[shard_id] = info.type
     plan = {}
     for name, qtypes in types.items():
         parts = plan_layer(layers[name], qtypes)

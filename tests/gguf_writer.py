@@ -187,6 +187,10 @@ def write_gguf(
     kind = (config.get("rope_scaling") or {}).get("rope_type")
     if kind == "llama3" and "rope_freqs.weight" not in skip:
         writer.add_tensor("rope_freqs.weight", _rope_freqs(config), raw_dtype=T.F32)
+    extra = getattr(ARCH_MODULES.get(config["model_type"]), "gguf_extra_tensors", None)
+    for name, values in (extra(config) if extra is not None else {}).items():
+        if name not in skip:  # top-level tensors of the family's converter (F32)
+            writer.add_tensor(name, values.astype(np.float32), raw_dtype=T.F32)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

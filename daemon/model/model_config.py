@@ -119,7 +119,7 @@ def read_json_object(path: str | Path, finite: bool = True) -> dict[str, Any]:
 
 REQUIRED = object()
 MAX_SIZE = 2**31 - 1
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")  # su: longrope's old name
 
 
 def _is_number(value: Any) -> bool:
@@ -195,8 +195,33 @@ class ConfigFields:
         return tuple(ids)
 
 
-def rope_scaling(f: ConfigFields) -> dict[str, Any] | None:
-    """rope_scaling (or a non-default rope_parameters) with its type and factors checked."""
+def _longrope(f: ConfigFields, sub: ConfigFields, scaling: dict[str, Any], rotary_dim: int) -> None:
+    """LongRoPE's factor lists checked (`rotary_dim` / 2 positive numbers each; 0: length not
+    known here), its original length and factor filled in as transformers derives them."""
+    half = rotary_dim // 2
+    for name in ("short_factor", "long_factor"):
+        value = sub.value(name, REQUIRED)
+        if not (isinstance(value, list) and value and all(_is_number(v) and v > 0 for v in value)):
+            raise sub.error(name, "a list of positive numbers", value)
+        if half and len(value) != half:
+            raise sub.error(
+                name, f"a list of {half} numbers (half the rotary dimension {rotary_dim})", value
+            )
+    # The config's own original_max_position_embeddings wins over rope_scaling's (transformers'
+    # standardize_rope_params); factor defaults to max_position_embeddings over it.
+    if f.raw.get("original_max_position_embeddings") is not None:
+        original = f.size("original_max_position_embeddings")
+    else:
+        original = sub.size("original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = original
+    longest = f.size("max_position_embeddings", 4096)
+    scaling["factor"] = sub.number("factor", longest / original)
+    sub.number("attention_factor", 1.0)
+
+
+def rope_scaling(f: ConfigFields, rotary_dim: int = 0) -> dict[str, Any] | None:
+    """rope_scaling (or a non-default rope_parameters) with its type and factors checked;
+    `rotary_dim`: the rotating dimensions of a head, when known (LongRoPE's list lengths)."""
     params = f.raw.get("rope_parameters") or {}
     scaling, key = f.raw.get("rope_scaling"), "rope_scaling"
     if scaling is not None and not isinstance(scaling, dict):
@@ -212,6 +237,10 @@ def rope_scaling(f: ConfigFields) -> dict[str, Any] | None:
     if kind == "default":
         return scaling
     sub = ConfigFields(scaling, f.source, f.arch, prefix=f"{key}.")
+    if kind in ("longrope", "su"):
+        scaling["rope_type"] = "longrope"
+        _longrope(f, sub, scaling, rotary_dim)
+        return scaling
     sub.number("factor", REQUIRED)
     for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
         sub.number(name, 1.0)
@@ -286,7 +315,7 @@ def decoder_fields(
         norm_eps=f.number("rms_norm_eps", 1e-6),
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
         rope_theta=f.number("rope_theta", theta),
-        rope_scaling=rope_scaling(f),
+        rope_scaling=rope_scaling(f, rotary_dim),
         partial_rotary_factor=partial,
         qkv_bias=attention_bias,
         o_bias=attention_bias,

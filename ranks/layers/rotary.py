@@ -87,17 +87,60 @@ def rope_inv_freq(
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(rotary_dim, base, scaling, max_position)
+    if kind == "longrope":
+        raise ConfigError("longrope scaling has two sets of frequencies: use cos_sin_table")
     raise ConfigError(
-        f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn, factors)"
+        f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn, factors, "
+        f"longrope)"
     )
+
+
+def longrope_inv_freqs(
+    rotary_dim: int, base: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """LongRoPE (Phi-3): (short, long) inverse frequencies, the original length from which the
+    long ones apply, and the attention scaling. `scaling` holds short_factor, long_factor,
+    original_max_position_embeddings and factor (max_position_embeddings / original, filled in
+    from the config when absent: cpud.model.model_config.rope_scaling), optionally
+    attention_factor; transformers' _compute_longrope_parameters, same rounding."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    powers = base**exponents
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * powers)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * powers)
+    return short, long, original, float(attention)
+
+
+def _longrope_freqs(
+    rotary_dim: int, max_positions: int, base: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """[max_positions, rotary_dim / 2] angles: positions below the original length turn by the
+    short factors, positions at or past it by the long ones. transformers picks one set per
+    forward call (the long set for every token once any position reaches the original length;
+    Phi-3's generate even recomputes the whole cache with it at that point), and llama.cpp one
+    set per context size. Here a position's rotation depends on the position alone, so a KV
+    entry written once stays right however the sequence grows, across chunked prefill, the
+    prefix cache and batching: what transformers computes token by token with a cache (each
+    step's own position picks the set), which tests/test_family_phi3.py states."""
+    short, long, original, attention = longrope_inv_freqs(rotary_dim, base, scaling)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    inv_freq = torch.where((positions < original)[:, None], short[None, :], long[None, :])
+    return positions[:, None] * inv_freq, attention
 
 
 def cos_sin_table(
     rotary_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None = None
 ) -> torch.Tensor:
     """[max_positions, rotary_dim] fp32: cos | sin halves, attention scaling folded in."""
-    inv_freq, attention_scaling = rope_inv_freq(rotary_dim, base, scaling, max_positions)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    if (scaling or {}).get("rope_type") == "longrope":
+        freqs, attention_scaling = _longrope_freqs(rotary_dim, max_positions, base, scaling)
+    else:
+        inv_freq, attention_scaling = rope_inv_freq(rotary_dim, base, scaling, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling).contiguous()
 
 
