@@ -24,30 +24,34 @@ import re
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADER = "cpud_native.h"
+# c_api/: the C API cffi exposes (cpud_native.h) and its entry points; drivers/: the generic
+# kernels, decoder and MoE drivers and shared headers; isa/: one file per ISA tier (kernels
+# compiled with that tier's target attributes, micro-kernels, SIMD wrappers).
+FOLDERS = ("c_api", "drivers", "isa")
+HEADER = "c_api/cpud_native.h"
 SOURCES = [
-    "api.c",
-    "decoder.c",
-    "moe.c",
-    "dispatch.c",
-    "pin.c",
-    "tier_scalar.c",
-    "tier_avx2.c",
-    "tier_avx512.c",
-    "tier_avx512bf16.c",
-    "tier_amx.c",
-    "shm_allreduce.c",
-    "shm_tier_scalar.c",
-    "shm_tier_avx2.c",
-    "shm_tier_avx512.c",
-    "quant_api.c",
-    "quant_scalar.c",
-    "quant_avx2.c",
-    "quant_avx2vnni.c",
-    "quant_avx512.c",
-    "quant_avx512vnni.c",
-    "quant_amx.c",
-    "quant_amx_bf16.c",
+    "c_api/api.c",
+    "c_api/quant_api.c",
+    "c_api/dispatch.c",
+    "c_api/pin.c",
+    "c_api/shm_allreduce.c",
+    "drivers/decoder.c",
+    "drivers/moe.c",
+    "isa/tier_scalar.c",
+    "isa/tier_avx2.c",
+    "isa/tier_avx512.c",
+    "isa/tier_avx512bf16.c",
+    "isa/tier_amx.c",
+    "isa/shm_tier_scalar.c",
+    "isa/shm_tier_avx2.c",
+    "isa/shm_tier_avx512.c",
+    "isa/quant_scalar.c",
+    "isa/quant_avx2.c",
+    "isa/quant_avx2vnni.c",
+    "isa/quant_avx512.c",
+    "isa/quant_avx512vnni.c",
+    "isa/quant_amx.c",
+    "isa/quant_amx_bf16.c",
 ]
 CFLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wextra"]
 
@@ -90,10 +94,15 @@ ffibuilder = FFI()
 ffibuilder.cdef(_cdef_text())
 ffibuilder.set_source(
     "cpud.native._cpud_native",
-    f'#include "{HEADER}"',
+    f'#include "{os.path.basename(HEADER)}"',
     sources=[_src_path(s) for s in SOURCES],
-    include_dirs=[HERE],
-    depends=[_src_path(n) for n in sorted(os.listdir(HERE)) if n.endswith((".h", ".c"))],
+    include_dirs=[os.path.join(HERE, folder) for folder in FOLDERS],
+    depends=[
+        _src_path(os.path.join(folder, n))
+        for folder in FOLDERS
+        for n in sorted(os.listdir(os.path.join(HERE, folder)))
+        if n.endswith((".h", ".c"))
+    ],
     extra_compile_args=CFLAGS,
     extra_link_args=_link_args(),
 )

@@ -579,7 +579,7 @@ class Kernels:
     ) -> torch.Tensor:
         """out [T, H] (x's dtype) = sum over each token's k experts ids[t] of weights[t] *
         down_e(silu(gate_e x) * up_e x); gate_up [E, *packed_shape(2 inter, H)] and down
-        [E, *packed_shape(H, inter)] bf16 stacks (native/moe.c)."""
+        [E, *packed_shape(H, inter)] bf16 stacks (native/drivers/moe.c)."""
         tokens, hidden = x.shape
         experts, k = gate_up.shape[0], ids.shape[-1]
         _contig(x, "x", x.dtype, (None, None))
@@ -608,7 +608,7 @@ class Kernels:
         flags: int,
     ) -> torch.Tensor:
         """The expert layer on x [T, H]: router logits, routing (cpud_moe_flags) and
-        ``moe_experts`` in one native call (native/moe.c)."""
+        ``moe_experts`` in one native call (native/drivers/moe.c)."""
         tokens, hidden = x.shape
         experts = gate_up.shape[0]
         _contig(x, "x", x.dtype, (None, hidden))

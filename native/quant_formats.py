@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-TABLE = Path(__file__).with_name("quant_formats.h")
+TABLE = Path(__file__).parent / "drivers" / "quant_formats.h"
 FAMILIES = ("b32", "k45", "q6k")  # quant_kernels.h blk_<family>
 
 

@@ -1,4 +1,4 @@
-"""A recipe decoder's layers as one native call per step (native/decoder.c).
+"""A recipe decoder's layers as one native call per step (native/drivers/decoder.c).
 
 The per-op path crosses from Python into C a dozen times per layer (norms, GEMMs, rotary, KV
 write, attention, all-reduces), with argument checks and tensor views in between: about 10 ms of
@@ -10,7 +10,7 @@ window, residual multiplier) travels as data in the dims and layer tables.
 
 The model hands over its shape and weights through ``decoder_weights()``
 (ranks/models/decoder_weights.py). Expert layers (ranks/models/moe.py) run router, routing and
-experts in the same call (native/moe.c).
+experts in the same call (native/drivers/moe.c).
 
 Used where the model is a DecoderForCausalLM whose linears are each packed (native bf16) or kept
 quantized (ranks/quant_linear.py: the quantized GEMM, bf16 or fp32 activations), its experts

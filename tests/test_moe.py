@@ -84,7 +84,7 @@ def test_fp32_prompt_logits_match(arch, model_factory, hf_models):
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_bf16_logits_close_to_transformers(arch, kernels, model_factory, hf_models):
-    """bf16 on the native kernels runs the packed experts through native/moe.c."""
+    """bf16 on the native kernels runs the packed experts through native/drivers/moe.c."""
     model_dir = model_factory(arch)
     prompt = make_prompts((45,), seed=3)[0]
     reference = hf_logits(hf_models(model_dir, torch.float32), prompt)
@@ -210,7 +210,7 @@ def test_moe_config_errors(model_factory):
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_fused_decoder_runs_expert_layers_like_the_per_op_path(arch, model_factory):
-    """bf16 native: the one-call decoder (router, routing and experts in native/moe.c) gives
+    """bf16 native: the one-call decoder (router, routing and experts in native/drivers/moe.c) gives
     the per-op path's logits bit for bit, over a prefill and a mixed decode/prefill step."""
     from test_fused_decoder import prefill_then_mixed
 

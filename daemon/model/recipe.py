@@ -1,6 +1,6 @@
 """A decoder recipe: what a model family's decoder layers compute, as data. The family module
 (ranks/models/families/) builds it from the checkpoint's config; the per-op decoder
-(ranks/models/decoder.py) and the fused native decoder (native/decoder.c) both execute it. A
+(ranks/models/decoder.py) and the fused native decoder (native/drivers/decoder.c) both execute it. A
 family whose layers this cannot express is refused at load (`check_recipe`)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Experts are stacked per projection, gate_up [E, 2 I, H] and down [E, H, I], and 
 dense MLP: each rank holds the slice [rank I / tp, (rank + 1) I / tp) of every expert's
 intermediate dimension (column-parallel gate/up, row-parallel down), so one all-reduce per layer
 sums the partial outputs. The router is replicated. With bf16 weights on the native kernels the
-experts are packed for the skinny GEMM and run in one native call (native/moe.c), which reads
+experts are packed for the skinny GEMM and run in one native call (native/drivers/moe.c), which reads
 only the experts a step routes to.
 """
 
@@ -27,7 +27,7 @@ from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 
 ALL = "all"  # the shard id's expert for a stack of every expert (GGUF's *_exps tensors)
-# cpud_moe_flags (native/cpud_native.h)
+# cpud_moe_flags (native/c_api/cpud_native.h)
 RENORMALIZE = 1
 WEIGHTS_IN_DTYPE = 2
 

@@ -1,4 +1,4 @@
-"""The native mixture-of-experts kernel (native/moe.c) against a torch reference in fp64, at
+"""The native mixture-of-experts kernel (native/drivers/moe.c) against a torch reference in fp64, at
 every ISA tier: experts routed 0, 1 and many tokens, top-k 1, 2 and 8."""
 
 from __future__ import annotations

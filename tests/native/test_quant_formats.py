@@ -1,4 +1,4 @@
-"""The one table of GGUF formats (native/quant_formats.h): Python's parse of it agrees with
+"""The one table of GGUF formats (native/drivers/quant_formats.h): Python's parse of it agrees with
 gguf's type ids and block sizes and with what the compiled kernels read from the same text;
 packing follows it; a malformed table is refused at import with the line named."""
 
