@@ -5,8 +5,8 @@ Experts are stacked per projection, gate_up [E, 2 I, H] and down [E, H, I], and 
 dense MLP: each rank holds the slice [rank I / tp, (rank + 1) I / tp) of every expert's
 intermediate dimension (column-parallel gate/up, row-parallel down), so one all-reduce per layer
 sums the partial outputs. The router is replicated. With bf16 weights on the native kernels the
-experts are packed for the skinny GEMM and run in one native call (native/drivers/moe.c), which reads
-only the experts a step routes to.
+experts are packed for the skinny GEMM and run in one native call (native/drivers/moe.c), which
+reads only the experts a step routes to.
 """
 
 from __future__ import annotations
