@@ -23,9 +23,15 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         )
     family = registry.for_hf(archs)
     if family is None:
+        names = registry.supported_hf()
+        suffix = "ForCausalLM"
+        if all(name.endswith(suffix) for name in names):
+            shown = f"{', '.join(n.removesuffix(suffix) for n in names)} (each ...{suffix})"
+        else:
+            shown = ", ".join(names)
         raise ConfigError(
             f"{source}: architecture {archs or raw.get('model_type')!r} is not supported "
-            f"(supported: {', '.join(registry.supported_hf())})"
+            f"(supported: {shown})"
         )
     arch = registry.hf_architecture(archs)
     config = family.hf_config(ConfigFields(raw, source, arch), arch)
