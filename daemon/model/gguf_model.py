@@ -178,6 +178,12 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)
 
 
+def _first(model: GGUFModel, *stems: str) -> str:
+    """The name of layer 0's first tensor among `stems` the file has (for messages)."""
+    names = (f"blk.0.{stem}.weight" for stem in stems)
+    return next((n for n in names if n in model.tensors), f"blk.0.{stems[0]}.weight")
+
+
 def check_gguf_split(model: GGUFModel, tp: int) -> None:
     """ConfigError naming the first tensor that cannot be split for --tp: heads and the MLP width
     must divide, and each rank's range of a row-parallel matrix must be whole blocks."""
@@ -186,12 +192,14 @@ def check_gguf_split(model: GGUFModel, tp: int) -> None:
         return
     if cfg.num_heads % tp:
         raise ConfigError(
-            f"{model.path}: blk.0.attn_q.weight holds {cfg.num_heads} heads, which do not split "
+            f"{model.path}: {_first(model, 'attn_q', 'attn_qkv')} holds {cfg.num_heads} heads, "
+            f"which do not split "
             f"across --tp {tp}: use a --tp among {_divisors(cfg.num_heads)}"
         )
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise ConfigError(
-            f"{model.path}: blk.0.attn_k.weight holds {cfg.num_kv_heads} KV heads, which neither "
+            f"{model.path}: {_first(model, 'attn_k', 'attn_qkv')} holds {cfg.num_kv_heads} KV "
+            f"heads, which neither "
             f"split across nor replicate evenly over --tp {tp}"
         )
     if cfg.is_moe and cfg.moe_intermediate_size % tp:
