@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logpro
 
 _LAZY = {
     "LLM": "cpud.llm",
-    "SamplingParams": "cpud.sampling_params",
+    "SamplingParams": "cpud.engine.sampling_params",
     "RequestOutput": "cpud.engine.outputs",
     "CompletionOutput": "cpud.engine.outputs",
     "Logprob": "cpud.engine.outputs",

@@ -16,9 +16,9 @@ import jinja2
 import jinja2.ext
 from jinja2 import TemplateError
 
-from cpud.errors import ConfigError, RequestError, one_line
+from cpud.process.user_files import MAX_SIDE_FILE_BYTES, MAX_TEMPLATE_BYTES, read_text
+from cpud.settings.errors import ConfigError, RequestError, one_line
 from cpud.template_budget import BudgetedEnvironment, RenderBudget, TemplateBudgetError
-from cpud.user_files import MAX_SIDE_FILE_BYTES, MAX_TEMPLATE_BYTES, read_text
 
 log = logging.getLogger(__name__)
 DEFAULT_BUDGET = RenderBudget()

@@ -9,8 +9,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from cpud.errors import CpudError
 from cpud.settings import ENV_COMMANDS, GENERATE, SERVE
+from cpud.settings.errors import CpudError
 from cpud.settings.flags import add_flags, env_variables
 from cpud.settings.flags import apply_env_defaults as settings_env_defaults
 
@@ -18,7 +18,7 @@ EXIT_CONFIG = 2
 
 
 def _kv_fraction(args: argparse.Namespace) -> float | None:
-    from cpud.errors import ConfigError
+    from cpud.settings.errors import ConfigError
 
     if args.gpu_memory_utilization is None:
         return args.kv_cache_fraction
@@ -35,7 +35,7 @@ def _kv_fraction(args: argparse.Namespace) -> float | None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    from cpud.config import int8_kernels_quantization
+    from cpud.settings.config import int8_kernels_quantization
     from cpud.settings.flags import engine_kwargs
 
     if args.int8_kernels is not None:  # resolve_quantization reads it into quantization
@@ -89,9 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cpud.config import EngineArgs
-    from cpud.log_setup import configure_logging
-    from cpud.serve_flags import serve_args
+    from cpud.process.log_setup import configure_logging
+    from cpud.settings.config import EngineArgs
+    from cpud.settings.serve_flags import serve_args
     from cpud.supervisor import serve
 
     configure_logging()

@@ -18,8 +18,8 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from cpud.errors import ConfigError, one_line
 from cpud.model.gguf_file import field_value, open_gguf
+from cpud.settings.errors import ConfigError, one_line
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2 = (
@@ -228,7 +228,8 @@ def _read_vocab(path: Path, meta: dict[str, Any]) -> GGUFVocab:
 
 
 def _chat_templates(meta: dict[str, Any]) -> dict[str, str]:
-    """tokenizer.chat_template, and the named ones (tokenizer.chat_template.NAME)."""
+    """tokenizer.chat_template, and the named ones (tokenizer.chat_template.NAME); for a file
+    with none, its model family's template (Gemma 3 files carry none)."""
     out = {}
     if isinstance(default := meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE), str):
         out["default"] = default
@@ -236,6 +237,12 @@ def _chat_templates(meta: dict[str, Any]) -> dict[str, str]:
         template = meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=name))
         if isinstance(template, str):
             out[name] = template
+    if not out and isinstance(arch := meta.get("general.architecture"), str):
+        from cpud.ranks.models import registry
+
+        family = registry.for_gguf(arch)
+        if family is not None and family.chat_template is not None:
+            out["default"] = family.chat_template
     return out
 
 

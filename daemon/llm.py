@@ -7,14 +7,14 @@ import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from cpud.config import EngineArgs
 from cpud.engine.executor import make_executor
 from cpud.engine.llm_engine import LLMEngine
 from cpud.engine.outputs import RequestOutput
-from cpud.model_dir import resolve_model_dir
+from cpud.engine.sampling_params import SamplingParams
+from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.start import plan_start
-from cpud.sampling_params import SamplingParams
 from cpud.settings import ENGINE, in_group
+from cpud.settings.config import EngineArgs
 from cpud.tokenizer import Tokenizer
 
 Prompt = str | list[int]

@@ -29,9 +29,6 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from cpud import envs
-from cpud.child_process import module_command
-from cpud.config import EngineArgs, ServeArgs
 from cpud.engine.multiproc import make_runtime_dir
 from cpud.engine.rank_group import (
     RankDiedError,
@@ -40,10 +37,11 @@ from cpud.engine.rank_group import (
     kill_started,
     start_ranks,
 )
-from cpud.errors import ConfigError
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec, send_secrets
-from cpud.model_dir import resolve_model_dir
+from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.start import plan_start
+from cpud.process.child_process import module_command
+from cpud.process.sd_notify import Notifier
 from cpud.protocol.launch import frontend_spec_file
 from cpud.protocol.supervision import (
     FrontendServing,
@@ -53,7 +51,9 @@ from cpud.protocol.supervision import (
     encoder,
     frontend_control_socket,
 )
-from cpud.sd_notify import Notifier
+from cpud.settings import envs
+from cpud.settings.config import EngineArgs, ServeArgs
+from cpud.settings.errors import ConfigError
 from cpud.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.supervisor")
@@ -231,7 +231,7 @@ class Supervisor:
 
     def _model_name(self) -> str:
         """The name clients use (the first --served-model-name, else --model)."""
-        from cpud.default_model import DEFAULT_MODEL_NAME
+        from cpud.model.default_model import DEFAULT_MODEL_NAME
 
         names = self.serve_args.served_model_names
         return names[0] if names else str(self.engine_args.model or DEFAULT_MODEL_NAME)

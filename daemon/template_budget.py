@@ -33,7 +33,7 @@ from jinja2.sandbox import (
 from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
-from cpud.errors import CpudError
+from cpud.settings.errors import CpudError
 from cpud.template_sizes import (
     BUFFERS,
     TEXT_FACTOR,

@@ -9,9 +9,9 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from cpud.chat_template import ChatTemplates, hf_chat_templates, load_chat_template
-from cpud.errors import ConfigError
 from cpud.model.model_config import read_json_object
 from cpud.protocol.launch import TokenizerFacts
+from cpud.settings.errors import ConfigError
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def model_path(name: str, workdir: Path) -> Path:
     """smollm2: the default model's GGUF; qwen3-0.6b-bf16: the realistic fixture; qwen3-0.6b-Q4_K
     (or another GGUF type): that fixture as a GGUF of that type."""
     if name == "smollm2":
-        from cpud.default_model import default_model_path
+        from cpud.model.default_model import default_model_path
 
         return default_model_path()
     source = workdir / "qwen3-0.6b-hf"

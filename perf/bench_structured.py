@@ -118,7 +118,7 @@ async def closed_loop(
 
 def compile_times(model: str | None) -> dict:
     """Median and max compile seconds of the schema table on a fresh compiler (no cache hits)."""
-    from cpud.default_model import default_model_path
+    from cpud.model.default_model import default_model_path
     from cpud.structured.compiler import GrammarCompiler
     from cpud.structured.spec import StructuredSpec
     from cpud.tokenizer import Tokenizer

@@ -51,7 +51,7 @@ def file_type(path: Path) -> str:
 
 def given_files(paths: list[Path], tokenizer: Path) -> list[GgufFile]:
     """--gguf FILE ...; ValueError (one line) for a file that is not a readable GGUF file."""
-    from cpud.errors import ConfigError
+    from cpud.settings.errors import ConfigError
 
     out = []
     for path in paths:

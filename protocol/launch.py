@@ -50,7 +50,7 @@ class TokenizerFacts(msgspec.Struct, frozen=True):
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
-    """The resolved engine config (cpud.config.EngineConfig without the model facts). Every
+    """The resolved engine config (cpud.settings.config.EngineConfig without the model facts). Every
     setting is given resolved: none defaults here (cpud.settings owns the defaults)."""
 
     model_dir: str
@@ -92,7 +92,7 @@ class RankSpec(msgspec.Struct, frozen=True):
 
 class FrontendSpec(msgspec.Struct, Generic[Serve], frozen=True):
     """The frontend of `cpud serve`: nothing secret (the API key comes on its stdin). The
-    serve settings are cpud.config.ServeArgs with no API key: decode as
+    serve settings are cpud.settings.config.ServeArgs with no API key: decode as
     FrontendSpec[ServeArgs], which checks them as ServeArgs does."""
 
     runtime_dir: str

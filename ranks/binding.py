@@ -8,7 +8,7 @@ import errno
 import logging
 import os
 
-from cpud.parent_death import die_with_parent  # noqa: F401  (the worker's, from here)
+from cpud.process.parent_death import die_with_parent  # noqa: F401  (the worker's, from here)
 from cpud.ranks.libc import libc
 
 log = logging.getLogger("cpud.rank")

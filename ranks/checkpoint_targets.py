@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 
 class RowWindow:

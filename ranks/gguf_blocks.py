@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from cpud.errors import ConfigError
 from cpud.native.quant_formats import FORMATS
+from cpud.settings.errors import ConfigError
 
 T = GGMLQuantizationType
 DEQUANT_VALUES = 1 << 22  # values dequantized per chunk: a 16 MiB fp32 scratch at most

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from cpud.errors import ConfigError
 from cpud.ranks.gguf_blocks import Blocks, tensor_shape, to_dense
+from cpud.settings.errors import ConfigError
 
 
 def expert_rows(source, expert: int, rows: slice, columns: slice = slice(None)) -> torch.Tensor:

@@ -12,12 +12,12 @@ import torch
 from gguf.gguf_reader import ReaderTensor
 from torch import nn
 
-from cpud.errors import ConfigError
 from cpud.model.gguf_model import mapped_tensors, read_gguf_model
 from cpud.model.gguf_names import hf_name
 from cpud.ranks.checkpoint_targets import check_complete, load_tensor
 from cpud.ranks.gguf_blocks import Blocks, slice_blocks, tensor_shape, to_dense
 from cpud.ranks.models import registry
+from cpud.settings.errors import ConfigError
 
 RowOrder = Callable[[np.ndarray], np.ndarray]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torch import nn
 
-from cpud.errors import ConfigError
 from cpud.ranks.checkpoint_targets import check_complete, load_tensor
+from cpud.settings.errors import ConfigError
 
 
 def _open(path: Path):

@@ -8,9 +8,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from cpud.config import KERNEL_KINDS as KINDS
-from cpud.errors import ConfigError
 from cpud.ranks.paged_kv import AttentionMetadata, causal_mask, gather_context, write_kv
+from cpud.settings.config import KERNEL_KINDS as KINDS
+from cpud.settings.errors import ConfigError
 
 
 class Ops(Protocol):

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from cpud.errors import ConfigError
 from cpud.native.hugepages import HugeArena
 from cpud.native.quant import QTYPES, ROWS, QuantWeight, pack_quantized
 from cpud.ranks.gguf_blocks import Blocks
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, PackableLinear, RowParallelLinear
+from cpud.settings.errors import ConfigError
 
 MAX_PARTS = 3  # CPUD_QPARTS: runs of one type per fused linear (q, k, v at most)
 

@@ -22,13 +22,13 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from cpud.errors import ConfigError
 from cpud.model.quant_check import DENSE_TYPES, HEAD_TYPE
 from cpud.native.quant import QTYPES, QuantWeight, pack_quantized
 from cpud.ranks.gguf_blocks import Blocks
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import PackableLinear, RowParallelLinear
 from cpud.ranks.quant_linear import QuantPart, quantizable_layers
+from cpud.settings.errors import ConfigError
 
 TABLE = "model.embed_tokens"
 _FIT_ROUNDS = 4

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from cpud.errors import ConfigError
+from cpud.process.user_files import open_regular, read_text
 from cpud.ranks.checksum import checksums
 from cpud.ranks.huge_file_map import HUGE, map_file_readonly, write_whole_pages
-from cpud.user_files import open_regular, read_text
+from cpud.settings.errors import ConfigError
 
 log = logging.getLogger("cpud.ranks")
 

@@ -226,7 +226,7 @@ def run(spec: RankSpec) -> int:
             if stats.due():
                 results.send(encoder.encode(stats.snapshot(group, runner.kv_cache_bytes)))
     except BaseException as exc:
-        from cpud.errors import ConfigError
+        from cpud.settings.errors import ConfigError
 
         if isinstance(exc, ConfigError):
             log.error("rank %d cannot load the model: %s", spec.rank, exc)

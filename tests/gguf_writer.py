@@ -170,11 +170,15 @@ def write_gguf(
     add_tokenizer_metadata(writer, model_dir, kind=tokenizer)
     tensors = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    # Gemma's converters store its "1 + w" norm weights as 1 + w
+    norm_shift = getattr(ARCH_MODULES.get(config["model_type"]), "GGUF_NORM_SHIFT", 0.0)
     for hf, values in tensors.items():
         name = gguf_name(hf, config["model_type"])
         if name is None:  # a tensor the family's converter leaves out or folds elsewhere
             continue
         values = values.astype(np.float32)
+        if norm_shift and hf.endswith("norm.weight"):
+            values = values + np.float32(norm_shift)
         permuted = arch == "llama" or config["model_type"] in PERMUTED_QK
         if permuted and ".attn_q." in name:
             values = permute(values, heads, heads)

@@ -8,10 +8,10 @@ import pytest
 
 from cpud.engine.block_manager import BlockManager, block_hash, salt_root
 from cpud.engine.detokenizer import IncrementalDetokenizer
+from cpud.engine.sampling_params import SamplingParams
 from cpud.engine.scheduler import Scheduler
 from cpud.engine.sequence import Sequence
-from cpud.errors import RequestError
-from cpud.sampling_params import SamplingParams
+from cpud.settings.errors import RequestError
 
 BLOCK = 16
 PROMPT = list(range(100, 150))  # three full blocks and a bit

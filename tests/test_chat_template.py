@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from cpud.errors import RequestError
+from cpud.settings.errors import RequestError
 from cpud.tokenizer import Tokenizer
 
 TEMPLATE = (

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from cpud.chat_template import load_chat_template
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 from cpud.tokenizer import Tokenizer as CpudTokenizer
 from cpud_server_helpers import launch, wait_healthy
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cpud import LLM, SamplingParams, native
-from cpud.child_process import module_command
+from cpud.process.child_process import module_command
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from cpud import LLM, SamplingParams
-from cpud.errors import ConfigError, RequestError
 from cpud.model.cpu_features import resolve_dtype
+from cpud.settings.errors import ConfigError, RequestError
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import torch
 from int8_reference import with_int8_activations
 
 from cpud import LLM, SamplingParams
-from cpud.default_model import DEFAULT_MODEL_NAME, default_model_path
 from cpud.llm import resolve_model_dir
+from cpud.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from cpud_server_helpers import free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(

@@ -15,7 +15,6 @@ import pytest
 from placement.fake_sysfs import GiB, Machine, write_cgroup_v2, write_machine
 
 from cpud.cli import main
-from cpud.config import EngineArgs
 from cpud.doctor import syscalls
 from cpud.doctor.inputs import DoctorInputs
 from cpud.doctor.machine import dtype_check, huge_pages_check, native_check
@@ -25,6 +24,7 @@ from cpud.doctor.runtime import openmp_check, openmp_runtimes
 from cpud.fixtures import default_model_dir
 from cpud.placement.binding import BIND_ENV, RESERVED_ENV, VISIBLE_NODES_ENV
 from cpud.placement.cpulist import parse_cpulist
+from cpud.settings.config import EngineArgs
 
 ITEMS = (
     "cpud",

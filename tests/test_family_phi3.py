@@ -17,7 +17,6 @@ from safetensors import safe_open
 from test_tp_sharding import ThreadGroupHub, ThreadRank, logits_with
 
 from cpud import LLM, SamplingParams, native
-from cpud.errors import ConfigError
 from cpud.fixtures.archs.phi3 import ORIGINAL_LENGTH, TINY, factors
 from cpud.model.gguf_model import read_gguf_model
 from cpud.model.load import load_model_config
@@ -27,6 +26,7 @@ from cpud.ranks.loader import load_weights
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.models.build import build_model
 from cpud.ranks.parallel import SingleRank
+from cpud.settings.errors import ConfigError
 from hf_reference import hf_greedy, hf_logits
 
 NEW_TOKENS = 16

@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from test_fused_decoder import blocks_for, both_paths
 
 from cpud import LLM, SamplingParams, native
-from cpud.errors import ConfigError
 from cpud.fixtures.archs import ARCH_MODULES
 from cpud.model.hf_config import parse_model_config
 from cpud.model.model_config import ConfigFields, ModelConfig, decoder_config
@@ -25,6 +24,7 @@ from cpud.ranks.fused_decoder import FusedDecoder
 from cpud.ranks.models import registry
 from cpud.ranks.models.family import Family
 from cpud.ranks.ops import NativeOps
+from cpud.settings.errors import ConfigError
 
 # The toy checkpoint's own names for the Llama fixture's tensors.
 TOY_NAMES = (

@@ -35,10 +35,10 @@ from gguf_raw import (
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cpud.config import EngineArgs, resolve_config
-from cpud.errors import ConfigError
 from cpud.model.gguf_file import field_value, open_gguf
 from cpud.model.gguf_header import GGUFHeader, check_gguf_bytes, check_gguf_file
+from cpud.settings.config import EngineArgs, resolve_config
+from cpud.settings.errors import ConfigError
 
 FUZZ = settings(
     max_examples=150,

@@ -30,9 +30,9 @@ from gguf_raw import (
     u64,
 )
 
-from cpud.errors import ConfigError
 from cpud.model.gguf_file import open_gguf
 from cpud.model.gguf_header import MAX_ARRAY_DEPTH, MAX_METADATA_VALUES, check_gguf_file
+from cpud.settings.errors import ConfigError
 
 ARCH = key_value("general.architecture", V.STRING, string("llama"))
 

@@ -22,8 +22,6 @@ from gguf_kquants import quantize_k
 from gguf_writer import write_gguf
 
 from cpud import LLM, SamplingParams
-from cpud.config import EngineArgs, resolve_config
-from cpud.errors import ConfigError
 from cpud.llm import resolve_model_dir
 from cpud.model.gguf_model import SUPPORTED_TYPES, read_gguf_model
 from cpud.model.load import load_model_config
@@ -32,6 +30,8 @@ from cpud.ranks.layers.rotary import rope_inv_freq
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 from cpud.ranks.weight_cache import checkpoint_fingerprint
+from cpud.settings.config import EngineArgs, resolve_config
+from cpud.settings.errors import ConfigError
 from hf_reference import hf_greedy, hf_logits
 
 LEGACY = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)

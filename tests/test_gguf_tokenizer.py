@@ -11,8 +11,8 @@ import gguf
 import pytest
 from gguf_vocab import add_tokenizer_metadata
 
-from cpud.errors import ConfigError
 from cpud.gguf_tokenizer import read_vocab
+from cpud.settings.errors import ConfigError
 from cpud.tokenizer import Tokenizer, check_tokenizer
 
 ASCII = [

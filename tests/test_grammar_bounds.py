@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from cpud import LLM, SamplingParams
-from cpud.errors import ConfigError, RequestError
 from cpud.frontend.constraints import while_connected
 from cpud.frontend.errors import APIError
+from cpud.settings.errors import ConfigError, RequestError
 from cpud.structured import compiler as compiler_module
 from cpud.structured.compiler import GrammarBusyError, GrammarCompiler, first_allowed
 from cpud.structured.limits import GrammarLimits

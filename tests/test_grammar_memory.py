@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from cpud.default_model import default_model_path
-from cpud.errors import RequestError
+from cpud.model.default_model import default_model_path
+from cpud.settings.errors import RequestError
 from cpud.structured.compiler import GrammarCompiler
 from cpud.structured.matcher import SequenceConstraint
 from cpud.structured.spec import StructuredSpec

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from cpud import LLM
-from cpud.errors import ConfigError
 from cpud.placement.topology import discover_topology
+from cpud.settings.errors import ConfigError
 
 
 def test_fraction_sizes_the_cache_from_available_memory(model_factory, monkeypatch):

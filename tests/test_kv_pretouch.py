@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cpud import LLM, SamplingParams
-from cpud.config import EngineArgs, resolve_config
 from cpud.ranks.kv_pretouch import PAGE, KVPretouch, Region, populate_order
 from cpud.ranks.stats import RankStatsCollector
+from cpud.settings.config import EngineArgs, resolve_config
 
 BLOCKS = 96
 BLOCK_SHAPE = (2, 16, 128)  # kv heads, block size, head dim: 8 KiB per block in bf16

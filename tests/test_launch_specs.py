@@ -12,8 +12,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from cpud.config import EngineArgs, EngineConfig, ServeArgs, config_from_spec, engine_kwargs
 from cpud.protocol.launch import EngineSpec, FrontendSpec, RankSlot, RankSpec
+from cpud.settings.config import (
+    EngineArgs,
+    EngineConfig,
+    ServeArgs,
+    config_from_spec,
+    engine_kwargs,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"cpud": "daemon", "cpud.ranks": "ranks", "cpud.protocol": "protocol"}
@@ -108,12 +114,12 @@ def is_family_module(name: str) -> bool:
 
 
 def test_model_facts_never_import_the_ranks():
-    """...but for the family registry and modules, which import only cpud.model and cpud.errors."""
+    """...but for the family registry and modules, which import only cpud.model and settings."""
     graph = import_graph()
     for name in (m for m in graph if m.startswith("cpud.model")):
         ranks = {t for t in graph[name] if t.startswith("cpud.ranks")}
         assert not {t for t in ranks if not is_family_module(t)}, name
-    owners = ["cpud.config", *(m for m in graph if m.startswith("cpud.placement"))]
+    owners = ["cpud.settings.config", *(m for m in graph if m.startswith("cpud.placement"))]
     assert "cpud.placement.memory_plan" in owners
     for owner in owners:
         reached = {m for m in reaches(graph, owner) if m.startswith("cpud.ranks")}
@@ -121,7 +127,9 @@ def test_model_facts_never_import_the_ranks():
     for name in (m for m in graph if is_family_module(m)):
         outside = {t for t in graph[name] if t.startswith("cpud.ranks") and not is_family_module(t)}
         assert not outside, name
-        assert all(t.startswith(("cpud.model", "cpud.errors", "cpud.ranks")) for t in graph[name])
+        assert all(
+            t.startswith(("cpud.model", "cpud.settings.errors", "cpud.ranks")) for t in graph[name]
+        )
 
 
 def test_ranks_never_import_the_engine_or_the_frontend():
@@ -144,7 +152,7 @@ def test_the_frontend_does_not_resolve_the_config_again():
     tree = ast.parse((REPO / "daemon/frontend/server.py").read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "resolve_config" not in names and "config_from_spec" in names
-    assert "cpud.model_dir" not in graph["cpud.frontend.server"]
+    assert "cpud.model.model_dir" not in graph["cpud.frontend.server"]
 
 
 def test_the_engine_spec_carries_every_setting_of_the_config():

@@ -42,10 +42,10 @@ def test_plain_log_lines_elsewhere_at_each_quarter(caplog):
 
 def test_loader_reports_every_tensor(model_factory):
 
-    from cpud.config import EngineArgs, resolve_config
     from cpud.engine.executor import runner_config
     from cpud.ranks.model_runner import ModelRunner
     from cpud.ranks.parallel import SingleRank
+    from cpud.settings.config import EngineArgs, resolve_config
 
     model_dir = model_factory("llama")
     config = resolve_config(EngineArgs(dtype="float32", num_kv_blocks=8), model_dir)

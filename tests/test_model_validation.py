@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from cpud import LLM
-from cpud.config import EngineArgs, resolve_config
-from cpud.errors import ConfigError
 from cpud.model.hf_config import parse_model_config
+from cpud.settings.config import EngineArgs, resolve_config
+from cpud.settings.errors import ConfigError
 from cpud_server_helpers import free_port
 
 

@@ -193,8 +193,8 @@ def test_memory_plan_counts_every_expert(arch, model_factory):
 def test_moe_config_errors(model_factory):
     import json
 
-    from cpud.errors import ConfigError
     from cpud.model.hf_config import parse_model_config
+    from cpud.settings.errors import ConfigError
 
     raw = json.loads((model_factory("qwen3_moe") / "config.json").read_text())
     cfg = parse_model_config(raw)

@@ -20,7 +20,7 @@ from gguf_writer import _set_parameters, encode, gguf_name, permute
 from safetensors.numpy import load_file, save_file
 
 from cpud import LLM, SamplingParams
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 from hf_reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -19,10 +19,10 @@ from int8_reference import with_int8_activations
 from test_gguf_model import prompt_of
 
 from cpud import LLM, SamplingParams, native
-from cpud.config import EngineArgs, resolve_config
-from cpud.errors import ConfigError
 from cpud.ranks.quant_plan import describe_weights
 from cpud.ranks.quantize_dense import quantize_blocks
+from cpud.settings.config import EngineArgs, resolve_config
+from cpud.settings.errors import ConfigError
 from hf_reference import hf_logits
 
 pytestmark = pytest.mark.skipif(

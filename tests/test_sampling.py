@@ -10,9 +10,9 @@ import torch
 from cpud import LLM, SamplingParams
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.llm_engine import sampling_spec
-from cpud.errors import RequestError
 from cpud.protocol.step import SeqWork
 from cpud.ranks.sampler import sample
+from cpud.settings.errors import RequestError
 from cpud.tokenizer import Tokenizer
 
 VOCAB = 50

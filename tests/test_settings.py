@@ -15,9 +15,9 @@ import pytest
 
 from cpud import settings
 from cpud.cli import apply_env_defaults, build_parser, main
-from cpud.config import EngineArgs, ServeArgs
-from cpud.errors import ConfigError
 from cpud.settings import DOCTOR, ENGINE, GENERATE, SERVE, SETTINGS, Setting, in_group
+from cpud.settings.config import EngineArgs, ServeArgs
+from cpud.settings.errors import ConfigError
 from cpud.structured.limits import GrammarLimits
 
 # Flags of the commands that are not settings: the doctor's report format and its testing
@@ -138,12 +138,12 @@ def test_the_flags_parse_to_the_table_defaults():
 
 def test_other_modules_keep_the_tables_choices_and_names():
     """Modules outside the CLI that name a choice list or a variable agree with the table."""
-    from cpud.config import COLLECTIVES, KERNEL_KINDS
     from cpud.frontend.tool_call_scan import MARKERS
     from cpud.frontend.tool_calls import PARSERS, detect_parser
     from cpud.frontend.tool_grammar import ARGUMENTS_KEY
     from cpud.model.quant_check import QUANTIZATION_CHOICES
     from cpud.placement.binding import BIND_ENV, RESERVED_ENV
+    from cpud.settings.config import COLLECTIVES, KERNEL_KINDS
 
     assert KERNEL_KINDS == settings.choices("kernels")
     assert COLLECTIVES == settings.choices("collective")
@@ -165,7 +165,7 @@ import dataclasses, inspect, json, sys
 import cpud.settings as table
 
 late = ("cpud.frontend.tool_calls", "cpud.placement.binding", "cpud.placement.memory_plan",
-        "cpud.structured.limits", "cpud.cors_policy")
+        "cpud.structured.limits", "cpud.settings.cors_policy")
 assert not set(late) & set(sys.modules), set(late) & set(sys.modules)
 original = table.setting
 changes = {
@@ -182,7 +182,7 @@ table.setting = lambda name: dataclasses.replace(original(name), **changes.get(n
 table.DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 table.CORS_ALLOW_ANY = ("GET",)
 
-from cpud.cors_policy import CorsPolicy
+from cpud.settings.cors_policy import CorsPolicy
 from cpud.frontend.tool_calls import PARSERS
 from cpud.placement.binding import BIND_ENV, RESERVED_ENV, binding_spec
 from cpud.placement.memory_plan import plan_memory
@@ -215,8 +215,8 @@ def test_modules_take_their_defaults_choices_and_names_from_the_table():
 
 
 def test_the_modules_defaults_are_the_tables():
-    from cpud.cors_policy import CorsPolicy
     from cpud.placement.memory_plan import plan_memory
+    from cpud.settings.cors_policy import CorsPolicy
 
     plan = inspect.signature(plan_memory).parameters
     assert plan["max_num_batched_tokens"].default == settings.DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -248,7 +248,7 @@ def test_settings_import_neither_torch_nor_the_engine():
     code = (
         "import sys, cpud.settings, cpud.settings.flags, cpud.settings.reference\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
-        "m.startswith(('cpud.config', 'cpud.model', 'cpud.engine'))))"
+        "m.startswith(('cpud.settings.config', 'cpud.model', 'cpud.engine'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

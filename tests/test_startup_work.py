@@ -125,7 +125,7 @@ def test_a_refused_start_leaves_no_rank_behind(gguf_file, tmp_path):
 def test_a_rank_whose_spec_never_comes_exits_quietly():
     """A rank started ahead of its spec whose owner closes its stdin unwritten (a refused
     start) exits 0 without a word."""
-    from cpud.child_process import module_command
+    from cpud.process.child_process import module_command
 
     command = module_command("cpud.ranks.worker", "/nonexistent.json", str(os.getpid()))
     command.append("--when-told")

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from cpud import SamplingParams
-from cpud.errors import RequestError
+from cpud.settings.errors import RequestError
 from cpud.structured.compiler import GrammarCompiler
 from cpud.structured.grammar import closed_objects, embedded_json
 from cpud.structured.limits import GrammarLimits

@@ -11,7 +11,7 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.llm_engine import RequestFailedError
-from cpud.errors import RequestError
+from cpud.settings.errors import RequestError
 from cpud.structured.matcher import SequenceConstraint
 from cpud.structured.spec import StructuredSpec
 

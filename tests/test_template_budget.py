@@ -13,8 +13,8 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cpud.chat_template import ChatTemplates, _tojson
-from cpud.errors import ConfigError, RequestError
 from cpud.fixtures.templates import chat_template
+from cpud.settings.errors import ConfigError, RequestError
 from cpud.template_budget import RenderBudget
 
 FAST = RenderBudget(seconds=0.2)

@@ -13,7 +13,7 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.multiproc import RankDiedError
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 from cpud_server_helpers import rank_pids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -108,8 +108,8 @@ def test_kv_heads_replicate_when_tp_exceeds_them(model_factory):
 
 
 def test_tp_that_does_not_divide_heads_is_a_clear_error(model_factory):
-    from cpud.errors import ConfigError
     from cpud.ranks.models.build import build_model
+    from cpud.settings.errors import ConfigError
 
     cfg = load_model_config(model_factory("llama"))
     with pytest.raises(ConfigError, match="not divisible by the tensor-parallel size 3"):

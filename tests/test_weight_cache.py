@@ -14,11 +14,11 @@ import torch
 from test_huge_file_map import huge_share_when_read
 
 from cpud import LLM, SamplingParams, native
-from cpud.config import EngineArgs, resolve_config
-from cpud.errors import ConfigError
 from cpud.ranks.huge_file_map import HUGE
 from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.weight_cache import ShardIdentity, WeightCache
+from cpud.settings.config import EngineArgs, resolve_config
+from cpud.settings.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 

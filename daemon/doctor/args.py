@@ -34,10 +34,10 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 def inputs_from_args(args: argparse.Namespace) -> DoctorInputs:
     """The inputs to check; ConfigError (exit 2) where the arguments name nothing usable."""
-    from cpud.config import EngineArgs
     from cpud.doctor.inputs import DoctorInputs
     from cpud.model.cpu_features import parse_dtype
-    from cpud.model_dir import resolve_model_dir
+    from cpud.model.model_dir import resolve_model_dir
+    from cpud.settings.config import EngineArgs
     from cpud.settings.flags import engine_kwargs
 
     if args.model is not None:

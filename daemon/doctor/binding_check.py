@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 
-from cpud.config import EngineArgs
 from cpud.doctor.inputs import DoctorInputs
 from cpud.doctor.planning import Failed, Planning
 from cpud.doctor.report import Check
 from cpud.placement.binding import BIND_ENV, RESERVED_ENV, VISIBLE_NODES_ENV, BindingPlan
 from cpud.placement.cpulist import format_cpulist
 from cpud.placement.topology import Topology
+from cpud.settings.config import EngineArgs
 
 
 def bind_given(args: EngineArgs) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpud.config import EngineArgs
 from cpud.doctor.syscalls import LibcNumaSyscalls, NumaSyscalls
+from cpud.settings.config import EngineArgs
 
 
 @dataclass(frozen=True)

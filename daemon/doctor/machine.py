@@ -9,9 +9,9 @@ from pathlib import Path
 from cpud.doctor.inputs import DoctorInputs
 from cpud.doctor.planning import Failed, Planning
 from cpud.doctor.report import Check
-from cpud.errors import CpudError
 from cpud.model.cpu_features import cpu_flags, resolve_dtype
 from cpud.placement.cpulist import format_cpulist, parse_cpulist
+from cpud.settings.errors import CpudError
 
 # flags that decide kernels and dtypes, in the order people know them
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16")

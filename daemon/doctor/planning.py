@@ -13,9 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from cpud.config import EngineConfig
 from cpud.doctor.inputs import DoctorInputs
-from cpud.errors import CpudError
 from cpud.model.sizes import kv_block_bytes
 from cpud.placement.binding import BindingPlan, BindingSpec, binding_spec, plan_binding
 from cpud.placement.cgroup import CgroupCpuset, read_cpuset
@@ -28,6 +26,8 @@ from cpud.placement.start import (
     size_kv_cache,
 )
 from cpud.placement.topology import Topology, discover_topology
+from cpud.settings.config import EngineConfig
+from cpud.settings.errors import CpudError
 
 GiB = 1 << 30
 T = TypeVar("T")
@@ -127,7 +127,7 @@ def headroom(config: EngineConfig, binding: BindingPlan, topology: Topology) -> 
 
 
 def plan(inputs: DoctorInputs) -> Planning:
-    from cpud.model_dir import resolve_model_dir
+    from cpud.model.model_dir import resolve_model_dir
 
     args = inputs.engine
     affinity = _attempt(inputs.syscalls.affinity)

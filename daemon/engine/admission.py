@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpud.sampling_params import SamplingParams
+from cpud.engine.sampling_params import SamplingParams
 from cpud.structured.matcher import StartedGrammar
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from cpud.config import EngineConfig
 from cpud.protocol.control import RankStats
 from cpud.protocol.launch import RankSlot
 from cpud.protocol.step import StepPlan, StepResult
+from cpud.settings.config import EngineConfig
 
 if TYPE_CHECKING:
     from cpud.ranks.model_runner import RunnerConfig

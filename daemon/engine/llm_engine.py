@@ -12,7 +12,6 @@ import itertools
 import logging
 import time
 
-from cpud.config import EngineConfig
 from cpud.engine.admission import Admission
 from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
@@ -20,9 +19,9 @@ from cpud.engine.executor import Executor
 from cpud.engine.output_builder import OutputBuilder
 from cpud.engine.outputs import RequestOutput
 from cpud.engine.request import Request
+from cpud.engine.sampling_params import SamplingParams
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence
-from cpud.errors import CpudError, RequestError, one_line
 from cpud.protocol.step import (
     PromptScoring,
     SampledToken,
@@ -32,7 +31,8 @@ from cpud.protocol.step import (
     StepResult,
     wire_error,
 )
-from cpud.sampling_params import SamplingParams
+from cpud.settings.config import EngineConfig
+from cpud.settings.errors import CpudError, RequestError, one_line
 from cpud.structured.compiler import GrammarCompiler
 from cpud.structured.limits import GrammarLimits
 from cpud.tokenizer import Tokenizer

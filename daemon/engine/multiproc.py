@@ -21,12 +21,12 @@ from pathlib import Path
 
 import zmq
 
-from cpud.config import EngineConfig
 from cpud.engine.rank_client import RankClient
 from cpud.engine.rank_group import RankDiedError, RankGroup, RankSlot, RankTimeouts
-from cpud.errors import ConfigError
 from cpud.protocol.control import RankStats
 from cpud.protocol.step import StepPlan, StepResult
+from cpud.settings.config import EngineConfig
+from cpud.settings.errors import ConfigError
 
 log = logging.getLogger("cpud.runtime")
 RUNTIME_PREFIX = "cpud-"

@@ -21,9 +21,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from cpud import envs
-from cpud.child_process import module_command
-from cpud.errors import ConfigError, CpudError
+from cpud.process.child_process import module_command
 from cpud.protocol.control import Shutdown, encoder
 from cpud.protocol.launch import (
     WHEN_TOLD,
@@ -41,6 +39,8 @@ from cpud.protocol.supervision import (
     supervisor_socket,
     to_supervisor_decoder,
 )
+from cpud.settings import envs
+from cpud.settings.errors import ConfigError, CpudError
 
 log = logging.getLogger("cpud.ranks")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from cpud.engine.block_manager import BlockTable, salt_root
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.outputs import Logprob
-from cpud.sampling_params import SamplingParams
+from cpud.engine.sampling_params import SamplingParams
 from cpud.structured.matcher import SequenceConstraint
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cpud.errors import one_line
+from cpud.settings.errors import one_line
 
 log = logging.getLogger("cpud.access")
 SCOPE_KEY = "cpud.access"

@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from cpud.engine.sampling_params import MAX_COUNT, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from cpud.frontend.schemas import MAX_TOOLS, Count, Name, Strict, Temperature, TopP
-from cpud.sampling_params import MAX_COUNT, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 ToolName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
 StopSequence = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]

@@ -20,8 +20,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cpud import __version__
-from cpud.cors_policy import CorsPolicy
-from cpud.errors import RequestError, one_line
 from cpud.frontend.access_log import AccessLog, access_note, logs_access
 from cpud.frontend.anthropic_answer import error_response
 from cpud.frontend.anthropic_api import counted_tokens, respond_messages
@@ -49,6 +47,8 @@ from cpud.frontend.schemas import (
     TokenizeRequest,
 )
 from cpud.frontend.state import Phase, ServerState
+from cpud.settings.cors_policy import CorsPolicy
+from cpud.settings.errors import RequestError, one_line
 
 log = logging.getLogger("cpud.frontend")
 Handler = Callable[[Request], Awaitable[Response]]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import LLMEngine, RequestFailedError, describe
 from cpud.engine.outputs import RequestOutput
-from cpud.errors import CpudError, RequestError
+from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.compute_activity import ComputeActivity
-from cpud.sampling_params import SamplingParams
+from cpud.settings.errors import CpudError, RequestError
 
 log = logging.getLogger("cpud.engine")
 

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.constraints import requested_specs, single_spec
 from cpud.frontend.errors import bad_request
 from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, sampling_params
@@ -15,7 +16,6 @@ from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import detect_parser
 from cpud.frontend.tool_grammar import call_grammar
 from cpud.frontend.tool_prompt import chosen_tools, tool_dicts
-from cpud.sampling_params import SamplingParams
 from cpud.structured.spec import StructuredSpec
 
 

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import RequestFailedError
 from cpud.engine.outputs import CompletionOutput, RequestOutput
-from cpud.errors import RequestError
+from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.access_log import AccessNote, access_note
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError, StoppingError
 from cpud.frontend.constraints import while_connected
@@ -33,7 +33,7 @@ from cpud.frontend.logprobs import (
 from cpud.frontend.requests import Prompt, check_kv_room
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
-from cpud.sampling_params import SamplingParams
+from cpud.settings.errors import RequestError
 
 ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from cpud.engine.admission import Admission
-from cpud.errors import RequestError
+from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.errors import APIError, bad_request
 from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest, Strict
 from cpud.frontend.state import ServerState
@@ -18,7 +18,7 @@ from cpud.frontend.tool_prompt import (
     template_knows_tools,
     with_system_prompt,
 )
-from cpud.sampling_params import SamplingParams
+from cpud.settings.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from cpud.sampling_params import (
+from cpud.engine.sampling_params import (
     LOGIT_BIAS_LIMIT,
     MAX_COUNT,
     MAX_LOGIT_BIAS,

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
 
-from cpud.errors import CpudError
-from cpud.parent_death import die_with_parent
+from cpud.process.parent_death import die_with_parent
 from cpud.protocol.launch import FrontendSecrets, FrontendSpec, TokenizerFacts
+from cpud.settings.errors import CpudError
 
 if TYPE_CHECKING:
-    from cpud.config import EngineArgs, EngineConfig, ServeArgs
     from cpud.frontend.http_versions import ServerHttpConfig
+    from cpud.settings.config import EngineArgs, EngineConfig, ServeArgs
 
 log = logging.getLogger("cpud.frontend")
 EXIT_CONFIG = 2
@@ -44,7 +44,7 @@ def frontend_spec(
 ) -> FrontendSpec[ServeArgs]:
     """The frontend's spec: the resolved config, the tokenizer (the supervisor's: the frontend
     then reads no model file), and the settings only the frontend reads."""
-    from cpud.default_model import DEFAULT_MODEL_NAME
+    from cpud.model.default_model import DEFAULT_MODEL_NAME
 
     public = dataclasses.replace(serve_args, api_key=None)
     return FrontendSpec(
@@ -97,7 +97,6 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
 
     import zmq
 
-    from cpud.config import config_from_spec
     from cpud.engine.llm_engine import LLMEngine, end_token_ids
     from cpud.engine.rank_client import RankClient
     from cpud.frontend.app import create_app
@@ -108,6 +107,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     from cpud.frontend.stopping import fail
     from cpud.frontend.supervisor_link import SupervisorLink
     from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
+    from cpud.settings.config import config_from_spec
     from cpud.structured.compiler import GrammarCompiler
     from cpud.tokenizer import Tokenizer
 
@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     secrets = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSecrets)
     import uvloop
 
-    from cpud.log_setup import configure_logging
+    from cpud.process.log_setup import configure_logging
 
     configure_logging()
-    from cpud.config import ServeArgs
+    from cpud.settings.config import ServeArgs
 
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=FrontendSpec[ServeArgs])
     try:

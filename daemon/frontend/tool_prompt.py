@@ -9,9 +9,9 @@ from typing import Any
 
 import llguidance
 
-from cpud.errors import one_line
 from cpud.frontend.errors import bad_request
 from cpud.frontend.schemas import ChatMessage, NamedToolChoice, Tool
+from cpud.settings.errors import one_line
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

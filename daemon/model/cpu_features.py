@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 # Accepted spellings -> the dtype's name (torch's attribute name).
 DTYPES = {

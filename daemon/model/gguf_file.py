@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from cpud.errors import ConfigError, one_line
 from cpud.model.gguf_fields import build_fields
 from cpud.model.gguf_header import check_gguf_file
+from cpud.settings.errors import ConfigError, one_line
 
 MAGIC = b"GGUF"
 _MISSING = object()

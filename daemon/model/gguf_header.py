@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 VERSIONS = (2, 3)
 MAX_ARRAY_DEPTH = 4  # an array of arrays ... four levels at most (llama.cpp reads one)

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from cpud.errors import ConfigError, one_line
 from cpud.model.gguf_file import array_length, field_value
+from cpud.settings.errors import ConfigError, one_line
 
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors: read into the config, not a parameter
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}

@@ -12,7 +12,6 @@ from typing import Any
 from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 
-from cpud.errors import ConfigError
 from cpud.model.gguf_file import field_value, open_gguf
 from cpud.model.gguf_header import shown
 from cpud.model.gguf_meta import ROPE_FREQS, GGUFMeta, TensorInfo, short
@@ -21,6 +20,7 @@ from cpud.model.model_config import ModelConfig
 from cpud.model.recipe import check_recipe
 from cpud.native.quant_formats import SUPPORTED_TYPES
 from cpud.ranks.models import registry
+from cpud.settings.errors import ConfigError
 
 
 @dataclass(frozen=True)

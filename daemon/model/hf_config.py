@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpud.errors import ConfigError, one_line
 from cpud.model.model_config import ConfigFields, ModelConfig
 from cpud.model.recipe import check_recipe
 from cpud.ranks.models import registry
+from cpud.settings.errors import ConfigError, one_line
 
 
 def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:

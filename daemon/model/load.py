@@ -7,10 +7,10 @@ from pathlib import Path
 
 import msgspec
 
-from cpud.errors import ConfigError
 from cpud.model.hf_config import parse_model_config
 from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.protocol.launch import ModelFacts
+from cpud.settings.errors import ConfigError
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

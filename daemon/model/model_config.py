@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpud.errors import ConfigError, one_line
 from cpud.model.recipe import DecoderRecipe, LayerRecipe, Rope
+from cpud.settings.errors import ConfigError, one_line
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
 from cpud.native.quant_formats import FLOAT_TYPES, KERNEL_FORMATS
 from cpud.ranks.models import registry
 from cpud.settings import choices
+from cpud.settings.errors import ConfigError
 
 # --quantization value -> GGUF type name of the linears (ranks/quantize_dense.py)
 DENSE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 NORMS = ("rms", "rms_fp32_weight")
 ACTIVATIONS = ("silu", "gelu_tanh")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import is_int, read_json_object
+from cpud.settings.errors import ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
 # The safetensors reader refuses headers above 100 MB; real ones are well under 1 MB.

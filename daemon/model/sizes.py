@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
+from cpud.settings.errors import ConfigError
 
 VOCAB_PADDING = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

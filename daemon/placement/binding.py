@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from cpud.errors import ConfigError
 from cpud.placement.cpulist import format_cpulist, parse_cpulist, parse_id_sequence
 from cpud.placement.topology import NumaNode, Topology
 from cpud.settings import setting
+from cpud.settings.errors import ConfigError
 
 # vLLM's variables, as the settings table names them (each setting names exactly one).
 (BIND_ENV,) = setting("bind").env_aliases

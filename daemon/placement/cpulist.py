@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 
 def _number(token: str, text: str, what: str) -> int:

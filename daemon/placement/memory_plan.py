@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
 from cpud.model.sizes import (
     divide,
@@ -28,6 +27,7 @@ from cpud.model.sizes import (
 from cpud.placement.binding import BindingPlan
 from cpud.placement.topology import Topology
 from cpud.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS, setting
+from cpud.settings.errors import ConfigError
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -13,12 +13,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpud import envs
-from cpud.config import EngineArgs, EngineConfig, resolve_config
 from cpud.placement.binding import BindingPlan, binding_spec, plan_binding
 from cpud.placement.memory_plan import MemoryPlan, plan_memory
 from cpud.placement.topology import Topology, discover_topology
 from cpud.protocol.launch import RankSlot
+from cpud.settings import envs
+from cpud.settings.config import EngineArgs, EngineConfig, resolve_config
 
 log = logging.getLogger("cpud.placement")
 GiB = 1 << 30

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpud.errors import ConfigError
 from cpud.placement.cpulist import format_cpulist, parse_cpulist
+from cpud.settings.errors import ConfigError
 
 # cgroup v1 reports "no limit" as a huge page-aligned number (LONG_MAX rounded down).
 _UNLIMITED = 1 << 60

@@ -87,7 +87,7 @@ def apply_env_defaults(
 ) -> None:
     """The defaults of `command`'s flags from the environment (a variable set to blanks is
     unset); ConfigError naming the variable for a value the flag would refuse."""
-    from cpud import envs
+    from cpud.settings import envs
 
     for item in in_group(command):
         action = parser._option_string_actions[item.long_flag]

@@ -111,7 +111,7 @@ def _cell(text: str) -> str:
 
 
 def _booleans_note() -> str:
-    from cpud.envs import FALSE_WORDS, TRUE_WORDS
+    from cpud.settings.envs import FALSE_WORDS, TRUE_WORDS
 
     pairs = [f"`{yes}/{no}`" for yes, no in zip(TRUE_WORDS, FALSE_WORDS)]
     spelled = ", ".join(pairs[:-1]) + f" or {pairs[-1]}"

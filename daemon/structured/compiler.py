@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import llguidance
 
-from cpud.errors import CpudError, RequestError, one_line
+from cpud.settings.errors import CpudError, RequestError, one_line
 from cpud.structured.cache import ByteBoundedCache
 from cpud.structured.grammar import grammar_text
 from cpud.structured.limits import GrammarLimits

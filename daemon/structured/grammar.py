@@ -6,7 +6,7 @@ import json
 
 import llguidance
 
-from cpud.errors import RequestError
+from cpud.settings.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
 # JSON is generated without free whitespace: a small model left to choose whitespace can emit

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cpud.errors import ConfigError
 from cpud.settings import setting
+from cpud.settings.errors import ConfigError
 
 if TYPE_CHECKING:
     import llguidance

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import llguidance
 
-from cpud.errors import RequestError, one_line
+from cpud.settings.errors import RequestError, one_line
 
 LIMIT_STOPS = ("LexerTooComplex", "ParserTooComplex")
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpud.errors import ConfigError
 from cpud.model.sizes import divide
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.parallel import TPGroup
+from cpud.settings.errors import ConfigError
 
 
 def source_shape(source: Any) -> tuple[int, ...]:

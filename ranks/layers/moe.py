@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import ModelConfig
 from cpud.model.sizes import divide
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.linear import ReplicatedLinear, check_shape, new_param
 from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
+from cpud.settings.errors import ConfigError
 
 ALL = "all"  # the shard id's expert for a stack of every expert (GGUF's *_exps tensors)
 # cpud_moe_flags (native/c_api/cpud_native.h)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cpud.errors import ConfigError
 from cpud.ranks.layers.base import Layer
+from cpud.settings.errors import ConfigError
 
 if TYPE_CHECKING:
     from cpud.ranks.ops import Ops

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from cpud.errors import ConfigError
 from cpud.ranks.models.families import FAMILIES
 from cpud.ranks.models.family import Family
+from cpud.settings.errors import ConfigError
 
 __all__ = ["Family", "by_name", "families", "for_gguf", "for_hf", "registered"]
 

@@ -125,7 +125,7 @@ def test_aliases_agree(settings, env_vars):
 
 
 def test_kv_cache_space_default():
-    from cpud.config import DEFAULT_KV_CACHE_SPACE_GIB
+    from cpud.settings.config import DEFAULT_KV_CACHE_SPACE_GIB
 
     settings = env_settings(ENV_FILE.read_text())
     assert float(settings["CPUD_KV_CACHE_SPACE"]) == DEFAULT_KV_CACHE_SPACE_GIB

@@ -12,7 +12,7 @@ from cpud.frontend.access_log import AccessLog, AccessNote, access_line
 from cpud.frontend.app import guarded
 from cpud.frontend.server import api_key_line
 from cpud.frontend.state import Phase, ServerConfig, ServerState
-from cpud.log_setup import WarningLines
+from cpud.process.log_setup import WarningLines
 from cpud.tokenizer import Tokenizer
 
 

@@ -12,9 +12,9 @@ import httpx
 import jsonschema
 import pytest
 
-from cpud.default_model import default_model_path
 from cpud.frontend.anthropic_answer import error_response
 from cpud.frontend.errors import APIError
+from cpud.model.default_model import default_model_path
 from cpud_server_helpers import start_server
 
 KEY = "anthropic-test-key"

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from cpud.cli import main
-from cpud.cors_policy import word_list
+from cpud.settings.cors_policy import word_list
 from cpud_server_helpers import start_server
 
 KEY = "sk-cors-test"

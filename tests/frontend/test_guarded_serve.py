@@ -18,7 +18,7 @@ import httpx
 import pytest
 from gguf_writer import write_gguf
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 from cpud.tokenizer import check_tokenizer
 from cpud_server_helpers import launch, wait_healthy
 

@@ -10,12 +10,12 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.admission import Admission
-from cpud.errors import RequestError
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.errors import APIError
 from cpud.frontend.openai_api import start_requests
 from cpud.frontend.requests import Prompt
 from cpud.frontend.state import ServerConfig, ServerState
+from cpud.settings.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
 CHOICES = ("alpha", "beta", "gamma delta")

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from cpud import LLM, SamplingParams
 from cpud.engine import llm_engine
-from cpud.errors import RequestError
 from cpud.protocol.control import encoder, to_rank_decoder
+from cpud.settings.errors import RequestError
 
 OK_PROMPT = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 CHAT_MESSAGES = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 from fake_sysfs import Machine, discover
 
-from cpud.errors import ConfigError
 from cpud.placement.binding import (
     BIND_ENV,
     RESERVED_ENV,
@@ -17,6 +16,7 @@ from cpud.placement.binding import (
     plan_binding,
 )
 from cpud.placement.topology import discover_topology
+from cpud.settings.errors import ConfigError
 
 # 2 sockets x 2 NUMA nodes x 4 cores x SMT2: node n has cores 4n..4n+3, siblings +16.
 TWO_SOCKETS = Machine(sockets=2, nodes_per_socket=2, cores_per_node=4, smt=2)

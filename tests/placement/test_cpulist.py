@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpud.errors import ConfigError
 from cpud.placement.cpulist import format_cpulist, parse_cpulist, parse_id_sequence
+from cpud.settings.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ import pytest
 import torch
 from fake_sysfs import GiB, Machine, discover, write_cgroup_v2, write_machine
 
-from cpud.errors import ConfigError
 from cpud.fixtures.config import model_config
 from cpud.fixtures.presets import resolve
 from cpud.fixtures.weights import tensor_specs
@@ -26,6 +25,7 @@ from cpud.placement.memory_plan import (
 )
 from cpud.placement.topology import discover_topology
 from cpud.ranks.models.build import build_model
+from cpud.settings.errors import ConfigError
 
 BF16 = torch.bfloat16
 # two nodes with 12 GiB available each (10 free + 1 page cache + 1 reclaimable slab)

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from fake_sysfs import GiB, Machine, discover, write_cgroup_v1, write_cgroup_v2, write_machine
 
-from cpud.errors import ConfigError
 from cpud.placement.topology import discover_topology
+from cpud.settings.errors import ConfigError
 
 TWO_SOCKETS = Machine(sockets=2, nodes_per_socket=2, cores_per_node=4, smt=2)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpud.default_model import default_model_path
+from cpud.model.default_model import default_model_path
 from cpud_server_helpers import start_server
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from cpud.ranks.models.registry import Family
+from cpud.ranks.models.family import Family
 
 
 def _discover() -> tuple[Family, ...]:

@@ -3,9 +3,9 @@ ranks/models/opt.py; no decoder recipe, so the per-op path runs it)."""
 
 from __future__ import annotations
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import ConfigFields, ModelConfig, common_fields
 from cpud.ranks.models.family import Family
+from cpud.settings.errors import ConfigError
 
 
 def hf_config(f: ConfigFields, architecture: str) -> ModelConfig:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import (
     ConfigFields,
     ModelConfig,
@@ -27,6 +26,7 @@ from cpud.model.model_config import (
     decoder_fields,
 )
 from cpud.ranks.models.family import Family
+from cpud.settings.errors import ConfigError
 
 if TYPE_CHECKING:
     from cpud.model.gguf_meta import GGUFMeta

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cpud.errors import ConfigError
 from cpud.model.model_config import (
     ConfigFields,
     ModelConfig,
@@ -20,6 +19,7 @@ from cpud.model.model_config import (
 )
 from cpud.model.recipe import LayerRecipe
 from cpud.ranks.models.family import Family
+from cpud.settings.errors import ConfigError
 
 if TYPE_CHECKING:
     from cpud.model.gguf_meta import GGUFMeta

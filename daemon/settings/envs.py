@@ -7,8 +7,8 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from cpud.errors import ConfigError
 from cpud.settings import setting
+from cpud.settings.errors import ConfigError
 
 # vLLM's name for --kv-cache-space: the engine reads it too, so the offline LLM honours it.
 KV_CACHE_SPACE_VARIABLE = setting("kv_cache_space_gib").env_aliases[0]

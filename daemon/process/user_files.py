@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 MAX_TEMPLATE_BYTES = 4 << 20  # a --chat-template file (real ones: a few KB to ~100 KB)
 MAX_SIDE_FILE_BYTES = 256 << 20  # a model's JSON and jinja files (tokenizer.json: ~30 MB)

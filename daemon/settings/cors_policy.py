@@ -9,8 +9,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cpud.errors import ConfigError
 from cpud.settings import CORS_ALLOW_ANY
+from cpud.settings.errors import ConfigError
 
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.\-]*://[^/\s?#]+$", re.IGNORECASE)
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z\-]+$")  # an HTTP token (RFC 9110)

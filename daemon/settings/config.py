@@ -7,14 +7,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpud import envs, settings
-from cpud.cors_policy import CorsPolicy
-from cpud.errors import ConfigError
+from cpud import settings
 from cpud.model.cpu_features import resolve_dtype
 from cpud.model.load import config_from_facts, load_model_config, model_facts
 from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.model.safetensors_check import check_weights
 from cpud.model.sizes import kv_block_bytes
+from cpud.process.user_files import check_model_files_are_regular
 from cpud.protocol.launch import EngineSpec
 from cpud.settings import (
     DEFAULT_KV_CACHE_SPACE_GIB,
@@ -22,10 +21,12 @@ from cpud.settings import (
     ENGINE,
     MAX_MODEL_LEN_CAP,
     SERVE,
+    envs,
 )
+from cpud.settings.cors_policy import CorsPolicy
+from cpud.settings.errors import ConfigError
 from cpud.settings.flags import engine_kwargs as engine_kwargs  # parsed flags -> EngineArgs
 from cpud.structured.limits import GrammarLimits
-from cpud.user_files import check_model_files_are_regular
 
 GiB = 1 << 30
 KERNEL_KINDS = settings.choices("kernels")

@@ -8,7 +8,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cpud.errors import RequestError
+from cpud.settings.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20

@@ -8,15 +8,15 @@ import os
 import stat
 import sys
 
-from cpud.config import ServeArgs
 from cpud.settings import CORS_ALLOW_ANY
+from cpud.settings.config import ServeArgs
 
 MAX_API_KEY_BYTES = 4096
 
 
 def serve_args(args: argparse.Namespace) -> ServeArgs:
     """The serve settings of a parsed `cpud serve` command line; ConfigError for a bad one."""
-    from cpud.cors_policy import CorsPolicy, word_list
+    from cpud.settings.cors_policy import CorsPolicy, word_list
     from cpud.structured.limits import GrammarLimits
 
     return ServeArgs(
@@ -50,8 +50,8 @@ def read_api_key_file(path: str) -> str:
     """The API key in `path`: one line, one trailing newline dropped. ConfigError for a file
     that cannot be read, is empty or holds more than a key; a warning when every user may read
     it."""
-    from cpud.errors import ConfigError
-    from cpud.user_files import open_regular
+    from cpud.process.user_files import open_regular
+    from cpud.settings.errors import ConfigError
 
     try:
         with open_regular(path, "--api-key-file ") as file:
@@ -84,8 +84,8 @@ def read_api_key_file(path: str) -> str:
 def api_key(args: argparse.Namespace) -> str | None:
     """From --api-key-file, --api-key or the environment: a flag beats the environment; two
     sources at the same level are an error."""
-    from cpud import envs
-    from cpud.errors import ConfigError
+    from cpud.settings import envs
+    from cpud.settings.errors import ConfigError
 
     given = {"api_key", "api_key_file"} & args.given
     if len(given) == 2:

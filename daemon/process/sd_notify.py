@@ -8,7 +8,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-log = logging.getLogger("cpud.sd_notify")
+log = logging.getLogger("cpud.process.sd_notify")
 
 
 class Notifier:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cpud.default_model import default_model_path
-from cpud.errors import ConfigError
-from cpud.user_files import check_regular
+from cpud.model.default_model import default_model_path
+from cpud.process.user_files import check_regular
+from cpud.settings.errors import ConfigError
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
