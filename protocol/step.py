@@ -59,6 +59,9 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     # OpenAI logit_bias as parallel lists: bias_values[i] is added to token bias_token_ids[i].
     bias_token_ids: list[TokenId] = []
     bias_values: list[Finite] = []
+    # Return this sequence's pooled embedding (StepResult.embeddings) instead of sampling a
+    # token; its whole prompt is in this step.
+    embed: bool = False
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):
@@ -87,11 +90,20 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: bytes = b""
 
 
+class Embedding(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's pooled embedding: float32 little-endian, full dimension, pooled and
+    normalised as the model says."""
+
+    seq_id: int
+    vector: bytes
+
+
 class StepResult(msgspec.Struct, frozen=True, tag="result", omit_defaults=True):
     step_id: int
     tokens: list[SampledToken]
     forward_seconds: float = 0.0
     prompt_logprobs: list[PromptLogprobs] = []
+    embeddings: list[Embedding] = []
 
 
 _encoder = msgspec.msgpack.Encoder()

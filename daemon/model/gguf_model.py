@@ -17,6 +17,7 @@ from cpud.model.gguf_header import shown
 from cpud.model.gguf_meta import ROPE_FREQS, GGUFMeta, TensorInfo, short
 from cpud.model.gguf_names import COLUMNS, expected_tensors
 from cpud.model.model_config import ModelConfig
+from cpud.model.pooling_config import gguf_pooling
 from cpud.model.recipe import check_recipe
 from cpud.native.quant_formats import SUPPORTED_TYPES
 from cpud.ranks.models import registry
@@ -116,6 +117,10 @@ def _read(identity: tuple[str, int, int]) -> GGUFModel:
         )
     tensors = _tensor_infos(reader)
     config = family.gguf_config(GGUFMeta(reader, arch, str(path), tensors))
+    key = f"{arch}.pooling_type"
+    pooling = gguf_pooling(field_value(reader, key, None), str(path), key)
+    if pooling:
+        config = replace(config, **pooling)
     if config.recipe is not None:
         check_recipe(config.recipe, config.head_dim, str(path))
     keys = [k for k in reader.fields if k.startswith("tokenizer.") or k == "general.architecture"]

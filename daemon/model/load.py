@@ -3,12 +3,14 @@ travels to the children (ModelFacts), read from the files once, by the superviso
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
 
 from cpud.model.hf_config import parse_model_config
 from cpud.model.model_config import ModelConfig, read_json_object
+from cpud.model.pooling_config import sentence_transformers_pooling
 from cpud.protocol.launch import ModelFacts
 from cpud.settings.errors import ConfigError
 
@@ -24,7 +26,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"model directory {model_dir} does not exist")
     if not path.is_file():
         raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json")
-    return parse_model_config(read_json_object(path), source=str(path))
+    config = parse_model_config(read_json_object(path), source=str(path))
+    pooling = sentence_transformers_pooling(model_dir)
+    return replace(config, **pooling) if pooling else config
 
 
 def model_facts(model_dir: str | Path, config: ModelConfig) -> ModelFacts:

@@ -56,6 +56,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # What the decoder layers compute (None: a family with its own model, such as OPT)
     recipe: DecoderRecipe | None = None
+    # Embeddings as the model declares them (sentence-transformers files, GGUF pooling_type):
+    # "last", "mean" or "cls"; None: not declared (see embedding_pooling)
+    pooling: str | None = None
+    normalize: bool = False
+    # BERT-style encoders: token type embeddings and LayerNorm'd absolute position embeddings
+    type_vocab_size: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -68,6 +74,21 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def generates(self) -> bool:
+        """Whether the model generates text (False: an encoder-only embedding model)."""
+        from cpud.ranks.models import registry  # torch-free; imports the family modules
+
+        return registry.by_name(self.family).model != "encoder"
+
+    @property
+    def embedding_pooling(self) -> tuple[str, bool]:
+        """(pooling, normalise) of this model's embeddings: the declared pooling, else CLS for an
+        encoder and the last token for a decoder, normalised (vLLM's defaults)."""
+        if self.pooling is not None:
+            return self.pooling, self.normalize
+        return ("last" if self.generates else "cls"), True
 
 
 def _describe(value: Any) -> str:
