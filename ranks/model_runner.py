@@ -26,6 +26,7 @@ from cpud.ranks.models.build import (
 )
 from cpud.ranks.ops import make_ops
 from cpud.ranks.parallel import TPGroup
+from cpud.ranks.pooling import embeddings, pool
 from cpud.ranks.sampler import sample, score_prompts
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 from cpud.settings import ENGINE, defaults
@@ -68,6 +69,9 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model_dir, progress)
         self.model.eval()
+        self.model_cfg = model_cfg
+        # An encoder attends within each step's sequences only: no KV cache.
+        self.uses_kv = getattr(self.model, "uses_kv_cache", True)
         shape = (
             config.num_kv_blocks,
             self.model.kv_heads_local,
@@ -77,7 +81,7 @@ class ModelRunner:
         # torch.empty: pages are touched (and so placed) by the rank that writes them.
         self.kv_caches = [
             (torch.empty(shape, dtype=config.dtype), torch.empty(shape, dtype=config.dtype))
-            for _ in range(model_cfg.num_layers)
+            for _ in range(model_cfg.num_layers if self.uses_kv else 0)
         ]
         reason = unsupported_reason(self.model, self.ops, group)
         # None: the per-op path (the reference, and what runs where fusing is not supported)
@@ -95,8 +99,9 @@ class ModelRunner:
                 how,
             )
         self._idle_since: float | None = time.monotonic()
+        pretouch = config.kv_pretouch and self.uses_kv
         self.kv_pretouch = (
-            KVPretouch(self.kv_caches, self.idle_seconds).start() if config.kv_pretouch else None
+            KVPretouch(self.kv_caches, self.idle_seconds).start() if pretouch else None
         )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
 
@@ -237,9 +242,14 @@ class ModelRunner:
                 inputs.prompt_targets,
                 inputs.scoring_works,
             )
+        pooled = None
+        if inputs.embed_works:
+            pooling, normalize = self.model_cfg.embedding_pooling
+            pooled = pool(hidden, inputs.embed_starts, inputs.embed_lens, pooling, normalize)
         if self.group.rank != 0:
             return None
-        return StepResult(plan.step_id, tokens, time.perf_counter() - started, scored)
+        vectors = embeddings(inputs.embed_works, pooled) if pooled is not None else []
+        return StepResult(plan.step_id, tokens, time.perf_counter() - started, scored, vectors)
 
     @torch.inference_mode()
     def prompt_logits(self, plan: StepPlan) -> torch.Tensor | None:
@@ -249,7 +259,12 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
         """Hidden states of every token of the plan; writes their KV."""
-        inputs = build_step_inputs(plan, self.config.block_size)
+        inputs = build_step_inputs(plan, self.config.block_size, kv=self.uses_kv)
+        if not self.uses_kv and len(inputs.embed_works) != len(plan.seqs):
+            raise ValueError(
+                f"{self.model_cfg.architecture} is an embedding model: every sequence of a step "
+                f"must be an embedding sequence"
+            )
         if self.decoder is not None:
             hidden = self.decoder.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
