@@ -1,4 +1,5 @@
-"""Offline API shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+"""Offline API shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...)),
+LLM(model=...).embed(prompts)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from cpud.engine.admission import Admission
+from cpud.engine.embedding import embeds_normalized, shortened, truncated
 from cpud.engine.executor import make_executor
 from cpud.engine.llm_engine import LLMEngine
-from cpud.engine.outputs import RequestOutput
+from cpud.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from cpud.engine.sampling_params import SamplingParams
 from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.start import plan_start
@@ -73,11 +76,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -88,19 +87,53 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )
+        admissions = []
+        for prompt, params in zip(prompts, params_list):
+            if isinstance(prompt, str):
+                tokens = self.tokenizer.encode(prompt)
+                admissions.append((self.engine.validate(tokens, params), prompt))
+            else:
+                admissions.append((self.engine.validate([int(t) for t in prompt], params), None))
+        return self._run(admissions)
+
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One pooled vector per prompt (pooled and normalised as the model says), in prompt
+        order. truncate_prompt_tokens: keep each prompt's last k tokens (-1: as many as the
+        context holds); dimensions: the vectors' first values only, renormalised when the
+        model normalises (Matryoshka models)."""
+        model = self.config.model
+        if dimensions is not None and not 1 <= dimensions <= model.hidden_size:
+            raise ValueError(f"dimensions must be from 1 to {model.hidden_size}, got {dimensions}")
+        admissions = []
+        for prompt in prompt_list(prompts):
+            text = prompt if isinstance(prompt, str) else None
+            tokens = self.tokenizer.encode(prompt) if text is not None else list(map(int, prompt))
+            tokens = truncated(tokens, truncate_prompt_tokens, self.config.max_model_len)
+            admissions.append((self.engine.validate_embedding(tokens, "prompts"), text))
+        outputs = self._run(admissions)
+        if dimensions is None:
+            return outputs
+        normalize = embeds_normalized(model)
+        for out in outputs:
+            out.outputs = EmbeddingOutput(shortened(out.outputs.embedding, dimensions, normalize))
+        return outputs
+
+    def _run(self, admissions: list[tuple[Admission, str | None]]) -> list[Any]:
+        """Run checked requests to completion; their final outputs in the given order."""
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for admission, text in admissions:
                 request_id = str(self._request_ids)
                 self._request_ids += 1
-                if isinstance(prompt, str):
-                    self.engine.add_request(
-                        request_id, self.tokenizer.encode(prompt), params, prompt=prompt
-                    )
-                else:
-                    self.engine.add_request(request_id, [int(t) for t in prompt], params)
+                self.engine.admit(request_id, admission, text)
                 ids.append(request_id)
-            finished: dict[str, RequestOutput] = {}
+            finished: dict[str, Any] = {}
             while self.engine.has_unfinished():
                 for output in self.engine.step():
                     if output.finished:
@@ -138,3 +171,12 @@ class LLM:
 
 
 LLM.__init__.__signature__ = _signature()
+
+
+def prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

@@ -21,3 +21,4 @@ class Admission:
     params: SamplingParams
     max_tokens: int
     grammar: StartedGrammar | None = None
+    embed: bool = False  # an embedding request (`LLMEngine.validate_embedding` made it)

@@ -1,5 +1,8 @@
 """The engine loop: add requests, step (schedule -> run -> postprocess), collect outputs.
 
+Generation requests sample tokens; embedding requests run their whole prompt in one step of
+the same batch and end with the pooled vector the ranks return.
+
 A failure that belongs to one request (its plan, its text, its logprobs) ends that request
 only: it is aborted and its error filed for the caller; a failure of the step itself (the
 executor, a rank) propagates.
@@ -15,14 +18,16 @@ import time
 from cpud.engine.admission import Admission
 from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
+from cpud.engine.embedding import check_embedding_prompt, embedding_uses_kv, vector_from_bytes
 from cpud.engine.executor import Executor
 from cpud.engine.output_builder import OutputBuilder
-from cpud.engine.outputs import RequestOutput
+from cpud.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from cpud.engine.request import Request
 from cpud.engine.sampling_params import SamplingParams
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence
 from cpud.protocol.step import (
+    Embedding,
     PromptScoring,
     SampledToken,
     SamplingSpec,
@@ -93,7 +98,12 @@ class LLMEngine:
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            embeddings_use_kv=embedding_uses_kv(config.model),
+        )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.eos_token_ids = end_token_ids(config, tokenizer)
@@ -118,6 +128,12 @@ class LLMEngine:
         thread, in a worker thread when it compiles a grammar."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", param="prompt")
+        if not self.config.model.generates:
+            raise RequestError(
+                f"model {self.config.model_dir.name} is an embedding model: use "
+                "/v1/embeddings (LLM.embed offline)",
+                param="model",
+            )
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -159,6 +175,12 @@ class LLMEngine:
             )
         return Admission(tuple(prompt_token_ids), params, max_tokens, grammar)
 
+    def validate_embedding(self, prompt_token_ids: list[int], param: str = "input") -> Admission:
+        """Checks an embedding request against the engine (RequestError when its prompt cannot
+        run in one step); thread-safe, as `validate`."""
+        check_embedding_prompt(self.config, prompt_token_ids, param)
+        return Admission(tuple(prompt_token_ids), SamplingParams(), 0, embed=True)
+
     def add_request(
         self,
         request_id: str,
@@ -176,6 +198,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         params, prompt_token_ids = admission.params, admission.prompt_token_ids
+        if admission.embed:
+            self._admit_embedding(Request(request_id, prompt, list(prompt_token_ids), []))
+            return
         seqs = []
         for index in range(params.n):
             seed = None
@@ -213,6 +238,23 @@ class LLMEngine:
             self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
 
+    def _admit_embedding(self, request: Request) -> None:
+        """An embedding request: one sequence that samples nothing."""
+        seq = Sequence(
+            next(self._seq_ids),
+            request.request_id,
+            0,
+            list(request.prompt_token_ids),
+            SamplingParams(),
+            IncrementalDetokenizer(self.tokenizer),
+            None,
+            embed=True,
+        )
+        request.seqs.append(seq)
+        self.requests[request.request_id] = request
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its KV blocks are freed at once."""
         request = self.requests.pop(request_id, None)
@@ -246,7 +288,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One forward pass over what the scheduler picked; outputs of touched requests."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -264,7 +306,9 @@ class LLMEngine:
             if seq.finished:  # its request failed while planning
                 continue
             seq.num_computed_tokens += item.num_tokens
-            self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+            if not seq.embed:
+                self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+        embedded = self._take_embeddings(sched, result.embeddings)
         for scored in result.prompt_logprobs:
             seq = self.seqs.get(scored.seq_id)
             if seq is None or seq.finished:
@@ -283,7 +327,7 @@ class LLMEngine:
                 self._fail(seq.request_id, exc, "reading its new token")
                 continue
             touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = []
+        outputs: list[RequestOutput | EmbeddingRequestOutput] = embedded
         for request in touched.values():
             if request.request_id not in self.requests:  # failed after another choice advanced
                 continue
@@ -300,7 +344,34 @@ class LLMEngine:
                     self.seqs.pop(seq.seq_id, None)
         return self._end_step(outputs)
 
-    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _take_embeddings(
+        self, sched: SchedulerOutput, embeddings: list[Embedding]
+    ) -> list[EmbeddingRequestOutput]:
+        """Finish each embedding request of the step with its vector; its KV blocks are freed
+        (no prefix-cache entry kept). One the ranks returned no vector for fails."""
+        vectors = {e.seq_id: e.vector for e in embeddings}
+        outputs = []
+        for item in sched.scheduled:
+            seq = item.seq
+            if not seq.embed or seq.finished:
+                continue
+            try:
+                vector = vectors.get(seq.seq_id)
+                if vector is None:
+                    raise RuntimeError("the ranks returned no embedding for it")
+                seq.embedding = vector_from_bytes(vector)
+            except Exception as exc:
+                self._fail(seq.request_id, exc, "reading its embedding")
+                continue
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+            request = self.requests.pop(seq.request_id)
+            self.seqs.pop(seq.seq_id, None)
+            output = EmbeddingOutput(seq.embedding)
+            outputs.append(EmbeddingRequestOutput(request.request_id, output, seq.prompt_token_ids))
+        return outputs
+
+    def _end_step(self, outputs: list) -> list:
         if self.failures and not self.isolate_requests:
             _, error = self.failures[0]
             self.failures = []
@@ -341,6 +412,8 @@ class LLMEngine:
     def _work(self, seq: Sequence, start: int, num_tokens: int, samples: bool) -> SeqWork:
         tokens = seq.token_ids[start : start + num_tokens]
         blocks = list(seq.blocks.block_ids)
+        if seq.embed:
+            return SeqWork(seq.seq_id, tokens, start, blocks, False, embed=True)
         scoring = prompt_scoring(seq, start, num_tokens)
         if not samples:
             return SeqWork(seq.seq_id, tokens, start, blocks, False, prompt_scoring=scoring)

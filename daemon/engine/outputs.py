@@ -97,3 +97,24 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache when the request was admitted (its first
     # choice's count with n > 1): usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's pooled vector, shaped like vLLM's EmbeddingOutput."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one embedding request, shaped like vLLM's EmbeddingRequestOutput."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

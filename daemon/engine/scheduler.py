@@ -10,6 +10,13 @@ prompt logprobs, say) is prefilled to its end. When a running sequence cannot ge
 newest running sequence is preempted: its blocks are freed and it recomputes later. A sequence
 that still owes prompt logprobs skips the prefix cache (cached blocks have no logits to score);
 its own blocks are cached for others as usual.
+
+An embedding request runs its whole prompt in one step, never chunked, beside the others: it is
+admitted in arrival order when the step's remaining budget holds its prompt. One that had to
+wait for budget at the head of the queue in the last step goes in this one: the running
+sequences leave room for it (a decode may then wait one step). It takes no prefix-cache hit
+(pooling needs every position computed); its KV blocks, only when the model has a KV cache,
+last for its step (the engine frees them when the vector comes back).
 """
 
 from __future__ import annotations
@@ -44,14 +51,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        embeddings_use_kv: bool = True,
+    ):
+        """embeddings_use_kv: embedding passes write KV blocks (a decoder); False for an
+        encoder, whose passes need none."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.embeddings_use_kv = embeddings_use_kv
         self.admission_reserve = max(1, max_batched_tokens // 4)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._embedding_waited: Sequence | None = None  # kept waiting at the head last step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -62,34 +79,73 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        reserved = self._room_for_waited_embedding()
+        limit = self.max_batched_tokens - reserved
         # Decodes first, then prefill chunks, each kind oldest first: a long prefill never
         # holds back the next token of a running stream.
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
-            budget = self.max_batched_tokens - out.num_tokens
+            budget = limit - out.num_tokens
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted for an older one's blocks
                 continue
+            if seq.embed:  # its plan failed last step: whole again, when it fits
+                if seq.num_uncomputed <= budget:
+                    out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed))
+                continue
             count = min(seq.num_uncomputed, budget)
-            if count > 1 and self.waiting and len(self.running) < self.max_num_seqs:
+            if count > 1 and not reserved and self._admitting():
                 count = min(count, max(1, budget - self.admission_reserve))
             if self._make_room(seq, seq.num_computed_tokens + count, out):
                 out.scheduled.append(ScheduledSeq(seq, count))
         if out.preempted:
             return out
+        self._admit(out)
+        head = self.waiting[0] if self.waiting else None
+        self._embedding_waited = head if head is not None and head.embed else None
+        return out
+
+    def _admitting(self) -> bool:
+        """Requests wait and may be admitted: prefill chunks leave them some budget."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
+    def _room_for_waited_embedding(self) -> int:
+        """The prompt of the embedding that waited at the head of the queue last step, when it
+        can be admitted now but for the budget; else 0."""
+        seq = self._embedding_waited
+        if seq is None or not self.waiting or self.waiting[0] is not seq:
+            return 0
+        if len(self.running) >= self.max_num_seqs:
+            return 0
+        if self.embeddings_use_kv and not self.blocks.can_allocate(seq.blocks, seq.num_tokens):
+            return 0
+        return seq.num_tokens
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Waiting sequences in arrival order while budget, sequence slots and blocks last."""
         budget = self.max_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = (
-                NO_HIT
-                if seq.needs_prompt_logprobs
-                else self.blocks.find_prefix(seq.token_ids, seq.blocks.root)
-            )
-            cached = hit.num_blocks * self.blocks.block_size
-            count = min(seq.num_tokens - cached, budget)
-            if not self.blocks.can_allocate(seq.blocks, cached + count, hit):
-                break
-            self.blocks.allocate(seq.blocks, cached + count, hit)
+            if seq.embed:
+                count = seq.num_tokens
+                if count > budget:
+                    break
+                if self.embeddings_use_kv:
+                    if not self.blocks.can_allocate(seq.blocks, count):
+                        break
+                    self.blocks.allocate(seq.blocks, count)
+                cached = 0
+            else:
+                hit = (
+                    NO_HIT
+                    if seq.needs_prompt_logprobs
+                    else self.blocks.find_prefix(seq.token_ids, seq.blocks.root)
+                )
+                cached = hit.num_blocks * self.blocks.block_size
+                count = min(seq.num_tokens - cached, budget)
+                if not self.blocks.can_allocate(seq.blocks, cached + count, hit):
+                    break
+                self.blocks.allocate(seq.blocks, cached + count, hit)
             self.waiting.popleft()
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
@@ -98,7 +154,6 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, count))
             budget -= count
-        return out
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences; False if seq itself

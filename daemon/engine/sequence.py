@@ -1,4 +1,5 @@
-"""One generated continuation: its tokens, progress, KV blocks and text so far."""
+"""One generated continuation (or one embedding request's prompt): its tokens, progress, KV
+blocks and text so far."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     constraint: SequenceConstraint | None = None  # the output grammar's state, if any
     max_tokens: int = 2**31 - 1  # output budget: the request's, else the context's room
+    # An embedding request: its whole prompt runs in one step, which returns its pooled vector
+    # instead of a token; its KV blocks (decoders only) are freed after that step.
+    embed: bool = False
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
