@@ -18,7 +18,7 @@ from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.start import plan_start
 from cpud.settings import ENGINE, in_group
 from cpud.settings.config import EngineArgs
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 # keyword alias -> setting (tensor_parallel_size -> tp)

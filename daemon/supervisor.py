@@ -54,7 +54,7 @@ from cpud.protocol.supervision import (
 from cpud.settings import envs
 from cpud.settings.config import EngineArgs, ServeArgs
 from cpud.settings.errors import ConfigError
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.supervisor")
 LOOP_S = 0.1

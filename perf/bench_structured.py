@@ -121,7 +121,7 @@ def compile_times(model: str | None) -> dict:
     from cpud.model.default_model import default_model_path
     from cpud.structured.compiler import GrammarCompiler
     from cpud.structured.spec import StructuredSpec
-    from cpud.tokenizer import Tokenizer
+    from cpud.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model or default_model_path())
     compiler = GrammarCompiler(tokenizer)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from cpud.settings.errors import RequestError
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from cpud.chat_template import load_chat_template
 from cpud.settings.errors import ConfigError
-from cpud.tokenizer import Tokenizer as CpudTokenizer
+from cpud.text.chat_template import load_chat_template
+from cpud.text.tokenizer import Tokenizer as CpudTokenizer
 from cpud_server_helpers import launch, wait_healthy
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]

@@ -104,7 +104,7 @@ def test_plain_cpud_answers_the_capital_of_france(tmp_path):
             timeout=120,
         ).json()
         got = answer["choices"][0]["message"]["content"]
-        from cpud.tokenizer import Tokenizer
+        from cpud.text.tokenizer import Tokenizer
 
         want = reference_answer(Tokenizer(default_model_path()), int8=True)
         assert got.startswith(want), (got, want)

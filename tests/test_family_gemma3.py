@@ -35,7 +35,7 @@ from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.fused_decoder import FusedDecoder
 from cpud.ranks.models.families import gemma3
 from cpud.settings.errors import ConfigError
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 from hf_reference import hf_greedy, hf_logits
 
 ARCH = "gemma3_text"

@@ -11,9 +11,9 @@ import gguf
 import pytest
 from gguf_vocab import add_tokenizer_metadata
 
-from cpud.gguf_tokenizer import read_vocab
 from cpud.settings.errors import ConfigError
-from cpud.tokenizer import Tokenizer, check_tokenizer
+from cpud.text.gguf_tokenizer import read_vocab
+from cpud.text.tokenizer import Tokenizer, check_tokenizer
 
 ASCII = [
     "Hello world, it's 2024! The year 19999 had 3.14159 pies.",

@@ -28,7 +28,7 @@ from cpud.structured.matcher import SequenceConstraint
 from cpud.structured.metrics import structured_families
 from cpud.structured.pool import NICENESS, compile_scope
 from cpud.structured.spec import StructuredSpec
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 
 def exploding_regex(n: int) -> StructuredSpec:

@@ -13,7 +13,7 @@ from cpud.settings.errors import RequestError
 from cpud.structured.compiler import GrammarCompiler
 from cpud.structured.matcher import SequenceConstraint
 from cpud.structured.spec import StructuredSpec
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 BUDGET_MIB = 512
 

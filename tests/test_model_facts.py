@@ -15,7 +15,7 @@ from cpud.model import gguf_model
 from cpud.model.gguf_facts import adopt_gguf_facts
 from cpud.model.load import config_from_facts, load_model_config, model_facts
 from cpud.protocol.launch import ModelFacts, TokenizerFacts
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 TEXTS = ["Hello world, the capital of France is", " spaced  out\n\ttabs", "naïve café 東京 🚀"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

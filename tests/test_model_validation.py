@@ -337,7 +337,7 @@ def test_integral_floats_and_nulls_still_parse():
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
 @pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[1, 2]", b"{"], ids=["bytes", "list", "cut"])
 def test_tokenizer_side_json(model_copy, name, content):
-    from cpud.tokenizer import Tokenizer
+    from cpud.text.tokenizer import Tokenizer
 
     d = model_copy()
     (d / name).write_bytes(content)

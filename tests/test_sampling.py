@@ -13,7 +13,7 @@ from cpud.engine.llm_engine import sampling_spec
 from cpud.protocol.step import SeqWork
 from cpud.ranks.sampler import sample
 from cpud.settings.errors import RequestError
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 VOCAB = 50
 

@@ -19,7 +19,7 @@ from cpud.structured.limits import GrammarLimits
 from cpud.structured.matcher import ConstraintViolation, SequenceConstraint
 from cpud.structured.metrics import structured_families
 from cpud.structured.spec import StructuredSpec
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

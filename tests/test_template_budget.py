@@ -12,10 +12,10 @@ import tracemalloc
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from cpud.chat_template import ChatTemplates, _tojson
 from cpud.fixtures.templates import chat_template
 from cpud.settings.errors import ConfigError, RequestError
-from cpud.template_budget import RenderBudget
+from cpud.text.chat_template import ChatTemplates, _tojson
+from cpud.text.template_budget import RenderBudget
 
 FAST = RenderBudget(seconds=0.2)
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]

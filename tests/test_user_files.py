@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cpud.chat_template import load_chat_template
 from cpud.process.user_files import check_model_files_are_regular, open_regular, read_text
 from cpud.settings.errors import ConfigError
+from cpud.text.chat_template import load_chat_template
 
 
 def serve_exits(*args: str) -> tuple[subprocess.CompletedProcess, float]:

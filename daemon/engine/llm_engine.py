@@ -40,7 +40,7 @@ from cpud.settings.config import EngineConfig
 from cpud.settings.errors import CpudError, RequestError, one_line
 from cpud.structured.compiler import GrammarCompiler
 from cpud.structured.limits import GrammarLimits
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 log = logging.getLogger("cpud.engine")
 

@@ -109,7 +109,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
     from cpud.protocol.supervision import HEARTBEAT_INTERVAL_S
     from cpud.settings.config import config_from_spec
     from cpud.structured.compiler import GrammarCompiler
-    from cpud.tokenizer import Tokenizer
+    from cpud.text.tokenizer import Tokenizer
 
     serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
     config = config_from_spec(spec.engine)  # resolved by the supervisor, not again here

@@ -16,7 +16,7 @@ from cpud.frontend.errors import APIError
 from cpud.frontend.lifecycle import Lifecycle
 from cpud.frontend.metrics import FrontendMetrics
 from cpud.frontend.pacing import BodyPacer
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
 WORKER_NICE = 10

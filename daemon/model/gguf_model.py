@@ -34,7 +34,7 @@ class GGUFModel:
     # loader; the reader's parsed metadata (tens of MB for a large vocabulary) is not kept.
     data: dict[str, ReaderTensor] = field(default_factory=dict, repr=False, compare=False)
     # The tokenizer.* keys (and general.architecture) as values, read in the same parse so
-    # that cpud.gguf_tokenizer does not parse the file again; empty when built from facts.
+    # that cpud.text.gguf_tokenizer does not parse the file again; empty when built from facts.
     tokenizer_keys: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def bytes_by_type(self) -> dict[str, int]:

@@ -187,7 +187,7 @@ def check_model_files(model_dir: Path) -> ModelConfig:
 
 def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     model = check_model_files(Path(model_dir))
-    from cpud.tokenizer import check_tokenizer
+    from cpud.text.tokenizer import check_tokenizer
 
     check_tokenizer(Path(model_dir), args.chat_template)
     for name in ("tp", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):

@@ -31,7 +31,7 @@ from cpud.structured.limits import GrammarLimits
 from cpud.structured.matcher import StartedGrammar
 from cpud.structured.pool import CompilePool, current_scope
 from cpud.structured.spec import StructuredKind, StructuredSpec
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Resident bytes a compiled grammar holds per byte of llguidance grammar text (measured: JSON

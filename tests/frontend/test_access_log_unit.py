@@ -13,7 +13,7 @@ from cpud.frontend.app import guarded
 from cpud.frontend.server import api_key_line
 from cpud.frontend.state import Phase, ServerConfig, ServerState
 from cpud.process.log_setup import WarningLines
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 
 class Broken:

@@ -19,7 +19,7 @@ import pytest
 from gguf_writer import write_gguf
 
 from cpud.settings.errors import ConfigError
-from cpud.tokenizer import check_tokenizer
+from cpud.text.tokenizer import check_tokenizer
 from cpud_server_helpers import launch, wait_healthy
 
 NESTED_RANGES = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"

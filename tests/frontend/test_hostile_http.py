@@ -25,7 +25,7 @@ from starlette.testclient import TestClient
 from cpud.frontend.app import create_app, guarded
 from cpud.frontend.errors import APIError
 from cpud.frontend.state import Phase, ServerConfig, ServerState
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 from cpud_server_helpers import rank_pids, start_server
 
 OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

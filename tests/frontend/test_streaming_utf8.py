@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cpud.engine.detokenizer import IncrementalDetokenizer
-from cpud.tokenizer import Tokenizer
+from cpud.text.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
 TEXT = "naïve café 你好 😀🎉 ok"

@@ -35,7 +35,7 @@ def smol_client(smol):
 def compiler():
     """(the default model's tokenizer, a grammar compiler for it)"""
     from cpud.structured.compiler import GrammarCompiler
-    from cpud.tokenizer import Tokenizer
+    from cpud.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_path())
     return tokenizer, GrammarCompiler(tokenizer)

@@ -220,7 +220,7 @@ def test_a_tool_result_needs_an_earlier_call():
 
 
 def test_a_template_that_takes_tools_renders_them_and_the_calls():
-    from cpud.chat_template import ChatTemplates
+    from cpud.text.chat_template import ChatTemplates
 
     template = (
         "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"

@@ -1,7 +1,7 @@
 """Chat templates: where models keep them, vLLM's --chat-template, and rendering as transformers
 renders them (sandboxed jinja, trim_blocks/lstrip_blocks, tojson without HTML escaping,
 raise_exception, strftime_now, the special tokens and tools in the context), each render under
-a budget of CPU time and characters (cpud.template_budget)."""
+a budget of CPU time and characters (cpud.text.template_budget)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jinja2 import TemplateError
 
 from cpud.process.user_files import MAX_SIDE_FILE_BYTES, MAX_TEMPLATE_BYTES, read_text
 from cpud.settings.errors import ConfigError, RequestError, one_line
-from cpud.template_budget import BudgetedEnvironment, RenderBudget, TemplateBudgetError
+from cpud.text.template_budget import BudgetedEnvironment, RenderBudget, TemplateBudgetError
 
 log = logging.getLogger(__name__)
 DEFAULT_BUDGET = RenderBudget()

@@ -34,7 +34,7 @@ from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
 from cpud.settings.errors import CpudError
-from cpud.template_sizes import (
+from cpud.text.template_sizes import (
     BUFFERS,
     TEXT_FACTOR,
     TEXT_FILTERS,

@@ -1,5 +1,5 @@
 """How much a template value weighs, and bounds on what an operation would build from its
-arguments (before it runs): the measures cpud.template_budget charges a render with."""
+arguments (before it runs): the measures cpud.text.template_budget charges a render with."""
 
 from __future__ import annotations
 

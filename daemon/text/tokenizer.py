@@ -8,10 +8,10 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from cpud.chat_template import ChatTemplates, hf_chat_templates, load_chat_template
 from cpud.model.model_config import read_json_object
 from cpud.protocol.launch import TokenizerFacts
 from cpud.settings.errors import ConfigError
+from cpud.text.chat_template import ChatTemplates, hf_chat_templates, load_chat_template
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def check_tokenizer(model: Path, chat_template: str | None = None) -> None:
     render budget."""
     found = gguf_file(model)
     if found is not None:
-        from cpud.gguf_tokenizer import build_tokenizer, read_vocab
+        from cpud.text.gguf_tokenizer import build_tokenizer, read_vocab
 
         vocab = read_vocab(found)
         build_tokenizer(vocab)  # ConfigError when cpud cannot build it
@@ -159,7 +159,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(eos_ids))
 
     def _from_gguf(self, path: Path) -> None:
-        from cpud.gguf_tokenizer import build_tokenizer, read_vocab
+        from cpud.text.gguf_tokenizer import build_tokenizer, read_vocab
 
         vocab = read_vocab(path)
         self._tok = build_tokenizer(vocab)
