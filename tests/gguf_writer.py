@@ -65,6 +65,9 @@ TypeChoice = T | Callable[[str, tuple[int, ...]], T]
 
 
 def gguf_name(hf_name: str, model_type: str = "llama") -> str | None:
+    own = getattr(ARCH_MODULES.get(model_type), "gguf_name", None)
+    if own is not None:
+        return own(hf_name)
     stem, suffix = hf_name.rsplit(".", 1)
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"
@@ -115,7 +118,8 @@ def _set_parameters(w: gguf.GGUFWriter, arch: str, config: dict, file_type: int)
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
+    if config.get("num_key_value_heads") is not None:
+        w.add_head_count_kv(config["num_key_value_heads"])
     scaling = config.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -125,8 +129,12 @@ def _set_parameters(w: gguf.GGUFWriter, arch: str, config: dict, file_type: int)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(scaling["factor"])
         w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("rope_theta") is not None:
+        w.add_rope_freq_base(config["rope_theta"])
+    if config.get("rms_norm_eps") is not None:
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("layer_norm_eps") is not None:
+        w.add_layer_norm_eps(config["layer_norm_eps"])
     if config.get("head_dim") is not None:
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])
@@ -138,6 +146,24 @@ def _set_parameters(w: gguf.GGUFWriter, arch: str, config: dict, file_type: int)
     own = getattr(ARCH_MODULES.get(config["model_type"]), "gguf_parameters", None)
     if own is not None:
         own(w, config)
+
+
+def _set_pooling_type(w: gguf.GGUFWriter, model_dir: Path) -> None:
+    """convert_hf_to_gguf's _try_set_pooling_type (BertModel, Qwen2Model, Qwen3Model): the
+    sentence-transformers Pooling module's mode, when the directory has one."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return
+    for module in json.loads(path.read_text()):
+        if module["type"] == "sentence_transformers.models.Pooling":
+            pooling = json.loads((model_dir / module["path"] / "config.json").read_text())
+            if pooling["pooling_mode_mean_tokens"]:
+                w.add_pooling_type(gguf.PoolingType.MEAN)
+            elif pooling["pooling_mode_cls_token"]:
+                w.add_pooling_type(gguf.PoolingType.CLS)
+            elif pooling["pooling_mode_lasttoken"]:
+                w.add_pooling_type(gguf.PoolingType.LAST)
+            return
 
 
 def encode(values: np.ndarray, qtype: T) -> np.ndarray:
@@ -167,9 +193,11 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     file_type = FILE_TYPES.get(tensor_type, gguf.LlamaFileType.GUESSED)
     _set_parameters(writer, arch, config, file_type)
+    _set_pooling_type(writer, model_dir)
     add_tokenizer_metadata(writer, model_dir, kind=tokenizer)
     tensors = load_file(str(model_dir / "model.safetensors"))
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
     # Gemma's converters store its "1 + w" norm weights as 1 + w
     norm_shift = getattr(ARCH_MODULES.get(config["model_type"]), "GGUF_NORM_SHIFT", 0.0)
     for hf, values in tensors.items():
@@ -186,7 +214,9 @@ def write_gguf(
             values = permute(values, heads, kv_heads)
         if name in skip:
             continue
-        qtype = choose(name, values.shape) if values.ndim == 2 else T.F32
+        # the converter keeps 1-D tensors and position / token type tables in F32
+        f32 = values.ndim != 2 or name.startswith(("position_embd.", "token_types."))
+        qtype = T.F32 if f32 else choose(name, values.shape)
         writer.add_tensor(name, encode(values, qtype), raw_dtype=qtype)
     kind = (config.get("rope_scaling") or {}).get("rope_type")
     if kind == "llama3" and "rope_freqs.weight" not in skip:

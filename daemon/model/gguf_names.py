@@ -45,10 +45,12 @@ def hf_name(name: str, family: str = "llama") -> str | None:
     """The module name (Hugging Face's where cpud keeps it) of a GGUF tensor of `family`;
     None for one the decoder has no parameter for."""
     stem, _, suffix = name.rpartition(".")
-    if stem in _TOP:
-        return f"{_TOP[stem]}.{suffix}"
+    own = registry.by_name(family)
+    top = {**_TOP, **own.gguf_top_names}
+    if stem in top:
+        return f"{top[stem]}.{suffix}"
     parts = stem.split(".")
-    layer = {**_LAYER, **registry.by_name(family).gguf_layer_names}
+    layer = {**_LAYER, **own.gguf_layer_names}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
         return f"model.layers.{int(parts[1])}.{layer[parts[2]]}.{suffix}"
     return None

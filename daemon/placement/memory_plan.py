@@ -76,6 +76,10 @@ def shard_param_count(model: ModelConfig, tp: int) -> int:
     inter = divide(model.intermediate_size, tp, "intermediate_size")
     q, kv = heads * hd, kv_heads * hd
     vocab = vocab_shard_size(model.vocab_size, tp)
+    if not model.generates:  # an encoder: biases everywhere, LayerNorms, no LM head
+        layer = h * 3 * q + 3 * q + q * h + h + 2 * h * inter + inter + h + 2 * 2 * h
+        types = model.type_vocab_size
+        return vocab * h + (model.max_position_embeddings + types + 2) * h + layers * layer
     if model.family == "opt":
         dim = model.word_embed_proj_dim or h
         bias = model.enable_bias
@@ -162,11 +166,13 @@ def overhead_bytes(
     RoPE tables, one layer's activations for a full token budget (fp32) and gathered logits."""
     heads, kv_heads = _heads_local(model, tp)
     inter = model.intermediate_size // tp
-    rope = 0 if model.family == "opt" else 2 * max_model_len * model.rotary_dim * dtype_bytes(dtype)
+    rope = 2 * max_model_len * model.rotary_dim * dtype_bytes(dtype)
+    if model.family == "opt" or not model.generates:
+        rope = 0
     per_token = 4 * model.hidden_size + (heads + 2 * kv_heads) * model.head_dim + 3 * inter
     per_token += moe_activation_elems(model, tp)
     activations = max_num_batched_tokens * per_token * 4
-    logits = max_num_seqs * vocab_shard_size(model.vocab_size, 1) * 4
+    logits = max_num_seqs * vocab_shard_size(model.vocab_size, 1) * 4 if model.generates else 0
     return RANK_RUNTIME_BYTES + rope + activations + logits
 
 
@@ -300,7 +306,8 @@ def plan_memory(
 
     weights = weight_bytes(model, dtype, tp) if weights is None else weights
     overhead = overhead_bytes(model, dtype, tp, max_model_len, max_num_batched_tokens, max_num_seqs)
-    block_bytes = kv_block_bytes(model, tp, block_size, dtype)
+    # An encoder keeps no KV cache: its blocks are bookkeeping only and take no memory.
+    block_bytes = kv_block_bytes(model, tp, block_size, dtype) if model.generates else 0
     blocks_per_seq = -(-max_model_len // block_size)
     budgets = _budgets(binding, topology)
 
@@ -321,8 +328,11 @@ def plan_memory(
             f"free memory, choose a smaller --dtype, or raise --tp to spread the weights"
         )
 
-    if kv_cache_space_gib is not None:
-        kv_source: KvSource = "explicit"
+    if not block_bytes:
+        kv_source: KvSource = "explicit" if kv_cache_space_gib is not None else "fraction"
+        num_blocks = blocks_per_seq * max_num_seqs
+    elif kv_cache_space_gib is not None:
+        kv_source = "explicit"
         wanted = int(kv_cache_space_gib * GiB)
         if wanted > room:
             largest = _gib_rounded(room, up=False)

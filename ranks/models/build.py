@@ -10,12 +10,18 @@ from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.layers.moe import MoEExperts
 from cpud.ranks.models import registry
 from cpud.ranks.models.decoder import DecoderForCausalLM
+from cpud.ranks.models.encoder import EncoderForEmbedding
 from cpud.ranks.models.moe import MoeForCausalLM
 from cpud.ranks.models.opt import OPTForCausalLM
 from cpud.ranks.ops import Ops, TorchOps
 from cpud.ranks.parallel import TPGroup
 
-MODEL_CLASSES = {"decoder": DecoderForCausalLM, "moe": MoeForCausalLM, "opt": OPTForCausalLM}
+MODEL_CLASSES = {
+    "decoder": DecoderForCausalLM,
+    "moe": MoeForCausalLM,
+    "opt": OPTForCausalLM,
+    "encoder": EncoderForEmbedding,
+}
 
 
 def build_model(

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from cpud.model.model_config import ConfigFields, ModelConfig
 
 # The torch modules that build a family's model (ranks/models/build.py)
-MODEL_KINDS = ("decoder", "moe", "opt")
+MODEL_KINDS = ("decoder", "moe", "opt", "encoder")  # encoder: embeddings only, no KV cache
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Family:
     fused_checkpoint: tuple[tuple[str, str, tuple[Any, ...]], ...] = ()
     # GGUF layer tensor stems -> cpud module names, over the common table (model/gguf_names.py)
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    # GGUF top-level tensor stems -> cpud module names, over the common table
+    gguf_top_names: Mapping[str, str] = field(default_factory=dict)
     # llama.cpp's converter interleaves Q/K rows of these GGUF architectures for its RoPE
     gguf_permuted_qk: tuple[str, ...] = ()
     # GGUF tensors of a config (name -> Expected) when they differ from the common table
