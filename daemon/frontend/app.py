@@ -24,6 +24,7 @@ from cpud.frontend.access_log import AccessLog, access_note, logs_access
 from cpud.frontend.anthropic_answer import error_response
 from cpud.frontend.anthropic_api import counted_tokens, respond_messages
 from cpud.frontend.anthropic_schemas import CountTokensRequest, MessagesRequest
+from cpud.frontend.embeddings_api import respond_embeddings
 from cpud.frontend.errors import APIError, bad_request, from_validation
 from cpud.frontend.jobs import chat_job, completion_job
 from cpud.frontend.lifecycle import Tracked
@@ -34,6 +35,7 @@ from cpud.frontend.pacing import BodyPacer
 from cpud.frontend.request_id import RequestIdHeader
 from cpud.frontend.requests import (
     chat_prompt,
+    check_generates,
     check_model,
     check_text_size,
     refuse_unsupported,
@@ -43,6 +45,7 @@ from cpud.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -58,6 +61,7 @@ NEED_ENGINE = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/responses",
+        "/v1/embeddings",
         "/tokenize",
         "/detokenize",
         "/tokenizer_info",
@@ -227,25 +231,35 @@ def guarded(
 async def completions(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, CompletionRequest)
     check_model(state, body.model)
+    check_generates(state, body.model)
     return await respond(state, request, await state.off_loop(completion_job, state, body))
 
 
 async def chat_completions(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, ChatCompletionRequest)
     check_model(state, body.model)
+    check_generates(state, body.model)
     return await respond(state, request, await state.off_loop(chat_job, state, body))
 
 
 async def responses(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, ResponsesRequest)
     check_model(state, body.model)
+    check_generates(state, body.model)
     return await respond_responses(state, request, body)
 
 
 async def messages(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, MessagesRequest)
     check_model(state, body.model)
+    check_generates(state, body.model)
     return await respond_messages(state, request, body)
+
+
+async def embeddings(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, EmbeddingRequest)
+    check_model(state, body.model)
+    return await respond_embeddings(state, request, body)
 
 
 async def count_tokens(request: Request, state: ServerState) -> Response:
@@ -396,6 +410,7 @@ def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
         ("/v1/responses", responses, ["POST"]),
+        ("/v1/embeddings", embeddings, ["POST"]),
         ("/v1/messages", messages, ["POST"]),
         ("/v1/messages/count_tokens", count_tokens, ["POST"]),
         ("/v1/models", models, ["GET"]),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import LLMEngine, RequestFailedError, describe
-from cpud.engine.outputs import RequestOutput
+from cpud.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.compute_activity import ComputeActivity
 from cpud.settings.errors import CpudError, RequestError
@@ -140,6 +140,11 @@ class AsyncEngine:
             return await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
         return self.engine.validate(prompt_token_ids, params)
 
+    def validate_embedding(self, prompt_token_ids: list[int], param: str = "input") -> Admission:
+        """The engine's check of an embedding input (RequestError when it cannot run in one
+        step); what it returns goes to `generate`, which yields one EmbeddingRequestOutput."""
+        return self.engine.validate_embedding(prompt_token_ids, param)
+
     def _refuse(self) -> None:
         """Raise what a request arriving now gets instead of admission (with the lock held)."""
         if self.error is not None or not self._thread.is_alive():
@@ -168,9 +173,10 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, admission: Admission, prompt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Yields the request's output after every step that advanced it; the last one has
-        finished=True. Leaving the iteration early (client gone) aborts the request."""
+        finished=True (an embedding request yields its one output). Leaving the iteration
+        early (client gone) aborts the request."""
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:

@@ -113,6 +113,17 @@ class FrontendMetrics:
         self.prompt_tokens = Counter(
             "cpud_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
         )
+        self.embedding_inputs = Counter(
+            "cpud_embedding_inputs",
+            "Inputs embedded by /v1/embeddings (each one engine request)",
+            registry=self.registry,
+        )
+        self.embedding_latency = Histogram(
+            "cpud_embedding_request_latency_seconds",
+            "Time from an embeddings request's arrival to its last vector",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.generation_tokens = Counter(
             "cpud_generation_tokens",
             "Generated tokens of finished requests",

@@ -12,6 +12,7 @@ from cpud.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -132,6 +133,7 @@ def openapi_document() -> dict:
         ResponsesRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        EmbeddingRequest,
         MessagesRequest,
         CountTokensRequest,
     )
@@ -147,6 +149,7 @@ def openapi_document() -> dict:
             "/v1/completions": _post("CompletionRequest", "Text completion"),
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion"),
             "/v1/responses": _post("ResponsesRequest", "Response (stateless)"),
+            "/v1/embeddings": _post("EmbeddingRequest", "Embeddings of strings or token ids"),
             "/v1/messages": _post("MessagesRequest", "Anthropic Messages", "AnthropicError"),
             "/v1/messages/count_tokens": _post(
                 "CountTokensRequest", "Anthropic Messages: the prompt's tokens", "AnthropicError"

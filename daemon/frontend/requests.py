@@ -40,6 +40,16 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+def check_generates(state: ServerState, model: str | None) -> None:
+    """A generation route on a model that only embeds is a 400 pointing at /v1/embeddings."""
+    if not state.engine.engine.config.model.generates:
+        raise bad_request(
+            f"model {model or state.model_name} is an embedding model: use /v1/embeddings",
+            param="model",
+            code="model_not_generative",
+        )
+
+
 def refuse_unsupported(body: Strict, where: str = "") -> None:
     """A 400 naming the first field (of the body or of an object in it) that asks for
     something cpud does not do: a value its type's `unsupported` table does not accept."""

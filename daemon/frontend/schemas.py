@@ -413,10 +413,40 @@ class ResponsesRequest(Strict, kw_only=True):
     ) = None
 
 
+class EmbeddingRequest(Strict, kw_only=True):
+    """/v1/embeddings: each input (a string, a list of token ids, or a list of either) is one
+    engine request; all of them run together."""
+
+    model: Name | None = None
+    input: str | Annotated[list[str | TokenId | TokenIds], Meta(max_length=MAX_TOKEN_LIST)]
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: (
+        Annotated[
+            int,
+            Meta(le=MAX_COUNT, description="the first values only (Matryoshka), renormalised"),
+        ]
+        | None
+    ) = None
+    user: Name | None = None
+    truncate_prompt_tokens: (
+        Annotated[
+            int,
+            Meta(
+                ge=-1,
+                le=MAX_COUNT,
+                description="vLLM: keep each input's last k tokens (-1: the context's length)",
+            ),
+        ]
+        | None
+    ) = None
+    add_special_tokens: bool | None = True
+
+
 REQUEST_TYPES = {
     "CompletionRequest": CompletionRequest,
     "ChatCompletionRequest": ChatCompletionRequest,
     "TokenizeRequest": TokenizeRequest,
     "DetokenizeRequest": DetokenizeRequest,
     "ResponsesRequest": ResponsesRequest,
+    "EmbeddingRequest": EmbeddingRequest,
 }

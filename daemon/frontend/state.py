@@ -45,6 +45,7 @@ class ServerConfig:
     metrics_need_key: bool = False
     max_body_bytes: int = 4 << 20
     max_prompts: int = 64
+    max_embedding_inputs: int = 2048  # OpenAI's limit (within --max-pending-requests)
     # /health answers 503 once work has waited this long for a step to finish
     stall_seconds: float = 10.0
     tokenize_threads: int = 2

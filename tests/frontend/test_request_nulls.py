@@ -35,6 +35,7 @@ MINIMAL = {
     "TextConfig": {},
     "TextFormat": {"type": "text"},
     "ResponsesReasoning": {},
+    "EmbeddingRequest": {"input": "hi"},
 }
 
 
