@@ -144,7 +144,12 @@ def test_registering_a_taken_name_is_refused():
             pass
 
 
-RECIPE_FIXTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", *ARCH_MODULES]
+RECIPE_FIXTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+RECIPE_FIXTURES += [  # the plug-in fixtures of decoder families (encoders have no recipe)
+    arch
+    for arch, module in ARCH_MODULES.items()
+    if registry.for_hf([module.HF_CLASS]).model in ("decoder", "moe")
+]
 
 
 @pytest.mark.skipif(not native.available(), reason="native library not built")

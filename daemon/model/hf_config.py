@@ -25,10 +25,10 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
     if family is None:
         names = registry.supported_hf()
         suffix = "ForCausalLM"
-        if all(name.endswith(suffix) for name in names):
-            shown = f"{', '.join(n.removesuffix(suffix) for n in names)} (each ...{suffix})"
-        else:
-            shown = ", ".join(names)
+        causal = [n.removesuffix(suffix) for n in names if n.endswith(suffix)]
+        others = [n for n in names if not n.endswith(suffix)]
+        shown = ", ".join(causal) + f" (each ...{suffix})" if causal else ""
+        shown = "; ".join(part for part in (shown, ", ".join(others)) if part)
         raise ConfigError(
             f"{source}: architecture {archs or raw.get('model_type')!r} is not supported "
             f"(supported: {shown})"
