@@ -79,7 +79,8 @@ def embedding_inputs(state: ServerState, body: EmbeddingRequest) -> list[Embeddi
         if not item:
             raise bad_request(f"{where} is empty: every input needs some text or tokens", "input")
         if isinstance(item, str):
-            check_text_size(state, len(item), "input")
+            if body.truncate_prompt_tokens is None:  # else cut to fit, as long as it may be
+                check_text_size(state, len(item), "input")
             tokens = state.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
         else:
             tokens = list(item)

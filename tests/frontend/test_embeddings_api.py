@@ -157,6 +157,9 @@ def test_nulls_are_absent_and_vllm_extras_work(server):
     same = post(server, {"input": [[11, 12, 13]], "user": "u1"}).json()
     assert cut["usage"]["prompt_tokens"] == 3
     assert cut["data"][0]["embedding"] == same["data"][0]["embedding"]
+    long_text = {"input": "many words " * 5000, "truncate_prompt_tokens": 16}
+    assert post(server, long_text).json()["usage"]["prompt_tokens"] == 16
+    assert "characters" in error(post(server, {"input": "many words " * 5000}))["message"]
     bare = post(server, {"input": "abc", "add_special_tokens": False}).json()
     assert bare["usage"]["prompt_tokens"] >= 1
 
