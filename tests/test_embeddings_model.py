@@ -292,6 +292,23 @@ def test_bert_checkpoint_names_of_task_heads_load(fixtures, reference, tmp_path)
     check_against_reference(make_runner(out), tokens, want, FP32_COSINE)
 
 
+def test_decoder_saved_as_its_base_model_loads(fixtures, reference, tmp_path):
+    """sentence-transformers' export of a decoder (Qwen3-Embedding): Qwen3Model's names without
+    `model.`, no LM head although config.json says the head is not tied."""
+    source = fixtures["qwen3"]
+    out = tmp_path / "qwen3-base-model"
+    shutil.copytree(source, out)
+    tensors = load_file(str(source / "model.safetensors"))
+    base = {name.removeprefix("model."): tensor for name, tensor in tensors.items()}
+    assert "lm_head.weight" not in base
+    save_file(base, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text()) | {"tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(config))
+    assert load_model_config(out).tie_word_embeddings
+    tokens, want = reference(source)
+    check_against_reference(make_runner(out), tokens, want, FP32_COSINE)
+
+
 def test_encoder_refuses_what_it_cannot_run(fixtures):
     run = make_runner(fixtures["bert"])
     generating = StepPlan(0, [SeqWork(0, [2, 50, 3], 0, [], True)])

@@ -28,7 +28,21 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json")
     config = parse_model_config(read_json_object(path), source=str(path))
     pooling = sentence_transformers_pooling(model_dir)
-    return replace(config, **pooling) if pooling else config
+    if not pooling:
+        return config
+    config = replace(config, **pooling)
+    if config.generates and not config.tie_word_embeddings and _headless(Path(model_dir)):
+        # sentence-transformers saved the base model only (Qwen3-Embedding-8B): no LM head,
+        # whatever config.json says; the embedding stands in for it
+        config = replace(config, tie_word_embeddings=True)
+    return config
+
+
+def _headless(model_dir: Path) -> bool:
+    """Whether the checkpoint has no lm_head.weight (safetensors headers only)."""
+    from cpud.model.safetensors_check import check_safetensors, weight_files
+
+    return not any("lm_head.weight" in check_safetensors(f) for f in weight_files(model_dir))
 
 
 def model_facts(model_dir: str | Path, config: ModelConfig) -> ModelFacts:

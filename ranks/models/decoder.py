@@ -267,7 +267,10 @@ class DecoderForCausalLM(Layer):
         return None
 
     def checkpoint_name(self, name: str) -> str:
-        """cpud's name for a checkpoint tensor: the family's first matching rename applied."""
+        """cpud's name for a checkpoint tensor: the family's first matching rename applied. A
+        base model's names (Qwen3-Embedding saves Qwen3Model's: layers.0...) get `model.`."""
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
         for old, new in self.renames:
             if f".{old}." in name:
                 return name.replace(f".{old}.", f".{new}.")
