@@ -122,7 +122,8 @@ def add_tokenizer_metadata(
     kind "gpt2": token count equals config.json vocab_size, ids equal tokenizer.json's.
     kind "llama": a new SentencePiece vocabulary of the same size holding the family's special
     tokens as CONTROL, bos/eos as tokenizer_config.json names them (else <s>, </s>), and the
-    family's chat template."""
+    family's chat template. kind "bert": tokenizer.json's WordPiece vocabulary with BertModel's
+    phantom spaces (llama.cpp's WPM)."""
     model_dir = Path(model_dir)
     if kind == "gpt2":
         tokens, types = gpt2_vocab(model_dir)
@@ -150,5 +151,20 @@ def add_tokenizer_metadata(
         template = gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).chat_template
         if template is not None:
             writer.add_chat_template(template)
+    elif kind == "bert":
+        tokens, types = gpt2_vocab(model_dir)
+        writer.add_tokenizer_model("bert")
+        writer.add_tokenizer_pre(pre or "default")
+        writer.add_token_list([_phantom(t, k) for t, k in zip(tokens, types)])
+        writer.add_token_types(types)
+        gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
     else:
-        raise ValueError(f"unknown tokenizer kind {kind!r}: gpt2 or llama")
+        raise ValueError(f"unknown tokenizer kind {kind!r}: gpt2, llama or bert")
+
+
+def _phantom(token: str, kind: int) -> str:
+    """BertModel.set_vocab's phantom space: a word's first piece gets U+2581, a ## continuation
+    loses its ##; control tokens stay as they are."""
+    if kind == gguf.TokenType.CONTROL:
+        return token
+    return token[2:] if token.startswith("##") else SPM_SPACE + token

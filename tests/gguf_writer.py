@@ -182,11 +182,12 @@ def write_gguf(
     path: Path,
     tensor_type: TypeChoice = T.F32,
     *,
-    tokenizer: str = "gpt2",
+    tokenizer: str | None = None,
     skip: tuple[str, ...] = (),
 ) -> Path:
     """model_dir (a fixture) as one GGUF file; tensor_type: a type for every 2-D weight, or a
-    function (GGUF name, shape) -> type. Tensors named in `skip` are left out."""
+    function (GGUF name, shape) -> type. Tensors named in `skip` are left out. tokenizer: the
+    kind of tokenizer metadata (gguf_vocab.py; default: the arch's GGUF_TOKENIZER, else gpt2)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     choose = tensor_type if callable(tensor_type) else (lambda name, shape: tensor_type)
@@ -194,7 +195,9 @@ def write_gguf(
     file_type = FILE_TYPES.get(tensor_type, gguf.LlamaFileType.GUESSED)
     _set_parameters(writer, arch, config, file_type)
     _set_pooling_type(writer, model_dir)
-    add_tokenizer_metadata(writer, model_dir, kind=tokenizer)
+    module = ARCH_MODULES.get(config["model_type"])
+    kind = tokenizer or getattr(module, "GGUF_TOKENIZER", "gpt2")
+    add_tokenizer_metadata(writer, model_dir, kind=kind)
     tensors = load_file(str(model_dir / "model.safetensors"))
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)

@@ -188,6 +188,62 @@ def test_gguf_embeddings_equal_sentence_transformers(name, fixtures, reference, 
     check_against_reference(make_runner(path, torch.bfloat16, "native"), tokens, want, BF16_COSINE)
 
 
+WORDPIECE_TEXTS = [
+    *TEXTS,
+    "Café naïve résumé, $5 + 3 = 8!",
+    "中文 test",
+    "  Hello,\tWorld!\n New  line [CLS] here [MASK]",
+    "supercalifragilisticexpialidocious xyzzy",
+]
+
+
+def test_gguf_wordpiece_tokenizer_equals_the_directorys(fixtures, gguf_file):
+    """A `bert` GGUF file's WPM vocabulary (phantom spaces) builds the WordPiece tokenizer of
+    the directory it was converted from: same ids, [CLS] and [SEP] around each text."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from cpud.text.tokenizer import Tokenizer
+
+    ours = Tokenizer(gguf_file("bert", T.F16))
+    theirs = HFTokenizer.from_file(str(fixtures["bert"] / "tokenizer.json"))
+    for text in WORDPIECE_TEXTS:
+        assert ours.encode(text) == theirs.encode(text).ids, text
+    assert ours.decode(ours.encode(TEXTS[0])) == TEXTS[0].lower()
+
+
+def test_gguf_wordpiece_without_its_special_ids_is_refused(tmp_path):
+    import gguf
+
+    from cpud.text.gguf_tokenizer import read_vocab
+
+    path = tmp_path / "wpm.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[UNK]", "\u2581a", "b"])
+    writer.add_token_types([gguf.TokenType.CONTROL, gguf.TokenType.NORMAL, gguf.TokenType.NORMAL])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="a bert tokenizer needs tokenizer.ggml.bos_token_id"):
+        read_vocab(path)
+
+
+@SLOW
+def test_llm_embeds_a_bert_gguf_file_as_sentence_transformers_does(fixtures, gguf_file):
+    """Text to vector through the offline LLM on the GGUF file (its own tokenizer)."""
+    from sentence_transformers import SentenceTransformer
+
+    from cpud import LLM
+
+    want = SentenceTransformer(str(fixtures["bert"]), device="cpu").encode(
+        WORDPIECE_TEXTS, convert_to_tensor=True
+    )
+    llm = LLM(gguf_file("bert", T.F16), dtype="float32")
+    got = torch.tensor([out.outputs.embedding for out in llm.embed(WORDPIECE_TEXTS)])
+    llm.shutdown()
+    assert float(cosines(got, want).min()) >= FP32_COSINE
+
+
 def sharded_result(path: Path, plan: StepPlan, tp: int) -> StepResult:
     hub = ThreadGroupHub(tp)
     runners = [make_runner(path, group=ThreadRank(hub, r)) for r in range(tp)]

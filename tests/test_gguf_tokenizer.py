@@ -196,7 +196,7 @@ def small_vocab(writer: gguf.GGUFWriter, model: str = "gpt2", pre: str | None = 
 @pytest.mark.parametrize(
     "fill, message",
     [
-        (lambda w: small_vocab(w, model="bert"), "tokenizer model 'bert' is not supported"),
+        (lambda w: small_vocab(w, model="t5"), "tokenizer model 't5' is not supported"),
         (lambda w: small_vocab(w, pre="nonesuch"), "pre-tokenizer 'nonesuch' is not supported"),
         (lambda w: None, "has no tokenizer"),
         (lambda w: w.add_tokenizer_model("gpt2"), "tokenizer.ggml.tokens is missing"),
@@ -271,15 +271,15 @@ def test_serve_refuses_an_unsupported_tokenizer_before_any_rank_starts(model_fac
 
     import gguf_writer
 
-    def bert_tokenizer(writer, model_dir, kind="gpt2"):
+    def t5_tokenizer(writer, model_dir, kind="gpt2"):
         def model(_: str) -> None:
-            gguf.GGUFWriter.add_tokenizer_model(writer, "bert")
+            gguf.GGUFWriter.add_tokenizer_model(writer, "t5")
 
         with mock.patch.object(writer, "add_tokenizer_model", model):
             add_tokenizer_metadata(writer, model_dir, kind)
 
-    with mock.patch.object(gguf_writer, "add_tokenizer_metadata", bert_tokenizer):
-        path = gguf_writer.write_gguf(model_factory("qwen3"), tmp_path / "bert.gguf")
+    with mock.patch.object(gguf_writer, "add_tokenizer_metadata", t5_tokenizer):
+        path = gguf_writer.write_gguf(model_factory("qwen3"), tmp_path / "t5.gguf")
     done = subprocess.run(
         [sys.executable, "-m", "cpud.cli", "serve", "--model", str(path)],
         capture_output=True,
@@ -288,6 +288,6 @@ def test_serve_refuses_an_unsupported_tokenizer_before_any_rank_starts(model_fac
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
-        f"cpud: error: {path}: tokenizer model 'bert' is not supported "
-        "(tokenizer.ggml.model: cpud reads gpt2, llama)"
+        f"cpud: error: {path}: tokenizer model 't5' is not supported "
+        "(tokenizer.ggml.model: cpud reads gpt2, llama, bert)"
     ]

@@ -2,7 +2,10 @@
 
 `gpt2`: byte-level BPE with the file's merges, split by the regexes llama.cpp uses for the
 file's `tokenizer.ggml.pre`. `llama`: SentencePiece BPE, merges ranked by the token scores,
-byte fallback to <0xXX> tokens, a space prefix on each text run (add_space_prefix).
+byte fallback to <0xXX> tokens, a space prefix on each text run (add_space_prefix). `bert`:
+WordPiece (llama.cpp's WPM): NFD, lowercase, split at whitespace and punctuation, longest
+pieces first; the file marks a word's first piece with U+2581 instead of ## on the rest;
+[CLS] text [SEP] around every input.
 
 The tokenizer keys are read with the gguf package's reader over a memory map of the file
 (daemon/model/gguf_file.py; about 0.5 s for a 49k-token vocabulary and its merges).
@@ -87,7 +90,7 @@ EOG_TEXTS = frozenset(
         "<end_of_utterance>",
     )
 )
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "bert")
 SPM_SPACE = "\u2581"
 _KEY = "tokenizer.ggml."
 
@@ -139,6 +142,7 @@ class GGUFVocab:
     add_space_prefix: bool
     eog_ids: tuple[int, ...]
     chat_templates: dict[str, str] = field(default_factory=dict)
+    sep_id: int | None = None  # WordPiece: the separator after every input
 
 
 def read_vocab(path: str | Path) -> GGUFVocab:
@@ -197,8 +201,8 @@ def _read_vocab(path: Path, meta: dict[str, Any]) -> GGUFVocab:
             raise TypeError(f"{_KEY}{name} is {value!r}, not a token id")
         return value if value is not None and 0 <= value < n else default
 
-    spm = model == "llama"
-    default_bos = 1 if spm and n > 1 else None
+    spm, wpm = model == "llama", model == "bert"
+    default_bos = 1 if spm and n > 1 else 101 if wpm and n > 101 else None
     vocab = GGUFVocab(
         path=path,
         model=model,
@@ -209,14 +213,22 @@ def _read_vocab(path: Path, meta: dict[str, Any]) -> GGUFVocab:
         merges=merges,
         bos_id=token_id("bos_token_id", default_bos),
         eos_id=token_id("eos_token_id", 2 if spm and n > 2 else None),
-        unk_id=token_id("unknown_token_id", 0 if spm else None),
+        unk_id=token_id("unknown_token_id", 0 if spm else 100 if wpm and n > 100 else None),
         pad_id=token_id("padding_token_id", None),
         add_bos=bool(get("add_bos_token", spm or pre in _LLAMA3_PRES)),
         add_eos=bool(get("add_eos_token", False)),
         add_space_prefix=bool(get("add_space_prefix", spm)),
         eog_ids=(),
         chat_templates=_chat_templates(meta),
+        sep_id=token_id("seperator_token_id", 102 if n > 102 else None) if wpm else None,
     )
+    if wpm:  # llama.cpp's WPM adds [CLS] and [SEP] whatever the add_* keys say
+        if vocab.bos_id is None or vocab.sep_id is None or vocab.unk_id is None:
+            raise ConfigError(
+                f"{path}: a bert tokenizer needs tokenizer.ggml.bos_token_id ([CLS]), "
+                f"seperator_token_id ([SEP]) and unknown_token_id"
+            )
+        vocab.add_bos, vocab.add_eos = True, False
     for flag, ident, name in (
         (vocab.add_bos, vocab.bos_id, "add_bos_token"),
         (vocab.add_eos, vocab.eos_id, "add_eos_token"),
@@ -310,12 +322,25 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
 def _post_processor(vocab: GGUFVocab, tokens: list[str]) -> processors.PostProcessor | None:
     head = [vocab.bos_id] if vocab.add_bos and vocab.bos_id is not None else []
     tail = [vocab.eos_id] if vocab.add_eos and vocab.eos_id is not None else []
+    tail += [vocab.sep_id] if vocab.sep_id is not None else []
     if not head and not tail:
         return None
     named = [(tokens[i], i) for i in dict.fromkeys(head + tail)]
     single = [f"{tokens[i]}:0" for i in head] + ["$A:0"] + [f"{tokens[i]}:0" for i in tail]
     pair = single + [f"{tokens[i]}:1" for i in head] + ["$B:1"] + [f"{tokens[i]}:1" for i in tail]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=named)
+
+
+def _wordpiece_vocab(tokens: list[str], flags: list[bool | None]) -> dict[str, int]:
+    """WordPiece's spelling of a WPM vocabulary: U+2581 word starts without it, continuations
+    with ##, special tokens as they are (a spelling taken already keeps the file's)."""
+    ids: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        name = token
+        if flags[i] is None:
+            name = token[1:] if token.startswith(SPM_SPACE) else "##" + token
+        ids[name if name and name not in ids else token] = i
+    return ids
 
 
 def build_tokenizer(vocab: GGUFVocab) -> HFTokenizer:
@@ -344,6 +369,25 @@ def _build(vocab: GGUFVocab) -> HFTokenizer:
             [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
         tok.decoder = decoders.ByteLevel()
+    elif vocab.model == "bert":
+        tokens = vocab.tokens
+        tok = HFTokenizer(
+            models.WordPiece(
+                _wordpiece_vocab(tokens, flags),
+                unk_token=tokens[vocab.unk_id],
+                max_input_chars_per_word=1 << 20,
+            )
+        )
+        tok.normalizer = normalizers.Sequence(
+            [
+                normalizers.NFD(),
+                normalizers.BertNormalizer(
+                    clean_text=True, handle_chinese_chars=True, strip_accents=False, lowercase=True
+                ),
+            ]
+        )
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
     else:
         tokens = vocab.tokens
         ids = {t: i for i, t in enumerate(tokens)}
