@@ -7,8 +7,6 @@ with one all-reduce each; embeddings and norms replicated (the word table split 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,19 +48,31 @@ _LAYER_RENAMES = (
 )
 
 
+def _runs(lens: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, sequences, length) of each run of consecutive sequences of one length."""
+    runs: list[tuple[int, int, int]] = []
+    row = 0
+    for n in lens:
+        if runs and runs[-1][2] == n:
+            first, count, _ = runs[-1]
+            runs[-1] = (first, count + 1, n)
+        else:
+            runs.append((row, 1, n))
+        row += n
+    return runs
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """Bidirectional attention of each sequence over its own tokens; q, k, v: [T, heads, d]
-    with the sequences' tokens one after another. Sequences of one length run as one batch."""
+    with the sequences' tokens one after another. A run of sequences of one length is one
+    batch, read and written in place."""
     out = torch.empty_like(q)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for start, n in zip(starts, lens):
-        by_length[n].append(start)
-    for n, firsts in by_length.items():
-        rows = torch.tensor(firsts, dtype=torch.long)[:, None] + torch.arange(n)  # [B, n]
-        # [B, n, heads, d] -> [B, heads, n, d]
-        qb, kb, vb = (x[rows].transpose(1, 2) for x in (q, k, v))
-        out[rows] = F.scaled_dot_product_attention(qb, kb, vb).transpose(1, 2)
+    for first, count, n in _runs(lens):
+        rows = slice(first, first + count * n)
+        # [B * n, heads, d] -> [B, heads, n, d]
+        qb, kb, vb = (x[rows].unflatten(0, (count, n)).transpose(1, 2) for x in (q, k, v))
+        attended = F.scaled_dot_product_attention(qb, kb, vb)  # [B, heads, n, d]
+        out[rows].unflatten(0, (count, n)).copy_(attended.transpose(1, 2))
     return out
 
 
