@@ -56,6 +56,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # What the decoder layers compute (None: a family with its own model, such as OPT)
     recipe: DecoderRecipe | None = None
+    generates: bool = True  # False: an encoder-only embedding model (its family says so)
     # Embeddings as the model declares them (sentence-transformers files, GGUF pooling_type):
     # "last", "mean" or "cls"; None: not declared (see embedding_pooling)
     pooling: str | None = None
@@ -74,13 +75,6 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def generates(self) -> bool:
-        """Whether the model generates text (False: an encoder-only embedding model)."""
-        from cpud.ranks.models import registry  # torch-free; imports the family modules
-
-        return registry.by_name(self.family).model != "encoder"
 
     @property
     def embedding_pooling(self) -> tuple[str, bool]:

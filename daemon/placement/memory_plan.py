@@ -167,7 +167,7 @@ def overhead_bytes(
     heads, kv_heads = _heads_local(model, tp)
     inter = model.intermediate_size // tp
     rope = 2 * max_model_len * model.rotary_dim * dtype_bytes(dtype)
-    if model.family == "opt" or not model.generates:
+    if model.recipe is None:  # no RoPE tables (OPT's learned positions, encoders)
         rope = 0
     per_token = 4 * model.hidden_size + (heads + 2 * kv_heads) * model.head_dim + 3 * inter
     per_token += moe_activation_elems(model, tp)

@@ -37,6 +37,7 @@ def encoder_fields(common: dict[str, Any], head_dim: int, **fields: Any) -> Mode
         qkv_bias=True,
         o_bias=True,
         hidden_act="gelu",
+        generates=False,
         **fields,
     )
 
