@@ -91,8 +91,10 @@ class ModelRunner:
         if group.rank == 0:
             recipe = model_cfg.recipe.describe() if model_cfg.recipe is not None else "own model"
             how = "fused (one native call per step)" if reason is None else f"op by op: {reason}"
+            if not self.uses_kv:
+                how = "op by op: an encoder (embeddings only, no KV cache)"
             log.info(
-                "model family %s (%s): %s; decoder layers %s",
+                "model family %s (%s): %s; layers %s",
                 model_cfg.family,
                 model_cfg.architecture,
                 recipe,
