@@ -30,9 +30,11 @@ default auto) and `llama-server -m FILE --embedding -np <concurrency> -t <thread
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -79,19 +81,39 @@ def log(message: str) -> None:
 # ---- the model -----------------------------------------------------------------------------
 
 
+def source_key() -> str:
+    """Changes with the code that writes fixtures and their GGUF files: a cached file made by
+    other code is not reused."""
+    import cpud.fixtures
+
+    package = Path(cpud.fixtures.__file__).parent
+    tests = HERE.parent / "tests"
+    sources = [*sorted(package.rglob("*.py")), *sorted(package.glob("*.jinja"))]
+    sources += [tests / "gguf_writer.py", tests / "gguf_vocab.py"]
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def fixture_dir(arch: str, shape: str, cache: Path) -> Path:
     """The fixture directory of arch in `shape`, made once (bge-small: the tiny preset's
     architecture with bge-small's published sizes)."""
     from cpud.fixtures import make_model, presets
 
-    out = cache / "fixtures" / f"{arch}-{shape}"
-    if (out / "config.json").is_file():
+    out = cache / "fixtures" / f"{arch}-{shape}-{source_key()}"
+    if out.is_dir():
         return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     if shape == "tiny":
-        return make_model(arch, "tiny", out)
-    sized = replace(presets.TINY[arch], **BGE_SMALL)
-    with mock.patch.dict(presets.TINY, {arch: sized}):
-        return make_model(arch, "tiny", out)
+        make_model(arch, "tiny", tmp)
+    else:
+        sized = replace(presets.TINY[arch], **BGE_SMALL)
+        with mock.patch.dict(presets.TINY, {arch: sized}):
+            make_model(arch, "tiny", tmp)
+    tmp.rename(out)
+    return out
 
 
 def fixture_gguf(arch: str, shape: str, qtype: str, cache: Path) -> tuple[Path, Path]:
@@ -100,7 +122,7 @@ def fixture_gguf(arch: str, shape: str, qtype: str, cache: Path) -> tuple[Path, 
     import gguf_writer
 
     model_dir = fixture_dir(arch, shape, cache)
-    path = cache / "gguf" / f"{arch}-{shape}-{qtype}.gguf"
+    path = cache / "gguf" / f"{model_dir.name}-{qtype}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
