@@ -1,7 +1,7 @@
 """Granite 3.x (ranks/models/families/granite.py) on its fixture, whose four multipliers are far
-from 1: the config mapping from config.json and from GGUF metadata, logits and greedy tokens
-against transformers, TP=2, the prefix cache, GGUF files (F16, Q8_0, Q4_K_M) against the same
-weights through the Hugging Face path, and the clear refusals (MLP biases, GraniteMoe)."""
+from 1: the config mapping from config.json and from GGUF metadata, family_checks' checks
+against transformers and of GGUF files (F16, Q8_0, Q4_K_M) against the same weights, an
+attention-bias checkpoint, and the clear refusals (MLP biases, GraniteMoe)."""
 
 from __future__ import annotations
 
@@ -14,23 +14,9 @@ import gguf
 import gguf_writer
 import pytest
 import torch
-from family_checks import (
-    GREEDY_SETTINGS,
-    NEW_TOKENS,
-    check_bf16_logits,
-    check_f16_close_to_checkpoint,
-    check_fp32_logits,
-    check_gguf_against_its_weights,
-    check_greedy,
-    check_prefix_cache,
-    check_quantized_kernels,
-    check_tp2,
-    gguf_pairs,
-    greedy_prefixes,
-)
+from family_checks import GGUFWeightChecks, TransformersChecks, check_fp32_logits
 from gguf import GGMLQuantizationType as T
 
-from cpud import native
 from cpud.fixtures.archs import granite as fixture
 from cpud.model.gguf_model import read_gguf_model
 from cpud.model.hf_config import parse_model_config
@@ -38,7 +24,6 @@ from cpud.model.load import load_model_config
 from cpud.settings.errors import ConfigError
 
 ARCH = "granite"
-needs_native = pytest.mark.skipif(not native.available(), reason="native library not built")
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +31,8 @@ def model_dir(model_factory):
     return model_factory(ARCH)
 
 
-@pytest.fixture(scope="module")
-def gguf_pair(gguf_file, tmp_path_factory):
-    return gguf_pairs(ARCH, gguf_file, tmp_path_factory)
+class TestAgainstTransformers(TransformersChecks):
+    """family_checks' checks against transformers, on the fixture as it is."""
 
 
 def test_config_maps_the_multipliers(model_dir):
@@ -74,31 +58,6 @@ def test_multipliers_default_to_granite_config(model_dir):
     assert recipe.logit_multiplier == 1.0
 
 
-def test_fp32_logits_match_transformers(model_dir, hf_models):
-    check_fp32_logits(model_dir, hf_models(model_dir))
-
-
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_bf16_logits_close_to_transformers(kernels, model_dir, hf_models):
-    if kernels == "native" and not native.available():
-        pytest.skip("native library not built")
-    check_bf16_logits(model_dir, hf_models, kernels)
-
-
-@pytest.mark.parametrize("settings", GREEDY_SETTINGS)
-def test_greedy_tokens_match_transformers(settings, model_dir, hf_models):
-    check_greedy(model_dir, hf_models(model_dir), settings)
-
-
-@pytest.mark.slow
-def test_prefix_cache_keeps_tokens(model_dir, hf_models):
-    check_prefix_cache(model_dir, hf_models(model_dir))
-
-
-def test_tp2_logits_equal_tp1(model_dir):
-    check_tp2(model_dir)
-
-
 def test_mlp_bias_is_refused_by_name(model_dir):
     raw = json.loads((model_dir / "config.json").read_text()) | {"mlp_bias": True}
     with pytest.raises(ConfigError, match="feed-forward biases are not supported"):
@@ -116,17 +75,25 @@ def test_granite_moe_is_not_registered(model_dir, tmp_path):
         read_gguf_model(path)
 
 
-def test_gguf_config_equals_the_checkpoints(gguf_pair, model_dir):
-    path, _ = gguf_pair("F16")
-    ours, want = load_model_config(path), load_model_config(model_dir)
-    assert ours.family == want.family == ARCH
-    assert ours.architecture == want.architecture
-    # GGUF keeps the multipliers as float32
-    for name in ("attention_scale", "embedding_multiplier", "residual_multiplier"):
-        assert getattr(ours.recipe, name) == pytest.approx(getattr(want.recipe, name), rel=1e-7)
-    assert ours.recipe.logit_multiplier == want.recipe.logit_multiplier
-    assert ours.recipe.layers == want.recipe.layers
-    assert (ours.head_dim, ours.num_kv_heads, ours.tie_word_embeddings) == (16, 2, True)
+def test_attention_bias_checkpoint(model_dir, hf_models, tmp_path):
+    """attention_bias puts biases on q, k, v and o, as transformers' GraniteAttention does."""
+    from safetensors.torch import load_file, save_file
+
+    biased = tmp_path / "granite-bias"
+    shutil.copytree(model_dir, biased)
+    raw = json.loads((biased / "config.json").read_text()) | {"attention_bias": True}
+    (biased / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(biased / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name in list(tensors):
+        if any(name.endswith(f"self_attn.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")):
+            rows = tensors[name].shape[0]
+            tensors[name.replace(".weight", ".bias")] = 0.3 * torch.randn(rows, generator=generator)
+        elif name.endswith("self_attn.o_proj.weight"):
+            rows = tensors[name].shape[0]
+            tensors[name.replace(".weight", ".bias")] = 3 * torch.randn(rows, generator=generator)
+    save_file(tensors, biased / "model.safetensors", metadata={"format": "pt"})
+    check_fp32_logits(biased, hf_models(biased))
 
 
 def _rewritten(path, tmp_path, drop: tuple[str, ...] = (), add: dict | None = None):
@@ -154,83 +121,36 @@ def _rewritten(path, tmp_path, drop: tuple[str, ...] = (), add: dict | None = No
     return out
 
 
-def test_gguf_scales_as_llama_cpp_reads_them(gguf_pair, tmp_path):
-    """Absent (or zero) attention, embedding and residual scales mean 1/sqrt(head_dim), 1 and
-    1; an absent logit scale is refused (llama.cpp requires it); rope.scaling.finetuned false
-    turns RoPE off on every layer."""
-    path, _ = gguf_pair("F16")
-    keys = ("granite.attention.scale", "granite.embedding_scale", "granite.residual_scale")
-    bare = load_model_config(_rewritten(path, tmp_path / "a", drop=keys)).recipe
-    assert bare.attention_scale == pytest.approx(1 / math.sqrt(16))
-    assert bare.embedding_multiplier == bare.residual_multiplier == 1.0
-    f32 = gguf.GGUFValueType.FLOAT32
-    zero = _rewritten(path, tmp_path / "z", drop=keys, add={k: (0.0, f32) for k in keys})
-    assert load_model_config(zero).recipe == bare
-    with pytest.raises(ConfigError, match="lacks granite.logit_scale"):
-        load_model_config(_rewritten(path, tmp_path / "b", drop=("granite.logit_scale",)))
-    add = {"granite.rope.scaling.finetuned": (False, gguf.GGUFValueType.BOOL)}
-    nope = load_model_config(_rewritten(path, tmp_path / "c", add=add)).recipe
-    assert all(layer.rope == -1 for layer in nope.layers)
+class TestGGUFFiles(GGUFWeightChecks):
+    arch = ARCH
 
+    def test_gguf_config_equals_the_checkpoints(self, gguf_pair, model_dir):
+        path, _ = gguf_pair("F16")
+        ours, want = load_model_config(path), load_model_config(model_dir)
+        assert ours.family == want.family == ARCH
+        assert ours.architecture == want.architecture
+        # GGUF keeps the multipliers as float32
+        for name in ("attention_scale", "embedding_multiplier", "residual_multiplier"):
+            want_value = getattr(want.recipe, name)
+            assert getattr(ours.recipe, name) == pytest.approx(want_value, rel=1e-7)
+        assert ours.recipe.logit_multiplier == want.recipe.logit_multiplier
+        assert ours.recipe.layers == want.recipe.layers
+        assert (ours.head_dim, ours.num_kv_heads, ours.tie_word_embeddings) == (16, 2, True)
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K_M"])
-def test_gguf_logits_equal_its_weights_through_the_hf_path(qtype, gguf_pair):
-    check_gguf_against_its_weights(*gguf_pair(qtype))
-
-
-def test_gguf_f16_logits_close_to_the_checkpoint(gguf_pair, model_dir):
-    check_f16_close_to_checkpoint(gguf_pair("F16")[0], model_dir)
-
-
-@pytest.mark.slow
-def test_gguf_f16_greedy_tokens(gguf_pair, model_dir):
-    """Equal to the file's own weights through the Hugging Face path; against the fp32
-    checkpoint, F16 rounding may flip a near tie (this fixture's logits lie close together)."""
-    path, dequantized = gguf_pair("F16")
-    assert greedy_prefixes(path, dequantized, "torch") == [NEW_TOKENS] * 8
-    prefixes = greedy_prefixes(path, model_dir, "torch")
-    assert sum(p == NEW_TOKENS for p in prefixes) >= 6, prefixes
-
-
-@needs_native
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_gguf_quantized_kernels_close(qtype, dtype, gguf_pair):
-    check_quantized_kernels(*gguf_pair(qtype), dtype)
-
-
-@needs_native
-@pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_gguf_quantized_greedy_tokens(qtype, gguf_pair):
-    """Against the file's own weights dense: int8 activations flip near ties, after which the
-    continuations part, so the first tokens must agree."""
-    path, dequantized = gguf_pair(qtype)
-    prefixes = greedy_prefixes(path, dequantized, "native")
-    assert sum(p > 0 for p in prefixes) >= 6 and sum(prefixes) >= 4 * len(prefixes), prefixes
-
-
-def test_gguf_tp2_logits_equal_tp1(gguf_pair):
-    check_tp2(gguf_pair("F16")[0])
-
-
-def test_attention_bias_checkpoint(model_dir, hf_models, tmp_path):
-    """attention_bias puts biases on q, k, v and o, as transformers' GraniteAttention does."""
-    from safetensors.torch import load_file, save_file
-
-    biased = tmp_path / "granite-bias"
-    shutil.copytree(model_dir, biased)
-    raw = json.loads((biased / "config.json").read_text()) | {"attention_bias": True}
-    (biased / "config.json").write_text(json.dumps(raw))
-    tensors = load_file(biased / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for name in list(tensors):
-        if any(name.endswith(f"self_attn.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")):
-            rows = tensors[name].shape[0]
-            tensors[name.replace(".weight", ".bias")] = 0.3 * torch.randn(rows, generator=generator)
-        elif name.endswith("self_attn.o_proj.weight"):
-            rows = tensors[name].shape[0]
-            tensors[name.replace(".weight", ".bias")] = 3 * torch.randn(rows, generator=generator)
-    save_file(tensors, biased / "model.safetensors", metadata={"format": "pt"})
-    check_fp32_logits(biased, hf_models(biased))
+    def test_gguf_scales_as_llama_cpp_reads_them(self, gguf_pair, tmp_path):
+        """Absent (or zero) attention, embedding and residual scales mean 1/sqrt(head_dim), 1
+        and 1; an absent logit scale is refused (llama.cpp requires it);
+        rope.scaling.finetuned false turns RoPE off on every layer."""
+        path, _ = gguf_pair("F16")
+        keys = ("granite.attention.scale", "granite.embedding_scale", "granite.residual_scale")
+        bare = load_model_config(_rewritten(path, tmp_path / "a", drop=keys)).recipe
+        assert bare.attention_scale == pytest.approx(1 / math.sqrt(16))
+        assert bare.embedding_multiplier == bare.residual_multiplier == 1.0
+        f32 = gguf.GGUFValueType.FLOAT32
+        zero = _rewritten(path, tmp_path / "z", drop=keys, add={k: (0.0, f32) for k in keys})
+        assert load_model_config(zero).recipe == bare
+        with pytest.raises(ConfigError, match="lacks granite.logit_scale"):
+            load_model_config(_rewritten(path, tmp_path / "b", drop=("granite.logit_scale",)))
+        add = {"granite.rope.scaling.finetuned": (False, gguf.GGUFValueType.BOOL)}
+        nope = load_model_config(_rewritten(path, tmp_path / "c", add=add)).recipe
+        assert all(layer.rope == -1 for layer in nope.layers)

@@ -1,8 +1,8 @@
 """SmolLM3 (ranks/models/families/smollm3.py) on its fixture, four layers of which the last has
 no RoPE: the NoPE and window mapping from config.json (a list, the interval, layer_types) and
-from GGUF (llama.cpp's fixed interval of 4), logits and greedy tokens against transformers, a
-sliding-window variant, TP=2, the prefix cache, and GGUF files (F16, Q8_0, Q4_K_M) against the
-same weights through the Hugging Face path."""
+from GGUF (llama.cpp's fixed interval of 4), family_checks' checks against transformers and of
+GGUF files (F16, Q8_0, Q4_K_M) against the same weights, and a sliding-window variant against
+transformers."""
 
 from __future__ import annotations
 
@@ -10,32 +10,27 @@ import json
 import shutil
 
 import pytest
-import torch
 from family_checks import (
-    GREEDY_SETTINGS,
-    NEW_TOKENS,
+    QTYPES,
+    GGUFWeightChecks,
+    TransformersChecks,
     check_bf16_logits,
-    check_f16_close_to_checkpoint,
     check_fp32_logits,
-    check_gguf_against_its_weights,
     check_greedy,
-    check_prefix_cache,
-    check_quantized_kernels,
     check_tp2,
-    gguf_pairs,
-    greedy_prefixes,
+    needs_native,
     prompt_of,
 )
 from test_parity import engine_logits
 
-from cpud import LLM, native
+from cpud import LLM
 from cpud.model.hf_config import parse_model_config
 from cpud.model.load import load_model_config
 from cpud.model.recipe import LayerRecipe
 from cpud.settings.errors import ConfigError
+from hf_reference import hf_greedy
 
 ARCH = "smollm3"
-needs_native = pytest.mark.skipif(not native.available(), reason="native library not built")
 NOPE_LAST = (LayerRecipe(), LayerRecipe(), LayerRecipe(), LayerRecipe(rope=-1))
 
 
@@ -75,9 +70,8 @@ def sliding_dir(model_dir, tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def gguf_pair(gguf_file, tmp_path_factory):
-    return gguf_pairs(ARCH, gguf_file, tmp_path_factory)
+class TestAgainstTransformers(TransformersChecks):
+    """family_checks' checks against transformers, on the fixture as it is."""
 
 
 def test_config_maps_the_nope_layers(model_dir):
@@ -127,10 +121,6 @@ def test_bad_configs_are_refused_by_name(changes, match, raw_config):
         parse_model_config(raw)
 
 
-def test_fp32_logits_match_transformers(model_dir, hf_models):
-    check_fp32_logits(model_dir, hf_models(model_dir))
-
-
 def test_the_nope_layer_shows_in_the_logits(model_dir, tmp_path):
     """RoPE on the fixture's NoPE layer changes the logits well beyond the fp32 tolerance, so
     matching transformers means the layer ran without it."""
@@ -139,18 +129,6 @@ def test_the_nope_layer_shows_in_the_logits(model_dir, tmp_path):
     ours = engine_logits(LLM(model_dir, dtype="float32"), prompt)
     other = engine_logits(LLM(roped, dtype="float32"), prompt)
     assert float((ours - other).abs().max()) > 0.1 * float(ours.std())
-
-
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_bf16_logits_close_to_transformers(kernels, model_dir, hf_models):
-    if kernels == "native" and not native.available():
-        pytest.skip("native library not built")
-    check_bf16_logits(model_dir, hf_models, kernels)
-
-
-@pytest.mark.parametrize("settings", GREEDY_SETTINGS)
-def test_greedy_tokens_match_transformers(settings, model_dir, hf_models):
-    check_greedy(model_dir, hf_models(model_dir), settings)
 
 
 def test_sliding_nope_layers_match_transformers(sliding_dir, hf_models):
@@ -165,67 +143,30 @@ def test_sliding_nope_layers_bf16_fused(sliding_dir, hf_models):
 
 @pytest.mark.slow
 def test_sliding_greedy_chunked(sliding_dir, hf_models):
-    check_greedy(sliding_dir, hf_models(sliding_dir), "chunked")
+    model = hf_models(sliding_dir)
+    prompts = [prompt_of(n, seed=n) for n in TransformersChecks.greedy_lengths]
+    expected = [hf_greedy(model, p, TransformersChecks.new_tokens) for p in prompts]
+    check_greedy(sliding_dir, prompts, expected, "chunked")
 
 
-@pytest.mark.slow
-def test_prefix_cache_keeps_tokens(model_dir, hf_models):
-    check_prefix_cache(model_dir, hf_models(model_dir))
-
-
-def test_tp2_logits_equal_tp1(model_dir, sliding_dir):
-    check_tp2(model_dir)
+def test_sliding_tp2_logits_equal_tp1(sliding_dir):
     check_tp2(sliding_dir)
 
 
-def test_gguf_config_equals_the_checkpoints(gguf_pair, model_dir):
-    path, _ = gguf_pair("F16")
-    ours, want = load_model_config(path), load_model_config(model_dir)
-    assert ours.family == want.family == ARCH
-    assert ours.architecture == want.architecture
-    assert ours.recipe == want.recipe  # NoPE from llama.cpp's fixed interval of 4
-    assert (ours.rope_theta, ours.tie_word_embeddings) == (want.rope_theta, True)
+class TestGGUFFiles(GGUFWeightChecks):
+    arch = ARCH
+    # Four layers of int8-rounded activations (test_gguf_quantized's fixtures have two):
+    # measured max 0.29 .. 0.53σ, mean 0.040 .. 0.052σ, argmax agreement 0.85 .. 0.93.
+    quantized_bounds = (0.7, 0.07, 0.8)
 
+    def test_gguf_config_equals_the_checkpoints(self, gguf_pair, model_dir):
+        path, _ = gguf_pair("F16")
+        ours, want = load_model_config(path), load_model_config(model_dir)
+        assert ours.family == want.family == ARCH
+        assert ours.architecture == want.architecture
+        assert ours.recipe == want.recipe  # NoPE from llama.cpp's fixed interval of 4
+        assert (ours.rope_theta, ours.tie_word_embeddings) == (want.rope_theta, True)
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K_M"])
-def test_gguf_logits_equal_its_weights_through_the_hf_path(qtype, gguf_pair):
-    path, dequantized = gguf_pair(qtype)
-    assert load_model_config(path).recipe.layers == NOPE_LAST
-    check_gguf_against_its_weights(path, dequantized)
-
-
-def test_gguf_f16_logits_close_to_the_checkpoint(gguf_pair, model_dir):
-    check_f16_close_to_checkpoint(gguf_pair("F16")[0], model_dir)
-
-
-@pytest.mark.slow
-def test_gguf_f16_greedy_tokens(gguf_pair, model_dir):
-    path, dequantized = gguf_pair("F16")
-    assert greedy_prefixes(path, dequantized, "torch") == [NEW_TOKENS] * 8
-    prefixes = greedy_prefixes(path, model_dir, "torch")
-    assert sum(p == NEW_TOKENS for p in prefixes) >= 6, prefixes
-
-
-@needs_native
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_gguf_quantized_kernels_close(qtype, dtype, gguf_pair):
-    """Four layers of int8-rounded activations (test_gguf_quantized's fixtures have two):
-    measured max 0.29 .. 0.53σ, mean 0.040 .. 0.052σ, argmax agreement 0.85 .. 0.93."""
-    check_quantized_kernels(*gguf_pair(qtype), dtype, max_error=0.7, mean_error=0.07)
-
-
-@needs_native
-@pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_gguf_quantized_greedy_tokens(qtype, gguf_pair):
-    """Against the file's own weights dense: int8 activations flip near ties, after which the
-    continuations part, so the first tokens must agree."""
-    path, dequantized = gguf_pair(qtype)
-    prefixes = greedy_prefixes(path, dequantized, "native")
-    assert sum(p > 0 for p in prefixes) >= 6 and sum(prefixes) >= 4 * len(prefixes), prefixes
-
-
-def test_gguf_tp2_logits_equal_tp1(gguf_pair):
-    check_tp2(gguf_pair("F16")[0])
+    @pytest.mark.parametrize("qtype", QTYPES)
+    def test_gguf_files_keep_the_nope_layer(self, qtype, gguf_pair):
+        assert load_model_config(gguf_pair(qtype)[0]).recipe.layers == NOPE_LAST
