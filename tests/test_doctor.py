@@ -549,6 +549,20 @@ def test_model_check_lists_a_gguf_files_tensor_types(model_factory, tmp_path):
     assert any(line.startswith("Q8_0: ") for line in check.details)
 
 
+def test_model_check_names_the_family_and_its_recipe(model_factory):
+    from cpud.doctor.model_check import model_check
+    from cpud.doctor.planning import plan
+
+    path = model_factory("gemma3_text")
+    check = model_check(plan(DoctorInputs(engine=EngineArgs(model=path, num_kv_blocks=64))))
+    assert check.status == "ok", check
+    assert check.value["family"] == "gemma3"
+    recipe = check.value["recipe"]
+    assert "rms_fp32_weight" in recipe and "sandwich norms" in recipe and "gelu_tanh" in recipe
+    assert "sliding window" in recipe
+    assert check.details[0] == f"family gemma3: {recipe}"
+
+
 def test_model_check_fails_with_the_reason_for_a_broken_model(tmp_path):
     from cpud.doctor.model_check import model_check
     from cpud.doctor.planning import plan

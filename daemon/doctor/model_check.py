@@ -86,4 +86,4 @@ def model_check(planning: Planning) -> Check:
     weights, weight_details = _weight_rows(config, path)
     value["weights"] = weights
     summary += f", --quantization {config.quantization}"
-    return Check("model", "ok", summary, value, (), weight_details + details)
+    return Check("model", "ok", summary, value, (), (details[0], *weight_details, *details[1:]))

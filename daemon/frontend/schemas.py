@@ -423,7 +423,9 @@ class EmbeddingRequest(Strict, kw_only=True):
     dimensions: (
         Annotated[
             int,
-            Meta(le=MAX_COUNT, description="the first values only (Matryoshka), renormalised"),
+            Meta(
+                ge=1, le=MAX_COUNT, description="the first values only (Matryoshka), renormalised"
+            ),
         ]
         | None
     ) = None

@@ -19,6 +19,8 @@ def smol(tmp_path_factory):
         "--kv-cache-space",
         "0.25",
         "--no-kv-cache-pretouch",
+        "--drain-timeout",
+        "3",
     )
     yield srv
     srv.stop()
