@@ -110,6 +110,9 @@ class Supervisor:
         check_listen_address(self.serve_args.host, self.serve_args.port)
         model_dir = resolve_model_dir(self.engine_args.model)
         runtime_dir = make_runtime_dir()
+        # A stop asked for while the early ranks start or the plan is made ends the start.
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
         early = self._start_ranks_early(runtime_dir)
         try:
             # Resolved and planned once: the frontend and the ranks get this config as it is.
@@ -118,14 +121,16 @@ class Supervisor:
             kill_started(early)
             shutil.rmtree(runtime_dir, ignore_errors=True)
             raise
+        if self.stop_requested:
+            kill_started(early)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+            return 0
         config = plan.config
         if len(early) != config.tp:
             kill_started(early)
             early = []
         if plan.binding.frontend_cpus:
             os.sched_setaffinity(0, plan.binding.frontend_cpus)  # the frontend inherits it
-        signal.signal(signal.SIGTERM, self._request_stop)
-        signal.signal(signal.SIGINT, self._request_stop)
         self.notifier.status(f"loading {model_dir.name} on {config.tp} rank(s)")
         ctx = zmq.Context()
         frontend: subprocess.Popen | None = None
