@@ -21,8 +21,8 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         raise ConfigError(
             f"{source}: architectures must be a list, got {one_line(repr(archs), 60)}"
         )
-    family = registry.for_hf(archs)
-    if family is None:
+    match = registry.hf_match(archs)
+    if match is None:
         names = registry.supported_hf()
         suffix = "ForCausalLM"
         causal = [n.removesuffix(suffix) for n in names if n.endswith(suffix)]
@@ -33,7 +33,7 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
             f"{source}: architecture {archs or raw.get('model_type')!r} is not supported "
             f"(supported: {shown})"
         )
-    arch = registry.hf_architecture(archs)
+    family, arch = match
     config = family.hf_config(ConfigFields(raw, source, arch), arch)
     if config.recipe is not None:
         check_recipe(config.recipe, config.head_dim, source)

@@ -65,7 +65,7 @@ class DecoderRecipe:
         """One line for the startup log and `cpud doctor`."""
         parts = [f"{self.norm} norm"]
         if self.norm_weight_offset:
-            parts[-1] += " (1 + weight)" if self.norm_weight_offset == 1 else ""
+            parts[-1] += f" ({self.norm_weight_offset:g} + weight)"
         if self.sandwich_norms:
             parts.append("sandwich norms")
         parts.append(f"gated {self.activation}")

@@ -15,18 +15,14 @@ from cpud.ranks.models.families import FAMILIES
 from cpud.ranks.models.family import Family
 from cpud.settings.errors import ConfigError
 
-__all__ = ["Family", "by_name", "families", "for_gguf", "for_hf", "registered"]
-
-
-def _builtin() -> tuple[Family, ...]:
-    return FAMILIES
+__all__ = ["Family", "by_name", "families", "for_gguf", "for_hf", "hf_match", "registered"]
 
 
 _ADDED: list[Family] = []  # families registered by `registered` (plug-ins, tests)
 
 
 def families() -> tuple[Family, ...]:
-    return (*_builtin(), *_ADDED)
+    return (*FAMILIES, *_ADDED)
 
 
 def by_name(name: str) -> Family:
@@ -36,20 +32,19 @@ def by_name(name: str) -> Family:
     raise ConfigError(f"model family {name!r} is not registered")
 
 
-def for_hf(architectures: list[Any]) -> Family | None:
-    """The family of the first architecture in config.json's list that one answers to."""
+def hf_match(architectures: list[Any]) -> tuple[Family, str] | None:
+    """(family, architecture) of the first architecture in config.json's list that a family
+    answers to."""
     for arch in architectures:
         for family in families():
             if arch in family.hf_architectures:
-                return family
+                return family, arch
     return None
 
 
-def hf_architecture(architectures: list[Any]) -> str | None:
-    family = for_hf(architectures)
-    if family is None:
-        return None
-    return next(a for a in architectures if a in family.hf_architectures)
+def for_hf(architectures: list[Any]) -> Family | None:
+    match = hf_match(architectures)
+    return None if match is None else match[0]
 
 
 def for_gguf(architecture: str) -> Family | None:
