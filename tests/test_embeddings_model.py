@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
-from test_tp_sharding import ThreadGroupHub, ThreadRank
+from test_tp_sharding import ThreadGroupHub, ThreadRank, run_ranks
 
 from cpud.fixtures.sentence_transformers import sentence_transformers_files
 from cpud.model.load import load_model_config
@@ -247,22 +246,7 @@ def test_llm_embeds_a_bert_gguf_file_as_sentence_transformers_does(fixtures, ggu
 def sharded_result(path: Path, plan: StepPlan, tp: int) -> StepResult:
     hub = ThreadGroupHub(tp)
     runners = [make_runner(path, group=ThreadRank(hub, r)) for r in range(tp)]
-    results: list[StepResult | None] = [None] * tp
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = runners[rank].execute(plan)
-        except BaseException as exc:  # surface thread failures in the test
-            errors.append(exc)
-            hub.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    results = run_ranks(hub, [runner.execute for runner in runners], plan)
     assert all(r is None for r in results[1:]), "only rank 0 answers"
     return results[0]
 

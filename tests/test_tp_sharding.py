@@ -46,6 +46,28 @@ class ThreadRank:
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
 
+def run_ranks(hub: ThreadGroupHub, calls: list, *args) -> list:
+    """Each rank's call(*args) on its own thread, meeting at the hub; their results by rank
+    (a failure on any thread aborts the barrier and fails the test)."""
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = calls[rank](*args)
+        except BaseException as exc:  # surface thread failures in the test
+            errors.append(exc)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return results
+
+
 def runner_config(model_dir) -> RunnerConfig:
     return RunnerConfig(model_dir, torch.float32, 256, 16, 16)
 
@@ -57,22 +79,7 @@ def logits_with(model_dir, prompt: list[int], tp: int) -> torch.Tensor:
         return ModelRunner(runner_config(model_dir), cfg, SingleRank()).prompt_logits(plan)
     hub = ThreadGroupHub(tp)
     runners = [ModelRunner(runner_config(model_dir), cfg, ThreadRank(hub, r)) for r in range(tp)]
-    results: list[torch.Tensor | None] = [None] * tp
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = runners[rank].prompt_logits(plan)
-        except BaseException as exc:  # surface thread failures in the test
-            errors.append(exc)
-            hub.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    results = run_ranks(hub, [runner.prompt_logits for runner in runners], plan)
     assert all(r is None for r in results[1:]), "only rank 0 receives logits"
     return results[0]
 
