@@ -4,11 +4,11 @@ bind_tools, and an OpenAI Agents SDK agent calling its function tool."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from pydantic import BaseModel
+from tool_models import run_agent
 
 
 class City(BaseModel):
@@ -143,19 +143,8 @@ def test_langchain_structured_output_and_bound_tools(smol):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_agents_sdk_runs_an_agent_with_a_function_tool(smol, api):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
+    from agents import function_tool
 
-    set_tracing_disabled(True)
-    model_kind = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
     cities = []
 
     @function_tool
@@ -164,19 +153,13 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool(smol, api):
         cities.append(city)
         return f"It is sunny in {city}."
 
-    async def run() -> str:
-        client = AsyncOpenAI(base_url=smol.base_url + "/v1", api_key="unused", max_retries=0)
-        agent = Agent(
-            name="weather",
-            instructions="Answer with the weather tool.",
-            tools=[get_weather],
-            model=model_kind(model="tiny", openai_client=client),
-            model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=200),
-        )
-        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-        await client.close()
-        return result.final_output
-
-    final = asyncio.run(run())
+    settings = dict(tool_choice="required", temperature=0, max_tokens=200)
+    final = run_agent(
+        smol.base_url,
+        api,
+        settings,
+        instructions="Answer with the weather tool.",
+        tools=[get_weather],
+    )
     assert cities and all(isinstance(c, str) and c for c in cities)
     assert isinstance(final, str) and final

@@ -6,7 +6,6 @@ Agents SDK agent with an output_type and a Pydantic-Enum tool on both of its mod
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -14,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from tool_models import Forecast, Place, Unit
+from tool_models import WEATHER, Forecast, Place, Unit, run_agent
 
 
 class City(BaseModel):
@@ -23,18 +22,6 @@ class City(BaseModel):
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 CITY_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "city", "schema": City.model_json_schema(), "strict": True},
@@ -188,19 +175,8 @@ def test_auto_tools_beside_response_format_call_or_answer_in_the_format(smol):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_agents_sdk_output_type_with_a_pydantic_enum_tool(smol, api):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
+    from agents import function_tool
 
-    set_tracing_disabled(True)
-    model_kind = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
     calls = []
 
     @function_tool
@@ -209,24 +185,9 @@ def test_agents_sdk_output_type_with_a_pydantic_enum_tool(smol, api):
         calls.append((place, unit))
         return f"Sunny, 24 degrees {unit.value}. Now answer the user in JSON."
 
-    async def run() -> object:
-        client = AsyncOpenAI(base_url=smol.base_url + "/v1", api_key="unused", max_retries=0)
-        agent = Agent(
-            name="weather",
-            tools=[get_forecast],
-            output_type=City,
-            model=model_kind(model="tiny", openai_client=client),
-            model_settings=ModelSettings(
-                tool_choice="required",
-                parallel_tool_calls=False,
-                temperature=0,
-                max_tokens=120,
-            ),
-        )
-        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-        await client.close()
-        return result.final_output
-
-    final = asyncio.run(run())
+    settings = dict(
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120
+    )
+    final = run_agent(smol.base_url, api, settings, tools=[get_forecast], output_type=City)
     assert calls and all(isinstance(u, Unit) and isinstance(p, Place) for p, u in calls)
     assert isinstance(final, City) and final.name
