@@ -101,6 +101,7 @@ class FrontendSpec(msgspec.Struct, Generic[Serve], frozen=True):
     serve_args: Serve
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     tokenizer: TokenizerFacts | None = None  # None: load it from the model's files
 
 

@@ -54,6 +54,7 @@ def frontend_spec(
         serve_args=public,
         chat_template=engine_args.chat_template,
         tool_call_parser=engine_args.tool_call_parser,
+        reasoning_parser=engine_args.reasoning_parser,
         tokenizer=tokenizer,
     )
 
@@ -129,6 +130,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
             metrics_need_key=serve_args.metrics_need_key,
             stall_seconds=serve_args.stall_timeout,
             tool_call_parser=spec.tool_call_parser,
+            reasoning_parser=spec.reasoning_parser,
             prompt_tokens_details=serve_args.enable_prompt_tokens_details,
         ),
         tokenizer,

@@ -57,6 +57,7 @@ class ServerConfig:
     body_seconds: float = 60.0  # a body still arriving after this is a 408
     max_tokenizing: int = 256  # requests queued for the tokenizer threads before 429
     tool_call_parser: str | None = None  # None: detected from the chat template
+    reasoning_parser: str | None = None  # None: detected from the chat template
     prompt_tokens_details: bool = True  # usage reports cached_tokens
 
 

@@ -62,6 +62,7 @@ class EngineArgs:
     int8_kernels: bool | None = _ENGINE["int8_kernels"]
     chat_template: str | None = _ENGINE["chat_template"]
     tool_call_parser: str | None = _ENGINE["tool_call_parser"]
+    reasoning_parser: str | None = _ENGINE["reasoning_parser"]
 
 
 def _grammar_limits() -> GrammarLimits:

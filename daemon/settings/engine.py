@@ -304,4 +304,23 @@ ENGINE_SETTINGS = (
         details="the format of the model's tool calls, as vLLM names it: `hermes` (Hermes / "
         "Qwen `<tool_call>` JSON), `llama3_json`, `mistral` (`[TOOL_CALLS]`)",
     ),
+    Setting(
+        "reasoning_parser",
+        str,
+        None,
+        "the format of the model's reasoning, as vLLM names it (default: read from the chat "
+        "template; none: no split)",
+        frozenset({ENGINE, SERVE}),
+        flags=("--reasoning-parser",),
+        choices=("qwen3", "deepseek_r1", "openai_gptoss", "none"),
+        shown_default="from the chat template (think blocks: `qwen3`, harmony: "
+        "`openai_gptoss`), else none",
+        details="how chat answers split the model's reasoning into `reasoning_content` (and "
+        "`reasoning`), as vLLM names the parsers: `qwen3` (`<think>...</think>` opening the "
+        "answer, or opened by the prompt), `deepseek_r1` (reasoning until `</think>`), "
+        "`openai_gptoss` (gpt-oss harmony channels: analysis is reasoning, final the answer, "
+        "messages to `functions.NAME` tool calls), `none` (the whole output is the answer). "
+        '`chat_template_kwargs: {"enable_thinking": false}` reaches the template and turns '
+        "the think split off for that request",
+    ),
 )
