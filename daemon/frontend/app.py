@@ -50,6 +50,7 @@ from cpud.frontend.schemas import (
     TokenizeRequest,
 )
 from cpud.frontend.state import Phase, ServerState
+from cpud.frontend.vllm_render import rendered_chat, rendered_completions, rendered_responses
 from cpud.settings.cors_policy import CorsPolicy
 from cpud.settings.errors import RequestError, one_line
 
@@ -60,7 +61,10 @@ NEED_ENGINE = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
         "/v1/responses",
+        "/v1/responses/render",
         "/v1/embeddings",
         "/tokenize",
         "/detokenize",
@@ -242,6 +246,27 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     return await respond(state, request, await state.off_loop(chat_job, state, body))
 
 
+async def render_completions(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, CompletionRequest)
+    check_model(state, body.model)
+    check_generates(state, body.model)
+    return JSONResponse(await state.off_loop(rendered_completions, state, body))
+
+
+async def render_chat(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, ChatCompletionRequest)
+    check_model(state, body.model)
+    check_generates(state, body.model)
+    return JSONResponse(await state.off_loop(rendered_chat, state, body))
+
+
+async def render_responses(request: Request, state: ServerState) -> Response:
+    body = await decode(request, state, ResponsesRequest)
+    check_model(state, body.model)
+    check_generates(state, body.model)
+    return JSONResponse(await state.off_loop(rendered_responses, state, body))
+
+
 async def responses(request: Request, state: ServerState) -> Response:
     body = await decode(request, state, ResponsesRequest)
     check_model(state, body.model)
@@ -297,9 +322,10 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
     tokens = await state.off_loop(tokenized, state, body)
-    return JSONResponse(
-        {"tokens": tokens, "count": len(tokens), "max_model_len": state.config.max_model_len}
-    )
+    answer = {"tokens": tokens, "count": len(tokens), "max_model_len": state.config.max_model_len}
+    if body.return_token_strs:
+        answer["token_strs"] = [state.tokenizer.id_to_token(t) for t in tokens]
+    return JSONResponse(answer)
 
 
 def tokenized(state: ServerState, body: TokenizeRequest) -> list[int]:
@@ -307,7 +333,10 @@ def tokenized(state: ServerState, body: TokenizeRequest) -> list[int]:
         check_text_size(state, len(body.prompt), "prompt")
         return state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     chat = ChatCompletionRequest(
-        messages=body.messages, add_generation_prompt=body.add_generation_prompt
+        messages=body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
     )
     return chat_prompt(state, chat).token_ids
 
@@ -409,7 +438,10 @@ def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
     routes = [
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
+        ("/v1/completions/render", render_completions, ["POST"]),
+        ("/v1/chat/completions/render", render_chat, ["POST"]),
         ("/v1/responses", responses, ["POST"]),
+        ("/v1/responses/render", render_responses, ["POST"]),
         ("/v1/embeddings", embeddings, ["POST"]),
         ("/v1/messages", messages, ["POST"]),
         ("/v1/messages/count_tokens", count_tokens, ["POST"]),

@@ -16,6 +16,7 @@ from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import detect_parser
 from cpud.frontend.tool_grammar import call_grammar
 from cpud.frontend.tool_prompt import chosen_tools, tool_dicts
+from cpud.frontend.vllm_chat import echoed_prefix
 from cpud.structured.spec import StructuredSpec
 
 
@@ -35,6 +36,7 @@ class Job:
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     tool_parser: str | None = None  # parse the output for tool calls in this format
     parallel_tool_calls: bool = True  # else the first call only
+    answer_prefix: str = ""  # vLLM's echo on chat: the answer starts with this text
 
 
 def check_prompt_logprobs_stream(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -158,4 +160,5 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         continuous_usage=continuous,
         tool_parser=plan.parser,
         parallel_tool_calls=body.parallel_tool_calls,
+        answer_prefix=echoed_prefix(body.echo, body.messages),
     )

@@ -318,6 +318,8 @@ def full_choice(
                 for c in parsed.calls
             ]
             reason = "tool_calls" if reason == "stop" else reason
+    if job.answer_prefix:
+        message["content"] = job.answer_prefix + (message["content"] or "")
     return {
         "index": index,
         "message": message,
@@ -477,6 +479,7 @@ def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
         return None
     text, start, reason = advanced
     delta: dict = {}
+    echoed = "" if choice.started else job.answer_prefix
     if not choice.started:
         delta["role"] = "assistant"
         choice.started = True
@@ -486,8 +489,8 @@ def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
             delta["tool_calls"] = calls
         if reason == "stop" and choice.tool_stream.called:
             reason = "tool_calls"
-    if text:
-        delta["content"] = text
+    if text or echoed:
+        delta["content"] = echoed + text
     logprobs = None
     if job.params.logprobs is not None:
         logprobs = chat_logprobs(out, start, job.top_logprobs)

@@ -148,7 +148,16 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/completions": _post("CompletionRequest", "Text completion"),
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion"),
+            "/v1/completions/render": _post(
+                "CompletionRequest", "vLLM: each prompt's token ids and sampling parameters"
+            ),
+            "/v1/chat/completions/render": _post(
+                "ChatCompletionRequest", "vLLM: the prompt's token ids and sampling parameters"
+            ),
             "/v1/responses": _post("ResponsesRequest", "Response (stateless)"),
+            "/v1/responses/render": _post(
+                "ResponsesRequest", "vLLM: the prompt's token ids and sampling parameters"
+            ),
             "/v1/embeddings": _post("EmbeddingRequest", "Embeddings of strings or token ids"),
             "/v1/messages": _post("MessagesRequest", "Anthropic Messages", "AnthropicError"),
             "/v1/messages/count_tokens": _post(

@@ -18,6 +18,7 @@ from cpud.frontend.tool_prompt import (
     template_knows_tools,
     with_system_prompt,
 )
+from cpud.frontend.vllm_chat import check_continue, open_final_message
 from cpud.settings.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
@@ -155,11 +156,13 @@ def chat_prompt(
     elif tools:
         messages = with_system_prompt(messages, hermes_system_prompt(tools))
     check_text_size(state, sum(len(m["content"]) for m in messages), "messages")
+    add_generation_prompt = extra.pop("add_generation_prompt", body.add_generation_prompt)
+    check_continue(body.continue_final_message, add_generation_prompt)
     text = state.tokenizer.apply_chat_template(
-        messages,
-        add_generation_prompt=extra.pop("add_generation_prompt", body.add_generation_prompt),
-        **extra,
+        messages, add_generation_prompt=add_generation_prompt, **extra
     )
+    if body.continue_final_message:
+        text = open_final_message(text, messages)
     check_text_size(state, len(text), "messages")
     return Prompt(state.tokenizer.encode(text, add_special_tokens=False), text)
 
@@ -196,7 +199,7 @@ def sampling_params(
             stop=tuple(stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=(

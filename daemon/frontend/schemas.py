@@ -127,8 +127,16 @@ class StructuredOutputs(Strict, kw_only=True):
     grammar: str | None = None
 
 
+NO_HIDDEN_STATES = Unsupported(only(False), "cpud returns no hidden states: send false or null")
+
+
 class SamplingFields(Strict, kw_only=True):
-    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras, and
+    the SGLang-named ones vllm-router forwards)."""
+
+    unsupported: ClassVar[Mapping[str, Unsupported]] = {
+        "return_hidden_states": NO_HIDDEN_STATES,
+    }
 
     model: Name | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1
@@ -170,6 +178,16 @@ class SamplingFields(Strict, kw_only=True):
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
     cache_salt: CacheSalt | None = None
+    no_stop_trim: (
+        Annotated[
+            bool,
+            Meta(description="vllm-router: true keeps a matched stop string in the output"),
+        ]
+        | None
+    ) = False
+    return_hidden_states: (
+        Annotated[bool, Meta(description="vllm-router: false only (no hidden states)")] | None
+    ) = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -241,8 +259,17 @@ Metadata = Annotated[dict[str, Any], Meta(description="accepted and ignored")]
 Ignored = Annotated[str, Meta(max_length=MAX_NAME_CHARS, description="accepted and ignored")]
 
 
+REASONING_KEPT = Unsupported(
+    only(True), "cpud does not take reasoning out of the answer: send true or null"
+)
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     unsupported: ClassVar[Mapping[str, Unsupported]] = {
+        **SamplingFields.unsupported,
+        "separate_reasoning": REASONING_KEPT,
+        "stream_reasoning": REASONING_KEPT,
+        "include_reasoning": REASONING_KEPT,
         "service_tier": ONE_TIER,
         "modalities": TEXT_ONLY,
         "audio": NOT_SUPPORTED,
@@ -257,6 +284,29 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: (
+        Annotated[
+            bool,
+            Meta(
+                description="vLLM: the final message stays open for the model to continue "
+                "(with add_generation_prompt false)"
+            ),
+        ]
+        | None
+    ) = False
+    echo: (
+        Annotated[
+            bool,
+            Meta(
+                description="vLLM: the answer starts with the final message when it is the "
+                "assistant's"
+            ),
+        ]
+        | None
+    ) = False
+    separate_reasoning: Annotated[bool, Meta(description="vllm-router: true only")] | None = None
+    stream_reasoning: Annotated[bool, Meta(description="vllm-router: true only")] | None = None
+    include_reasoning: Annotated[bool, Meta(description="vLLM: true only")] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
@@ -286,6 +336,13 @@ class TokenizeRequest(Strict, kw_only=True):
         Annotated[bool, Meta(description="messages only: end with the assistant's turn opening")]
         | None
     ) = True
+    continue_final_message: (
+        Annotated[bool, Meta(description="messages only: leave the final message open")] | None
+    ) = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: (
+        Annotated[bool, Meta(description="vLLM: also each token as its vocabulary string")] | None
+    ) = False
 
 
 class DetokenizeRequest(Strict, kw_only=True):
