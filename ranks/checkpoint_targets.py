@@ -36,13 +36,17 @@ class RowWindow:
         return self.source.blocks(self._rows(rows), columns)
 
 
-def targets(model: nn.Module, name: str) -> list[tuple[str, object, tuple[int, int] | None]]:
-    """(parameter, shard id, (first row, rows) or None) of each piece a checkpoint tensor
-    loads into: one, or one per part of a tensor the family stacks (Model.fused_parts)."""
+Window = tuple[int, int] | Callable[[Any], Any] | None
+
+
+def targets(model: nn.Module, name: str) -> list[tuple[str, object, Window]]:
+    """(parameter, shard id, (first row, rows), a view of the source, or None) of each piece a
+    checkpoint tensor loads into: one, or one per part of a tensor the family stacks
+    (Model.fused_parts: (target, shard, row0, rows) or (target, shard, view))."""
     fused = getattr(model, "fused_parts", None)
     parts = fused(name) if fused is not None else None
     if parts:
-        return [(target, shard, (row0, rows)) for target, shard, row0, rows in parts]
+        return [(p[0], p[1], p[2] if len(p) == 3 else (p[2], p[3])) for p in parts]
     target, shard_id = stacked_target(model, name)
     return [(target, shard_id, None)]
 
@@ -66,7 +70,9 @@ def load_tensor(
             raise missing()
         if target not in skip:
             piece = wrap(source, param, shard_id)
-            if window is not None:
+            if callable(window):
+                piece = window(piece)
+            elif window is not None:
                 piece = RowWindow(piece, *window)
             param.weight_loader(param, piece, shard_id)
         loaded.add((target, shard_id))

@@ -55,6 +55,9 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
         return f"{type(model).__name__} is not a recipe decoder"
     if model.cfg.shared_expert_intermediate_size:
         return "shared experts (Qwen2-MoE) run op by op"
+    # The C decoder reads no sinks yet (kvcache: drop this when the layer struct carries them)
+    if model.cfg.recipe.attention_sinks:
+        return "attention sinks run op by op"
     for layer in model.decoder_weights().layers:
         if layer.experts is not None:
             if layer.experts.packed is None or layer.router.packed is None:

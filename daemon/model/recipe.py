@@ -56,6 +56,9 @@ class DecoderRecipe:
     logit_multiplier: float = 1.0  # Granite: 1 / logits_scaling
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
     attention_softcap: float = 0.0
+    # A learned logit per head joined to each softmax's denominator, with no value (gpt-oss):
+    # each layer's attention holds `sinks` [heads].
+    attention_sinks: bool = False
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -87,6 +90,8 @@ class DecoderRecipe:
                 f"sliding window {max(sliding)} on {len(sliding)}/{len(self.layers)} layers"
             )
         parts.append(f"attention scale {self.attention_scale:.4g}")
+        if self.attention_sinks:
+            parts.append("attention sinks")
         biases = [n for n, on in (("qkv", self.qkv_bias), ("o", self.o_bias)) if on]
         if biases:
             parts.append(f"{'+'.join(biases)} bias")

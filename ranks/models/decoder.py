@@ -16,7 +16,13 @@ from cpud.model.model_config import ModelConfig
 from cpud.ranks.layers.attention import PagedAttention
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from cpud.ranks.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from cpud.ranks.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_checked,
+    new_param,
+)
 from cpud.ranks.layers.norm import RMSNorm
 from cpud.ranks.layers.rotary import RotaryEmbedding
 from cpud.ranks.models import registry
@@ -68,6 +74,17 @@ class Attention(Layer):
         self.attn = PagedAttention(
             self.heads, self.kv_heads, cfg.head_dim, recipe.attention_scale, ops, window or None
         )
+        # fp32 whatever the model's dtype: one logit per head, this rank's heads
+        self.sinks = (
+            new_param((self.heads,), torch.float32, self.load_sinks)
+            if recipe.attention_sinks
+            else None
+        )
+
+    def load_sinks(self, param: nn.Parameter, source, shard_id=None) -> None:
+        first = self.qkv_proj.group.rank * self.heads
+        rows = source[first : first + self.heads]
+        copy_checked(param.data, rows.to(torch.float32), "self_attn.sinks")
 
     def forward(
         self,
@@ -87,7 +104,7 @@ class Attention(Layer):
             k = self.k_norm.normalize(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta, self.sinks)
         return self.o_proj(out)
 
 
@@ -210,6 +227,7 @@ class DecoderForCausalLM(Layer):
         family = registry.by_name(cfg.family)
         self.renames = family.checkpoint_renames
         self.fused = family.fused_checkpoint
+        self.views = family.checkpoint_views
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings, times the recipe's embedding multiplier."""
@@ -276,9 +294,15 @@ class DecoderForCausalLM(Layer):
                 return name.replace(f".{old}.", f".{new}.")
         return name
 
-    def fused_parts(self, name: str) -> list[tuple[str, object, int, int]] | None:
+    def fused_parts(self, name: str) -> list[tuple] | None:
         """(target name, part id, first row, rows) of each part of a checkpoint tensor that
-        stacks several of cpud's parts by rows (Phi-3's qkv_proj), else None."""
+        stacks several of cpud's parts by rows (Phi-3's qkv_proj), or (target name, part id,
+        view) of each piece the family reads through a view (gpt-oss's expert stacks), else
+        None."""
+        if self.views is not None:
+            pieces = self.views(name, self.cfg)
+            if pieces is not None:
+                return pieces
         for ckpt, ours, part_ids in self.fused:
             if f".{ckpt}." not in name:
                 continue

@@ -31,6 +31,12 @@ class Family:
     # A checkpoint tensor holding several of cpud's parts stacked by rows: (checkpoint
     # fragment, cpud fragment, part ids in row order); sizes come from the model.
     fused_checkpoint: tuple[tuple[str, str, tuple[Any, ...]], ...] = ()
+    # (cpud's name of a checkpoint tensor, config) -> [(parameter, shard id, view)] where
+    # view(source) reads the tensor's piece in cpud's layout (gpt-oss's interleaved expert
+    # stacks), or None: the tensor loads as it is.
+    checkpoint_views: (
+        Callable[[str, ModelConfig], list[tuple[str, Any, Callable]] | None] | None
+    ) = None
     # GGUF layer tensor stems -> cpud module names, over the common table (model/gguf_names.py)
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     # GGUF top-level tensor stems -> cpud module names, over the common table
