@@ -39,6 +39,7 @@ from cpud.engine.rank_group import (
 )
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, frontend_spec, send_secrets
 from cpud.model.model_dir import resolve_model_dir
+from cpud.placement.replicas import ReplicaPlacement
 from cpud.placement.start import plan_start
 from cpud.process.child_process import module_command
 from cpud.process.sd_notify import Notifier
@@ -81,10 +82,20 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, engine_args: EngineArgs, serve_args: ServeArgs, notifier: Notifier):
+    """One frontend and its ranks. `replica`: where a data-parallel replica runs (its ranks,
+    frontend CPUs, port and share of memory, planned by cpud.replicas for the whole host)."""
+
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        serve_args: ServeArgs,
+        notifier: Notifier,
+        replica: ReplicaPlacement | None = None,
+    ):
         self.engine_args = engine_args
         self.serve_args = serve_args
         self.notifier = notifier
+        self.replica = replica
         self.timeouts = RankTimeouts(
             ready=serve_args.ready_timeout,
             silent=serve_args.rank_timeout,
@@ -116,7 +127,11 @@ class Supervisor:
         early = self._start_ranks_early(runtime_dir)
         try:
             # Resolved and planned once: the frontend and the ranks get this config as it is.
-            plan = plan_start(self.engine_args, model_dir)
+            if self.replica is None:
+                plan = plan_start(self.engine_args, model_dir)
+            else:
+                replica = self.replica
+                plan = plan_start(self.engine_args, model_dir, replica.topology, replica.binding)
         except BaseException:
             kill_started(early)
             shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -300,4 +315,8 @@ class Supervisor:
 
 
 def serve(engine_args: EngineArgs, serve_args: ServeArgs) -> int:
+    if serve_args.data_parallel_size != 1 or serve_args.router:
+        from cpud.replicas import ReplicaSupervisor
+
+        return ReplicaSupervisor(engine_args, serve_args, Notifier()).run()
     return Supervisor(engine_args, serve_args, Notifier()).run()

@@ -385,7 +385,7 @@ async def version(request: Request, state: ServerState) -> Response:
 
 
 async def metrics(request: Request, state: ServerState) -> Response:
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(state.metrics.exposed), media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi(request: Request, state: ServerState) -> Response:

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cpud.frontend.async_engine import AsyncEngine
+from cpud.replicas_metrics import exposed
 from cpud.structured.metrics import structured_families
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -84,8 +85,9 @@ class EngineCollector(Collector):
 
 
 class FrontendMetrics:
-    def __init__(self):
+    def __init__(self, replica: int | None = None):
         self.registry = CollectorRegistry()
+        self.exposed = exposed(self.registry, replica)  # what /metrics shows
         self.requests = Counter(
             "cpud_requests",
             "HTTP requests by endpoint and status code",

@@ -132,6 +132,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
             tool_call_parser=spec.tool_call_parser,
             reasoning_parser=spec.reasoning_parser,
             prompt_tokens_details=serve_args.enable_prompt_tokens_details,
+            replica=serve_args.replica,
         ),
         tokenizer,
     )

@@ -59,6 +59,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # None: detected from the chat template
     reasoning_parser: str | None = None  # None: detected from the chat template
     prompt_tokens_details: bool = True  # usage reports cached_tokens
+    replica: int | None = None  # a data-parallel replica's index: its metrics' label
 
 
 class ServerState:
@@ -67,7 +68,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, tokenizer: Tokenizer):
         self.config = config
         self.tokenizer = tokenizer
-        self.metrics = FrontendMetrics()
+        self.metrics = FrontendMetrics(config.replica)
         self.phase = Phase.LOADING
         self.lifecycle = Lifecycle()
         self._engine: AsyncEngine | None = None

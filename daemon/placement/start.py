@@ -104,13 +104,19 @@ def check_memory(config: EngineConfig, binding: BindingPlan, topology: Topology)
     return config_memory(config, binding, topology, kv_cache_space_gib=space)
 
 
-def plan_start(args: EngineArgs, model_dir: Path, topology: Topology | None = None) -> StartPlan:
+def plan_start(
+    args: EngineArgs,
+    model_dir: Path,
+    topology: Topology | None = None,
+    binding: BindingPlan | None = None,
+) -> StartPlan:
     """Everything a start needs before any process is spawned; ConfigError where the settings,
-    the model or the machine refuse."""
+    the model or the machine refuse. `binding`: the ranks' places where planned already (a
+    data-parallel replica's share of the host)."""
     fraction = kv_fraction(args)
     config = resolve_engine(args, model_dir, fraction)
     topology = topology or discover_topology()
-    binding = bind_ranks(args, config.tp, topology)
+    binding = binding or bind_ranks(args, config.tp, topology)
     if fraction is not None:
         config = size_kv_cache(config, fraction, binding, topology)
     memory = check_memory(config, binding, topology)

@@ -91,6 +91,10 @@ class ServeArgs:
     stall_timeout: float = _SERVE["stall_timeout"]
     enable_prompt_tokens_details: bool = _SERVE["enable_prompt_tokens_details"]
     http2: bool = _SERVE["http2"]
+    data_parallel_size: int = _SERVE["data_parallel_size"]
+    router: bool = _SERVE["router"]
+    router_args: str | None = _SERVE["router_args"]
+    replica: int | None = None  # the replica this frontend serves (its metrics' label)
     grammar: GrammarLimits = field(default_factory=_grammar_limits)
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # off unless origins are listed
 

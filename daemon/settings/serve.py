@@ -3,7 +3,7 @@ timeouts, grammars, CORS (ServeArgs, GrammarLimits, CorsPolicy)."""
 
 from __future__ import annotations
 
-from cpud.settings.setting import SERVE, Setting
+from cpud.settings.setting import DOCTOR, SERVE, Setting
 
 ONLY_SERVE = frozenset({SERVE})
 
@@ -212,5 +212,43 @@ SERVE_SETTINGS = (
         details="seconds queued work may wait for a step to finish before `/health` answers 503 "
         "`stalled` (a stopped or starved rank), long before `--step-timeout` ends it; keep it "
         "above your slowest prefill step",
+    ),
+    Setting(
+        "data_parallel_size",
+        int,
+        1,
+        "replicas, each a frontend and --tp ranks of its own, placed one per NUMA node group; "
+        "on ports --port, --port + 1, ... (behind --router: on loopback ports above --port)",
+        frozenset({SERVE, DOCTOR}),
+        flags=("--data-parallel-size", "-dp"),
+        metavar="N",
+        positive=True,
+        details="replicas on this host (vLLM's flag), each a frontend with --tp ranks of its "
+        "own, placed by the binding plan: N x tp ranks over the usable NUMA nodes, so by "
+        "default one replica per node group; on fewer nodes than replicas the nodes' cores are "
+        "split evenly, with a warning. Replica i serves on --port + i; with --router the router "
+        "takes --port and the replicas 127.0.0.1:--port + 1 + i. A replica whose rank or "
+        "frontend is lost restarts on its own while the others serve; each replica's metrics "
+        "carry a `replica` label",
+    ),
+    _serve(
+        "router",
+        bool,
+        False,
+        "start vllm-router (pip install vllm-router) on --port in front of the replicas",
+        "--router",
+        details="start vLLM's router (`vllm-router`, an optional dependency) on --host:--port "
+        "in front of the --data-parallel-size replicas, supervised like the replicas (restarted "
+        "when it exits); its policy defaults to cache_aware, its metrics go to 127.0.0.1 on "
+        "--port + N + 1",
+    ),
+    _serve(
+        "router_args",
+        str,
+        None,
+        "more vllm-router flags, as one shell-quoted string (e.g. '--policy round_robin')",
+        "--router-args",
+        metavar="ARGS",
+        shown_default="none",
     ),
 )

@@ -33,6 +33,9 @@ def serve_args(args: argparse.Namespace) -> ServeArgs:
         stall_timeout=args.stall_timeout,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         http2=args.http2,
+        data_parallel_size=args.data_parallel_size,
+        router=args.router,
+        router_args=args.router_args,
         grammar=GrammarLimits(
             compile_timeout=args.grammar_compile_timeout,
             compile_threads=args.grammar_compile_threads,

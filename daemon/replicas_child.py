@@ -1,0 +1,83 @@
+"""One data-parallel replica: the usual supervisor (cpud.supervisor) with the frontend, the ranks
+and the port the host's plan gave this replica.
+
+Started by cpud.replicas as `replicas_child SPEC PARENT_PID`, the API key on stdin (never in the
+spec file, the command line or the environment). Its sd_notify messages (READY=1, STATUS,
+WATCHDOG=1) go to the socket its parent names in NOTIFY_SOCKET; its exit code tells the parent
+what to do: 0 drained, 2 a configuration refused (stop everything), 3 a child lost (restart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from cpud.placement.replicas import ReplicaPlacement
+from cpud.process.parent_death import die_with_parent
+from cpud.protocol.launch import FrontendSecrets
+from cpud.settings.config import EngineArgs, ServeArgs
+
+EXIT_CONFIG = 2
+
+
+class ReplicaSpec(msgspec.Struct, frozen=True):
+    """What a replica's supervisor needs: nothing secret (the API key comes on its stdin)."""
+
+    engine_args: dict[str, Any]  # EngineArgs' fields
+    serve_args: ServeArgs  # without the API key
+    placement: ReplicaPlacement
+
+
+def replica_spec(
+    engine_args: EngineArgs, serve_args: ServeArgs, placement: ReplicaPlacement
+) -> ReplicaSpec:
+    fields = dataclasses.asdict(engine_args)
+    if fields["model"] is not None:
+        fields["model"] = str(fields["model"])
+    public = dataclasses.replace(
+        serve_args,
+        api_key=None,
+        host=placement.host,
+        port=placement.port,
+        replica=placement.index,
+        data_parallel_size=1,
+        router=False,
+        router_args=None,
+    )
+    return ReplicaSpec(fields, public, placement)
+
+
+def write_spec(path: Path, spec: ReplicaSpec) -> None:
+    path.write_bytes(msgspec.json.encode(spec))
+
+
+def read_spec(path: str) -> ReplicaSpec:
+    return msgspec.json.decode(Path(path).read_bytes(), type=ReplicaSpec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(args[1]))
+    secrets = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSecrets)
+    from cpud.process.log_setup import configure_logging
+    from cpud.process.sd_notify import Notifier
+    from cpud.settings.errors import CpudError
+    from cpud.supervisor import Supervisor
+
+    configure_logging()
+    try:
+        spec = read_spec(args[0])
+        engine_args = EngineArgs(**spec.engine_args)
+        serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
+        return Supervisor(engine_args, serve_args, Notifier(), spec.placement).run()
+    except CpudError as exc:
+        print(f"cpud: replica error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The pieces of data-parallel serving that run without a daemon: flags, the replica spec, the
+router's command line, the replica label on metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+from prometheus_client import generate_latest
+
+from cpud.cli import build_parser
+from cpud.frontend.metrics import FrontendMetrics
+from cpud.placement.replicas import plan_replicas
+from cpud.placement.topology import discover_topology
+from cpud.replicas_child import read_spec, replica_spec, write_spec
+from cpud.replicas_router import check_router_installed, router_command
+from cpud.settings.config import EngineArgs, ServeArgs
+from cpud.settings.errors import ConfigError
+from cpud.settings.serve_flags import serve_args
+
+
+def host_plan(dp: int = 2, router: bool = False, port: int = 8000):
+    return plan_replicas("nobind", None, 1, dp, discover_topology(), port=port, router=router)
+
+
+def test_dp_flags_parse_into_serve_args():
+    parsed = build_parser().parse_args(
+        ["serve", "-dp", "2", "--router", "--router-args", "--policy round_robin"]
+    )
+    args = serve_args(parsed)
+    assert (args.data_parallel_size, args.router, args.router_args) == (
+        2,
+        True,
+        "--policy round_robin",
+    )
+    parsed = build_parser().parse_args(["serve", "--data-parallel-size", "3"])
+    assert serve_args(parsed).data_parallel_size == 3
+    assert build_parser().parse_args(["doctor", "-dp", "2"]).data_parallel_size == 2
+
+
+def test_replica_spec_round_trip_keeps_no_key(tmp_path):
+    plan = host_plan()
+    engine = EngineArgs(model=tmp_path / "m", tp=1, bind="nobind")
+    serve = ServeArgs(api_key="secret", port=8000, data_parallel_size=2, router=True)
+    spec = replica_spec(engine, serve, plan.replicas[1])
+    path = tmp_path / "replica1.json"
+    write_spec(path, spec)
+    assert b"secret" not in path.read_bytes()
+    back = read_spec(str(path))
+    assert EngineArgs(**back.engine_args) == dataclasses.replace(engine, model=str(tmp_path / "m"))
+    assert back.serve_args.api_key is None
+    assert (back.serve_args.port, back.serve_args.replica) == (8001, 1)
+    assert (back.serve_args.data_parallel_size, back.serve_args.router) == (1, False)
+    assert back.placement == plan.replicas[1]
+
+
+def test_router_command_names_every_replica_and_appends_user_flags():
+    plan = host_plan(router=True, port=9100)
+    command = router_command(plan, "--policy round_robin --health-check-interval-secs 2")
+    assert command[0] == sys.executable and "vllm_router.launch_router" in command
+    at = command.index("--worker-urls")
+    assert command[at + 1 : at + 3] == ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]
+    assert command[command.index("--port") + 1] == "9100"
+    assert command[command.index("--prometheus-port") + 1] == "9103"
+    # cpud's default policy first, the user's later (argparse keeps the last)
+    policies = [command[i + 1] for i, word in enumerate(command) if word == "--policy"]
+    assert policies == ["cache_aware", "round_robin"]
+    with pytest.raises(ConfigError, match="--router-args"):
+        router_command(plan, "--policy 'unterminated")
+
+
+def test_missing_router_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("cpud.replicas_router.ROUTER_MODULE", "no_such_router_module")
+    with pytest.raises(ConfigError, match="pip install vllm-router"):
+        check_router_installed()
+
+
+def test_replica_metrics_carry_the_replica_label():
+    metrics = FrontendMetrics(replica=1)
+    metrics.requests.labels("/v1/completions", "200").inc()
+    text = generate_latest(metrics.exposed).decode()
+    assert 'cpud_requests_total{endpoint="/v1/completions",replica="1",status="200"} 1.0' in text
+    assert all('replica="1"' in line for line in text.splitlines() if line and line[0] != "#")
+    plain = generate_latest(FrontendMetrics().exposed).decode()
+    assert "replica=" not in plain
