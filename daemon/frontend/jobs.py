@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.constraints import requested_specs, single_spec
 from cpud.frontend.errors import bad_request
+from cpud.frontend.reasoning import (
+    HARMONY,
+    ReasoningPlan,
+    detect_reasoning_parser,
+    plan_reasoning,
+)
 from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, sampling_params
 from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from cpud.frontend.state import ServerState
@@ -36,6 +42,7 @@ class Job:
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     tool_parser: str | None = None  # parse the output for tool calls in this format
     parallel_tool_calls: bool = True  # else the first call only
+    reasoning: ReasoningPlan | None = None  # split the output's reasoning off this way
     answer_prefix: str = ""  # vLLM's echo on chat: the answer starts with this text
 
 
@@ -136,8 +143,11 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     prompt = chat_prompt(state, body, plan.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    # Mistral's [TOOL_CALLS] is a special token: the parser must see it in the text.
-    keep_specials = False if plan.parser == "mistral" else None
+    reasoning = chat_reasoning(state, body, prompt, plan.spec is not None)
+    tool_parser = None if reasoning is not None and reasoning.reads_calls else plan.parser
+    # Mistral's [TOOL_CALLS] and harmony's markers are special tokens: the parser reads them.
+    harmony = reasoning is not None and reasoning.parser == HARMONY
+    keep_specials = False if plan.parser == "mistral" or harmony else None
     params = sampling_params(
         body,
         max_tokens,
@@ -158,7 +168,23 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         include_usage,
         top_logprobs=body.top_logprobs or 0,
         continuous_usage=continuous,
-        tool_parser=plan.parser,
+        tool_parser=tool_parser,
         parallel_tool_calls=body.parallel_tool_calls,
         answer_prefix=echoed_prefix(body.echo, body.messages),
+        reasoning=reasoning,
+    )
+
+
+def chat_reasoning(
+    state: ServerState, body: ChatCompletionRequest, prompt: Prompt, constrained: bool
+) -> ReasoningPlan | None:
+    """How the output's reasoning is split off (--reasoning-parser, else the chat template's
+    format); None when the output has none to split."""
+    parser = state.config.reasoning_parser or detect_reasoning_parser(state.tokenizer.chat_template)
+    return plan_reasoning(
+        parser,
+        prompt.text or "",
+        body.chat_template_kwargs,
+        constrained,
+        None if body.parallel_tool_calls else 1,
     )

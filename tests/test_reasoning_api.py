@@ -1,0 +1,203 @@
+"""Reasoning through the HTTP API with the openai client: the engine writes scripted outputs
+(think blocks, harmony channels) through the real detokenizer; the answers carry
+reasoning_content / reasoning, content and tool calls, streamed and whole alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scripted_engine import (
+    HARMONY_TEMPLATE,
+    OPEN_THINK_TEMPLATE,
+    THINK_TEMPLATE,
+    reasoning_model,
+    scripted_clients,
+)
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model(model_factory, tmp_path_factory):
+    return reasoning_model(model_factory("qwen3"), tmp_path_factory.mktemp("reasoning") / "m")
+
+
+@pytest.fixture(scope="module")
+def think(model):
+    with scripted_clients(model, THINK_TEMPLATE) as clients:
+        yield clients
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(model):
+    with scripted_clients(model, HARMONY_TEMPLATE) as clients:
+        yield clients
+
+
+def streamed(client, **kwargs) -> dict:
+    """A streamed chat answer folded: reasoning, content, tool calls, finish reason."""
+    out = {"reasoning": "", "content": "", "calls": {}, "finish": None, "both": True}
+    for chunk in client.chat.completions.create(model="scripted", stream=True, **kwargs):
+        choice = chunk.choices[0]
+        delta = choice.delta.model_dump()
+        out["reasoning"] += delta.get("reasoning_content") or ""
+        out["both"] &= delta.get("reasoning_content") == delta.get("reasoning")
+        out["content"] += delta.get("content") or ""
+        for call in delta.get("tool_calls") or []:
+            entry = out["calls"].setdefault(call["index"], {"name": None, "arguments": ""})
+            if call["function"].get("name"):
+                assert call["id"] and entry["name"] is None
+                entry["name"] = call["function"]["name"]
+            entry["arguments"] += call["function"].get("arguments") or ""
+        out["finish"] = choice.finish_reason or out["finish"]
+    out["calls"] = [(c["name"], json.loads(c["arguments"])) for c in out["calls"].values()]
+    return out
+
+
+def whole(client, **kwargs) -> dict:
+    answer = client.chat.completions.create(model="scripted", **kwargs)
+    message = answer.choices[0].message.model_dump()
+    assert message.get("reasoning") == message.get("reasoning_content")
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message.get("tool_calls") or []
+    ]
+    return {
+        "reasoning": message.get("reasoning_content") or "",
+        "content": message["content"] or "",
+        "calls": calls,
+        "finish": answer.choices[0].finish_reason,
+        "both": True,
+    }
+
+
+ANSWERS = (whole, streamed)
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_think_blocks_become_reasoning_content(think, answer):
+    server, client, _ = think
+    server.will_say("<think>\nParis is in France.\n</think>\n\nIt is sunny in Paris.")
+    got = answer(client, messages=ASK)
+    assert got == {
+        "reasoning": "Paris is in France.",
+        "content": "It is sunny in Paris.",
+        "calls": [],
+        "finish": "stop",
+        "both": True,
+    }
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_think_then_a_hermes_tool_call(think, answer):
+    server, client, _ = think
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    server.will_say(f"<think>\nI need the weather.\n</think>\n\n<tool_call>\n{call}\n</tool_call>")
+    got = answer(client, messages=ASK, tools=WEATHER)
+    assert got["reasoning"] == "I need the weather." and got["content"] == ""
+    assert got["calls"] == [("get_weather", {"city": "Paris"})]
+    assert got["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_a_reasoning_only_answer_cut_by_max_tokens(think, answer):
+    server, client, _ = think
+    server.will_say("<think>\nLet me think about the weather in Paris for a long while")
+    got = answer(client, messages=ASK, max_tokens=6)
+    assert got["finish"] == "length" and got["content"] == "" and got["reasoning"]
+    assert "Let me think about the weather in Paris".startswith(got["reasoning"])
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_enable_thinking_false_reads_no_reasoning(think, answer):
+    server, client, _ = think
+    server.will_say("<think>x</think>plain")
+    got = answer(
+        client, messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert (got["reasoning"], got["content"]) == ("", "<think>x</think>plain")
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_a_prompt_that_opens_the_think_block(model, answer):
+    with scripted_clients(model, OPEN_THINK_TEMPLATE) as (server, client, _):
+        server.will_say("Weighing it.\n</think>\n\nYes.")
+        got = answer(client, messages=ASK)
+    assert (got["reasoning"], got["content"]) == ("Weighing it.", "Yes.")
+
+
+def test_reasoning_parser_none_leaves_the_output_whole(model):
+    with scripted_clients(model, THINK_TEMPLATE, reasoning_parser="none") as (server, client, _):
+        server.will_say("<think>a</think>b")
+        message = client.chat.completions.create(model="scripted", messages=ASK).choices[0]
+    assert message.message.content == "<think>a</think>b"
+    assert "reasoning_content" not in message.message.model_dump()
+
+
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks about Paris.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Sunny, 21 C.<|return|>"
+)
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_harmony_channels_split_reasoning_from_the_answer(gpt_oss, answer):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_ANSWER)
+    got = answer(client, messages=ASK)
+    assert (got["reasoning"], got["content"], got["finish"]) == (
+        "The user asks about Paris.",
+        "Sunny, 21 C.",
+        "stop",
+    )
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_harmony_tool_calls_are_openai_tool_calls(gpt_oss, answer):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_CALL)
+    got = answer(client, messages=ASK, tools=WEATHER)
+    assert got["reasoning"] == "Need the tool." and got["content"] == ""
+    assert got["calls"] == [("get_weather", {"city": "Paris"})]
+    assert got["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+@pytest.mark.parametrize(
+    ("said", "reasoning", "content"),
+    [
+        ("Just words, no channels.", "", "Just words, no channels."),
+        ("<|channel|>mystery<|message|>odd<|end|>", "", "odd"),
+        ("<|channel|>analysis<|message|>hm<|end|>stray", "hm", "stray"),
+        ("<|channel|>analysis never opened<|end|>", "", "<|channel|>analysis never opened<|end|>"),
+    ],
+)
+def test_malformed_harmony_falls_back_to_content(gpt_oss, answer, said, reasoning, content):
+    server, client, _ = gpt_oss
+    server.will_say(said)
+    got = answer(client, messages=ASK)
+    assert (got["reasoning"], got["content"], got["finish"]) == (reasoning, content, "stop")
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_harmony_reasoning_cut_by_max_tokens(gpt_oss, answer):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_ANSWER)
+    got = answer(client, messages=ASK, max_tokens=12)
+    assert got["finish"] == "length" and got["content"] == ""
+    assert "The user asks about Paris.".startswith(got["reasoning"]) and got["reasoning"]
