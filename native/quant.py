@@ -1,23 +1,24 @@
-"""GEMM straight on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+"""GEMM straight on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4).
 
     packed = pack_quantized(raw, "Q4_K", n, k)   # once, at load: raw = [n, bytes per row] u8
     quant_gemm(x, packed, out)                   # out [M, n] = x [M, k] @ W^T, any tier
 
-``pack_quantized`` reorders the file's blocks (no dequantized copy): 16 output rows per group,
-the 4 consecutive quants of each row in one dword so that one 64-byte operand feeds an int8
-dot for 16 rows, every quant unsigned (Q8_0 + 128), K-quant 6-bit scales unpacked to bytes.
-Packed bytes are the file's bytes plus 0 % (Q8_0, Q4_0, Q4_1, Q6_K), 2.3 % (Q5_K), 2.8 % (Q4_K)
-and the rows that pad N to 16.  ``quant_gemm`` quantizes x per row to int8 blocks of 32 (scale
-amax / 127, round to nearest even) and runs int8 dot products: on the amx tier AMX-INT8 tiles
-(tdpbssd on the packed groups, unpacked to signed bytes once per 16 rows of weights) from 16
-rows of x, vpdpbusd (AVX512-VNNI, AVX-VNNI) where the CPU has it, else vpmaddubsw + vpmaddwd,
-or the scalar reference.  The amx int8 tiles give the same results as AVX512-VNNI, bit for bit.
-From ``bf16_tile_rows(qtype)`` rows of x (64; Q6_K 32) the amx tier instead dequantizes each
-16-row weight group to bf16 once per call and runs AMX-BF16 tiles (tdpbf16ps) on x rounded to
-bf16: no int8 rounding of x, no per-block rescaling, and the weights still stream at their
-quantized size; ``amx_bf16=False`` keeps those calls on the int8 kernels.  The avx512bf16 tier
-keeps the int8 kernels at every M: there cpud's own vdpbf16ps GEMM, the bound of a dequantizing
-kernel, runs at a third to a fifth of the AVX512-VNNI kernels' rate on these blocks (measured).
+``pack_quantized`` reorders the file's blocks (no dequantized copy): 16 output rows per group, the 4
+consecutive quants of each row in one dword so that one 64-byte operand feeds an int8 dot for 16
+rows, every quant unsigned (Q8_0 + 128), K-quant 6-bit scales unpacked to bytes; MXFP4 keeps its
+4-bit E2M1 codes (the kernels map them to values through a 16-entry table) and its E8M0 exponent
+bytes.  Packed bytes are the file's bytes plus 0 % (Q8_0, Q4_0, Q4_1, Q6_K, MXFP4), 2.3 % (Q5_K),
+2.8 % (Q4_K) and the rows that pad N to 16.  ``quant_gemm`` quantizes x per row to int8 blocks of 32
+(scale amax / 127, round to nearest even) and runs int8 dot products: on the amx tier AMX-INT8 tiles
+(tdpbssd on the packed groups, unpacked to signed bytes once per 16 rows of weights) from 16 rows of
+x, vpdpbusd (AVX512-VNNI, AVX-VNNI) where the CPU has it, else vpmaddubsw + vpmaddwd, or the scalar
+reference.  The amx int8 tiles give the same results as AVX512-VNNI, bit for bit.  From
+``bf16_tile_rows(qtype)`` rows of x (64; Q6_K 32) the amx tier instead dequantizes each 16-row
+weight group to bf16 once per call and runs AMX-BF16 tiles (tdpbf16ps) on x rounded to bf16: no int8
+rounding of x, no per-block rescaling, and the weights still stream at their quantized size;
+``amx_bf16=False`` keeps those calls on the int8 kernels.  The avx512bf16 tier keeps the int8
+kernels at every M: there cpud's own vdpbf16ps GEMM, the bound of a dequantizing kernel, runs at a
+third to a fifth of the AVX512-VNNI kernels' rate on these blocks (measured).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from . import _loader
 from .hugepages import huge_empty
 from .kernels import _require, check_rc, gemm_io
+from .mxfp4 import check_mxfp4_scales
 from .quant_formats import KERNEL_FORMATS
 
 ROWS = 16  # CPUD_QROWS
@@ -109,6 +111,8 @@ def _decode(name: str, blk: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     rows = blk.shape[0]
     if name == "Q8_0":
         return (blk[..., 2:] ^ 0x80).reshape(rows, -1), [_f16(blk[..., 0:2])]
+    if name == "MXFP4":
+        return _nibbles(blk[..., 1:], 16).reshape(rows, -1), [blk[..., 0:1]]
     if name in ("Q4_0", "Q4_1"):
         off = 2 if name == "Q4_0" else 4
         scales = [_f16(blk[..., 0:2])] + ([_f16(blk[..., 2:4])] if name == "Q4_1" else [])
@@ -180,6 +184,7 @@ def pack_quantized(
 ) -> QuantWeight:
     """Repacks the GGUF blocks of W[n, k] (raw: [n, bytes per row] u8, numpy or torch, e.g. a
     view of the mapped file) for ``quant_gemm``; qtype: name or gguf GGMLQuantizationType.
+    ValueError for an MXFP4 block whose scale is 0xFF (NaN in OCP MX).
     Works through 1024 rows at a time; memory: the packed result plus a few MB.  alloc(shape,
     dtype) gives the result's two tensors (e.g. ``HugeArena.take``); default: huge pages."""
     name = qtype_name(qtype)
@@ -193,6 +198,8 @@ def pack_quantized(
             f"raw: expected {n} x {k // bs * tsize} uint8, got {arr.dtype} {arr.shape}"
         )
     blocks = arr.reshape(n, k // bs, tsize)
+    if name == "MXFP4":
+        check_mxfp4_scales(blocks[..., 0])
     groups, nb = -(-n // ROWS), k // bs
     new = alloc or (huge_empty if huge_pages else _plain_empty)
     qs, sc = new((groups, nb, fmt.qbytes), torch.uint8), new((groups, nb, fmt.sbytes), torch.uint8)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TABLE = Path(__file__).parent / "drivers" / "quant_formats.h"
-FAMILIES = ("b32", "k45", "q6k")  # quant_kernels.h blk_<family>
+FAMILIES = ("b32", "k45", "q6k", "e2m1")  # quant_kernels.h blk_<family>
 
 
 @dataclass(frozen=True)

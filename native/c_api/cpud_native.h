@@ -343,7 +343,8 @@ enum cpud_qtype {
     CPUD_Q4_1 = 2,
     CPUD_Q4_K = 3,
     CPUD_Q5_K = 4,
-    CPUD_Q6_K = 5
+    CPUD_Q6_K = 5,
+    CPUD_MXFP4 = 6
 };
 /* flags for cpud_quant_gemm.  The amx tier runs cpud_quant_bf16_min_m rows of x and more (64;
  * Q6_K 32) on AMX-BF16 tiles (bf16 x, each 16-row weight group dequantized to bf16 once per

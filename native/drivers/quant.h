@@ -30,8 +30,24 @@ typedef struct qact {
     int64_t K;
 } qact;
 
-/* The kernel families of quant_formats.h (quant_kernels.h's blk_b32, blk_k45, blk_q6k). */
-enum { QF_b32, QF_k45, QF_q6k };
+/* The kernel families of quant_formats.h (quant_kernels.h's blk_b32, blk_k45, blk_q6k,
+ * blk_e2m1). */
+enum { QF_b32, QF_k45, QF_q6k, QF_e2m1 };
+
+/* MXFP4: a 4-bit E2M1 code's value doubled (the code's index: sign bit 3), plus E2M1_OFF so
+ * that every weight is an unsigned byte for the u8 x s8 dots; a block's E8M0 exponent e scales
+ * the doubled values by 2^(e - 128) (half of the OCP scale 2^(e - 127)). */
+#define E2M1_OFF 12
+#define E2M1_PLUS_OFF 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+
+/* 2^(e - 128) for an E8M0 byte, exact (e < 2: a denormal); 0xff gives 2^127, as ggml's
+ * ggml_e8m0_to_fp32_half (pack_quantized refuses that byte: OCP MX's NaN). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* A qtype's format (quant_formats.h): its GGUF type id, k and bytes per GGUF block, bytes of
  * packed quants and of scales per block of 16 rows, its family, k per weight scale, whether

@@ -13,7 +13,7 @@
  *     (cpud_native.h; 0, 1, ... with no gap).  qbytes, sbytes: packed quants and scales per block
  *     of CPUD_QROWS rows (cpud.native.quant.pack_quantized).  family: the block kernel that
  *     reads them (quant_kernels.h blk_<family>: b32 one scale per 32, k45 the 4/5-bit K-quants,
- *     q6k).  scale_values: k one weight scale covers (the AMX tiles' KT).  mins: 1 where a weight
+ *     q6k, e2m1 4-bit E2M1 codes through their value table with one E8M0 scale per 32).  scale_values: k one weight scale covers (the AMX tiles' KT).  mins: 1 where a weight
  *     is scale * q - min.  bf16_min_m: rows of x from which the amx tier runs AMX-BF16 tiles on
  *     dequantized groups (measured: a group's dequantization costs about what 30-60 rows of
  *     int8 tile products and their fp32 rescaling cost; Q6_K's rescaling, per 16 k, twice that).
@@ -40,6 +40,7 @@ CPUD_DEQUANT_FORMAT(Q5_1, 7, 32, 24)
 CPUD_KERNEL_FORMAT(Q4_K, 12, 256, 144, 3, 2048, 320, k45, 32, 1, 64)
 CPUD_KERNEL_FORMAT(Q5_K, 13, 256, 176, 4, 2560, 320, k45, 32, 1, 64)
 CPUD_KERNEL_FORMAT(Q6_K, 14, 256, 210, 5, 3072, 288, q6k, 16, 0, 32)
+CPUD_KERNEL_FORMAT(MXFP4, 39, 32, 17, 6, 256, 16, e2m1, 32, 0, 64)
 
 #undef CPUD_FLOAT_FORMAT
 #undef CPUD_DEQUANT_FORMAT

@@ -2,7 +2,7 @@
  * instantiated by each quant_*.c.  A tile is 16 weight rows (one packed group) times MR rows of
  * x over all of K: per block, integer dots of the unpacked quants against x's int8 blocks,
  * then one fp32 multiply-add with the block scales; type offsets (Q8_0's 128, Q4_0's 8, Q6_K's
- * 32) and mins come off through x's block sums. */
+ * 32, MXFP4's E2M1_OFF) and mins come off through x's block sums. */
 #include <omp.h>
 
 /* Bytes ahead of the quants being read that each tile prefetches: the hardware prefetcher alone
@@ -145,6 +145,29 @@ static ALWAYS_INLINE QTGT void blk_q6k(const qtile *t, const int MR, const int q
                 acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(t, m, b * 8 + j))), acc[m]);
             }
         }
+}
+
+/* MXFP4 block b: codes through qv_e2m1 to their doubled values + E2M1_OFF (taken off through
+ * x's block sum), one E8M0 scale per 32: w = 2^(e - 128) * doubled value. */
+static ALWAYS_INLINE QTGT void blk_e2m1(const qtile *t, const int MR, const int qt, int64_t b,
+                                        int64_t pfo, fv *acc) {
+    const uint8_t *q = t->q + b * q_fmt[qt].qbytes;
+    const fv dw = fv_e8m0(t->s + b * q_fmt[qt].sbytes);
+    iv dot[4], dot2[4];
+    for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
+    for (int c = 0; c < 4; c++) {
+        QPF(q + c * 64);
+        const qv w = qv_ld(q + c * 64);
+        const qv lo = qv_e2m1(qv_lo(w)), hi = qv_e2m1(qv_hi(w));
+        for (int m = 0; m < MR; m++) {
+            dot[m] = iv_dot(dot[m], lo, XQ(t, m) + b * 32 + c * 8);
+            dot2[m] = iv_dot(dot2[m], hi, XQ(t, m) + b * 32 + c * 8 + 4);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        const iv v = iv_subs(iv_add(dot[m], dot2[m]), E2M1_OFF * XS32(t, m, b));
+        acc[m] = fv_fma(fv_cvt(v), fv_mul(dw, fv_set1(XD(t, m, b))), acc[m]);
+    }
 }
 
 /* The tile of t: blk over both halves of the group's blocks, res = first + second. */

@@ -5,8 +5,9 @@
  * . B (weights: KT/4 rows of 16 w rows x 4 k, tiles 6-7).  The packed layout already is B's
  * (4 consecutive quants per dword, 16 rows per 64 bytes): a task unpacks one group of 16 w rows
  * over all of K into a signed B buffer once (Q8_0 - 128, Q4_0 - 8, Q6_K - 32, nibbles and high
- * bits joined) with the fp32 scales per sub-block, then runs it against every 16-row tile of its
- * chunk of x.  KT is the k one scale covers (32; Q6_K 16): per KT, one tile product, then
+ * bits joined, MXFP4 codes to their doubled E2M1 values) with the fp32 scales per sub-block,
+ * then runs it against every 16-row tile of its chunk of x.  KT is the k one scale covers (32;
+ * Q6_K 16): per KT, one tile product, then
  *   acc[m] += cvt(C[m]) * (w_scale * x_scale[m]) + w_min * (x_scale[m] * x_sum[m])
  * in fp32 (w_min: Q4_1's m, the K-quants' -dmin mn).  x's scales and scaled sums are laid out
  * per 16-row tile once per call. */
@@ -56,7 +57,20 @@ static ATGT void unpack_group(int qt, const uint8_t *q, const uint8_t *s, int64_
     const __m512i c128 = _mm512_set1_epi8((char)0x80), c8 = _mm512_set1_epi8(8);
     const __m512i c32 = _mm512_set1_epi8(32);
     const __m512 z = _mm512_setzero_ps();
+    const __m512i c_e2m1 = _mm512_set1_epi8(E2M1_OFF);
     for (int64_t b = 0; b < nb; b++) {
+        if (q_fmt[qt].family == QF_e2m1) {
+            int8_t *o = g->b + b * 512;
+            _mm512_store_ps(g->sw + b * 16, fv_e8m0(s + b * q_fmt[qt].sbytes));
+            _mm512_store_ps(g->mw + b * 16, z);
+            const uint8_t *qb = q + b * q_fmt[qt].qbytes;
+            for (int c = 0; c < 4; c++) {
+                const qv w = qv_ld(qb + c * 64);
+                st_b(o + 2 * c * 64, _mm512_sub_epi8(qv_e2m1(qv_lo(w)), c_e2m1));
+                st_b(o + (2 * c + 1) * 64, _mm512_sub_epi8(qv_e2m1(qv_hi(w)), c_e2m1));
+            }
+            continue;
+        }
         if (q_fmt[qt].family == QF_b32) {
             const uint8_t *sb = s + b * q_fmt[qt].sbytes;
             int8_t *o = g->b + b * 512;

@@ -52,6 +52,12 @@ static inline QTGT qv qv_b4(qv h, int t) { return qv_and8(qv_shift(h, t - 4), 0x
 /* ((h >> 2t) & 3) << 4 per byte, t in 0..3 */
 static inline QTGT qv qv_b6(qv h, int t) { return qv_and8(qv_shift(h, 2 * t - 4), 0x30); }
 
+/* E2M1 codes (0..15 per byte) -> their doubled values + E2M1_OFF */
+static inline QTGT qv qv_e2m1(qv v) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(E2M1_PLUS_OFF));
+    return (qv){_mm256_shuffle_epi8(lut, v.a), _mm256_shuffle_epi8(lut, v.b)};
+}
+
 static inline QTGT iv iv_zero(void) { return (iv){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline QTGT iv iv_add(iv a, iv b) {
     return (iv){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)};
@@ -129,6 +135,16 @@ static inline QTGT fv fv_i8(const int8_t *p) {
     return (fv){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
 }
+/* p: [8] E8M0 bytes -> 2^(e - 128), as e8m0_half */
+static inline QTGT __m256 e8m0_8(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i below2 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(big, small, below2));
+}
+/* p: [16] E8M0 bytes -> 2^(e - 128) */
+static inline QTGT fv fv_e8m0(const uint8_t *p) { return (fv){e8m0_8(p), e8m0_8(p + 8)}; }
 /* p: [16] */
 static inline QTGT void fv_st(float *p, fv v) {
     _mm256_storeu_ps(p, v.a);

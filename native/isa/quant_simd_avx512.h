@@ -46,6 +46,11 @@ static inline QTGT qv qv_b6(qv h, int t) {
     return _mm512_and_si512(s, _mm512_set1_epi8(0x30));
 }
 
+/* E2M1 codes (0..15 per byte) -> their doubled values + E2M1_OFF */
+static inline QTGT qv qv_e2m1(qv v) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(E2M1_PLUS_OFF)), v);
+}
+
 static inline QTGT iv iv_zero(void) { return _mm512_setzero_si512(); }
 static inline QTGT iv iv_add(iv a, iv b) { return _mm512_add_epi32(a, b); }
 /* lo + hi of the dots of qv_lo and qv_hi16 quants (exact: hi's sum is 16 x an integer) */
@@ -101,6 +106,14 @@ static inline QTGT fv fv_u8(const uint8_t *p) {
 /* p: [16] i8 */
 static inline QTGT fv fv_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* p: [16] E8M0 bytes -> 2^(e - 128), as e8m0_half */
+static inline QTGT fv fv_e8m0(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 below2 = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(below2, big, small));
 }
 /* p: [16] */
 static inline QTGT void fv_st(float *p, fv a) { _mm512_storeu_ps(p, a); }

@@ -42,6 +42,13 @@ static inline qv qv_b6(qv h, int t) {
     return h;
 }
 
+/* E2M1 codes (0..15 per byte) -> their doubled values + E2M1_OFF */
+static inline qv qv_e2m1(qv v) {
+    static const uint8_t lut[16] = {E2M1_PLUS_OFF};
+    for (int i = 0; i < 64; i++) v.b[i] = lut[v.b[i] & 15];
+    return v;
+}
+
 static inline iv iv_zero(void) { return (iv){{0}}; }
 static inline iv iv_add(iv a, iv b) {
     for (int r = 0; r < QR; r++) a.v[r] += b.v[r];
@@ -103,6 +110,12 @@ static inline fv fv_u8(const uint8_t *p) {
 static inline fv fv_i8(const int8_t *p) {
     fv r;
     for (int i = 0; i < QR; i++) r.v[i] = (float)p[i];
+    return r;
+}
+/* p: [16] E8M0 bytes -> 2^(e - 128) */
+static inline fv fv_e8m0(const uint8_t *p) {
+    fv r;
+    for (int i = 0; i < QR; i++) r.v[i] = e8m0_half(p[i]);
     return r;
 }
 /* p: [16] */

@@ -7,7 +7,9 @@ Float reference: x @ W^T in fp64 on the unquantized x.  Rounding x to int8 moves
 by at most d_x / 2 (d_x = its block's amax / 127), so |error| <= (d_x / 2) @ |W|^T, plus the fp32
 term; a bf16 output adds 2^-8 relative.  Weights: Q8_0 / Q4_0 / Q4_1 quantized by gguf from
 Gaussians; K-quants (gguf cannot quantize them) are random bytes with small positive fp16 d,
-dmin, which is every valid block.
+dmin, which is every valid block.  MXFP4: gguf-quantized Gaussians too (its values are E2M1 codes
+doubled times 2^(e - 128), exact in fp32); tests/test_mxfp4.py adds every code and extreme
+exponents.
 The amx tier runs 16+ rows on AMX-INT8 tiles with the same integer dots and the same fp32
 operations in the same order as AVX512-VNNI, so there its results must equal those bit for bit.
 From bf16_tile_rows(qtype) rows it runs AMX-BF16 tiles on weights dequantized to bf16 (fp32
@@ -45,6 +47,8 @@ MS = [1, 2, 3, 7, 16, 17, 31, 32, 33, 64, 512]
 NS = [1, 7, 96, 250]
 KS = {"Q8_0": [32, 96, 160, 512], "Q4_0": [96, 160, 256], "Q4_1": [32, 160, 256]}
 KS.update({t: [256, 512] for t in ("Q4_K", "Q5_K", "Q6_K")})
+KS["MXFP4"] = [32, 96, 160, 512]
+GGUF_QUANTIZES = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")  # gguf.quants can write these
 
 
 @functools.cache
@@ -52,7 +56,7 @@ def weight(name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, quant.Qua
     """(raw GGUF rows [n, bytes], dequantized W [n, k] fp64, packed)."""
     rng = np.random.default_rng(n * 7919 + k)
     _, bs, tsize, _, _ = quant.QTYPES[name]
-    if name in ("Q8_0", "Q4_0", "Q4_1"):
+    if name in GGUF_QUANTIZES:
         raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), T[name])
     else:
         blk = rng.integers(0, 256, (n, k // bs, tsize), dtype=np.uint8)
@@ -182,6 +186,7 @@ def check_bf16(out: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: torch.Te
 # K: odd multiples of the block
 BF16_KS = {"Q8_0": [96, 160], "Q4_0": [96, 160], "Q4_1": [32, 160]}
 BF16_KS.update({t: [256, 768] for t in ("Q4_K", "Q5_K", "Q6_K")})
+BF16_KS["MXFP4"] = [96, 160]
 
 
 @pytest.mark.parametrize("name", list(quant.QTYPES))

@@ -14,6 +14,7 @@ from cpud.native import quant
 K = 512
 # Q4_K_M files mix Q4_K and Q6_K in one linear; Q8_0 and Q4_1 share k = 512 too
 MIXES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1"), ("Q6_K",), ("Q5_K", "Q4_0", "Q8_0")]
+MIXES += [("MXFP4", "MXFP4", "MXFP4"), ("MXFP4", "Q8_0")]  # gpt-oss: attention Q8_0, experts MXFP4
 
 
 def packed_parts(names: tuple[str, ...], biased: bool) -> list[quant.QuantWeight]:
