@@ -12,7 +12,12 @@ from cpud.engine.admission import Admission
 from cpud.engine.embedding import embeds_normalized, shortened, truncated
 from cpud.engine.executor import make_executor
 from cpud.engine.llm_engine import LLMEngine
-from cpud.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from cpud.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    OutputAccumulator,
+    RequestOutput,
+)
 from cpud.engine.sampling_params import SamplingParams
 from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.start import plan_start
@@ -125,7 +130,8 @@ class LLM:
         return outputs
 
     def _run(self, admissions: list[tuple[Admission, str | None]]) -> list[Any]:
-        """Run checked requests to completion; their final outputs in the given order."""
+        """Run checked requests to completion; their whole outputs in the given order (the
+        engine's deltas folded per request)."""
         ids = []
         try:
             for admission, text in admissions:
@@ -134,10 +140,17 @@ class LLM:
                 self.engine.admit(request_id, admission, text)
                 ids.append(request_id)
             finished: dict[str, Any] = {}
+            running: dict[str, OutputAccumulator] = {}
             while self.engine.has_unfinished():
                 for output in self.engine.step():
-                    if output.finished:
+                    if isinstance(output, EmbeddingRequestOutput):
                         finished[output.request_id] = output
+                        continue
+                    acc = running.setdefault(output.request_id, OutputAccumulator())
+                    acc.add(output)
+                    if output.finished:
+                        finished[output.request_id] = acc.result()
+                        del running[output.request_id]
         except BaseException:
             for request_id in ids:
                 self.engine.abort(request_id)

@@ -1,12 +1,12 @@
-"""A step's output work does not grow with what a request has generated: logprob entries are
-built once and kept, token texts decoded once, running outputs are constant-time snapshots."""
+"""A step's output work does not grow with what a request has generated: outputs are deltas,
+logprob entries are built once, token texts decoded once."""
 
 from __future__ import annotations
 
 import pytest
 
 from cpud import LLM, SamplingParams
-from cpud.engine.outputs import Snapshot
+from cpud.engine.outputs import accumulate
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +44,12 @@ def test_logprob_work_per_step_stays_flat_as_the_output_grows(llm, monkeypatch):
         outputs += engine.step()
         decoded_per_step.append(counter.tokens - before)
     assert len(outputs) == length
-    # Per choice and step: the detokenizer's two windows (a few tokens each) and the names of
-    # at most top + 1 tokens not seen before; the old output rebuilt every entry every step.
-    bound = n * (2 * 8 + top + 1)
-    late = decoded_per_step[-50:]
-    assert max(late) <= bound, f"late steps decoded {max(late)} tokens (bound {bound})"
-    # Entries are built once: a later output holds the very objects an earlier one did.
-    early, final = outputs[10].outputs[0], outputs[-1].outputs[0]
-    assert len(early.logprobs) == 11 and len(early.token_ids) == 11
-    assert all(a is b for a, b in zip(early.logprobs, final.logprobs))
-    for out in outputs[-1].outputs:
+    # Each step's output holds only its news: one new token per choice, with its entry.
+    for out in outputs:
+        for choice in out.outputs:
+            assert len(choice.token_ids) == len(choice.logprobs) == 1
+    whole = accumulate(outputs)
+    for out in whole.outputs:
         assert len(out.logprobs) == len(out.token_ids) == length
         for token, entry in zip(out.token_ids, out.logprobs):
             assert next(iter(entry)) == token and len(entry) <= top + 1
@@ -61,36 +57,21 @@ def test_logprob_work_per_step_stays_flat_as_the_output_grows(llm, monkeypatch):
             assert entry[token].decoded_token == name
 
 
-def test_running_outputs_keep_what_they_held_while_the_request_goes_on(llm):
+def test_deltas_fold_into_what_the_offline_api_returns(llm):
     engine = llm.engine
+    prompt = llm.tokenizer.encode("The quick brown fox")
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
-    engine.add_request("snap", llm.tokenizer.encode("The quick brown fox"), params)
+    engine.add_request("delta", prompt, params)
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
-    first, final = outputs[0].outputs[0], outputs[-1].outputs[0]
-    assert len(first.token_ids) == len(first.logprobs) == 1
-    assert first.token_ids == final.token_ids[:1] and list(first.token_ids) == [final.token_ids[0]]
-    # the finished output holds plain lists (what JSON and user code expect)
-    assert type(final.token_ids) is list and type(final.logprobs) is list
-    assert len(final.token_ids) == 12
-
-
-def test_snapshot_reads_like_the_list_it_was_made_from():
-    items = [10, 11, 12, 13]
-    snap = Snapshot(items, 1)
-    items += [14, 15]
-    assert len(snap) == 3 and snap == [11, 12, 13] and list(snap) == [11, 12, 13]
-    assert snap[0] == 11 and snap[-1] == 13 and snap[1:] == [12, 13] and snap[::-1] == [13, 12, 11]
-    assert (
-        snap[5:] == []
-        and snap[-10:1] == [11]
-        and snap != [11, 12]
-        and snap == Snapshot(items, 1, 4)
-    )
-    with pytest.raises(IndexError):
-        snap[3]
-    with pytest.raises(IndexError):
-        snap[-4]
-    assert (snap or None) is snap and not Snapshot(items, 2, 2)
-    assert repr(snap) == "[11, 12, 13]"
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == 12
+    whole = accumulate(outputs)
+    expected = llm.generate([prompt], params)[0]
+    assert whole.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert whole.outputs[0].text == expected.outputs[0].text
+    assert whole.outputs[0].logprobs == expected.outputs[0].logprobs
+    assert "".join(o.outputs[0].text for o in outputs) == expected.outputs[0].text
+    # the whole output holds plain lists (what JSON and user code expect)
+    assert type(whole.outputs[0].token_ids) is list and type(whole.outputs[0].logprobs) is list

@@ -11,6 +11,7 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.llm_engine import RequestFailedError
+from cpud.engine.outputs import OutputAccumulator
 from cpud.settings.errors import RequestError
 from cpud.structured.matcher import SequenceConstraint
 from cpud.structured.spec import StructuredSpec
@@ -149,10 +150,11 @@ def test_a_token_the_grammar_refuses_fails_only_its_request(llama, monkeypatch):
         engine.add_request("bad", llama.tokenizer.encode("Hello"), params)
         free = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         engine.add_request("good", llama.tokenizer.encode("Hello"), free)
-        finished = {}
+        folds: dict[str, OutputAccumulator] = {}
         while engine.has_unfinished():
             for output in engine.step():
-                finished[output.request_id] = output
+                folds.setdefault(output.request_id, OutputAccumulator()).add(output)
+        finished = {request_id: fold.result() for request_id, fold in folds.items()}
         assert [request for request, _ in engine.take_failures()] == ["bad"]
         assert len(finished["good"].outputs[0].token_ids) == 4
     finally:

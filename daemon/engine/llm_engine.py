@@ -289,7 +289,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
-        """One forward pass over what the scheduler picked; outputs of touched requests."""
+        """One forward pass over what the scheduler picked; per touched request, an output
+        holding what is new since its last one (outputs.OutputAccumulator makes whole ones)."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -331,13 +332,15 @@ class LLMEngine:
         for request in touched.values():
             if request.request_id not in self.requests:  # failed after another choice advanced
                 continue
-            if request.awaits_prompt_logprobs:  # outputs are cumulative: the next one has all
+            if request.awaits_prompt_logprobs:  # its news waits in its sequences until then
                 continue
             try:
-                outputs.append(self.outputs.output(request))
+                output = self.outputs.output(request)
             except Exception as exc:
                 self._fail(request.request_id, exc, "building its output")
                 continue
+            if output is not None:
+                outputs.append(output)
             if request.finished:
                 self.requests.pop(request.request_id, None)
                 for seq in request.seqs:

@@ -1,7 +1,8 @@
-"""What the engine hands back after a step, built so that a step costs the same however much a
-request has generated: each position's logprob entry is built once, when its logprobs arrive,
-and kept; each token id's text is decoded once per engine; the outputs of a running request
-hold Snapshots of the sequences' lists instead of copies.
+"""What the engine hands back after a step: per request, only what is new since its last
+output (token ids, text, logprob entries, the finish reason), so that a step costs the same
+however much a request has generated. Each position's logprob entry is built once, when its
+logprobs arrive; each token id's text is decoded once per engine. Callers that want whole
+outputs fold the deltas with outputs.OutputAccumulator.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from array import array
 from collections.abc import Sequence as Seq
 
 from cpud.engine.detokenizer import Decoder
-from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput, Snapshot
+from cpud.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cpud.engine.request import Request
 from cpud.engine.sequence import LogprobEntry, Sequence
 from cpud.protocol.step import PromptLogprobs, SampledToken
@@ -53,11 +54,12 @@ class OutputBuilder:
         self.names = TokenNames(decoder)
 
     def add_sampled(self, seq: Sequence, sampled: SampledToken) -> None:
-        """Keep the logprobs that came with a sampled token (appended after the token)."""
+        """Keep the logprobs that came with a sampled token (appended after the token) until
+        the next output hands them out."""
         if sampled.logprob is None:
             return
         seq.cumulative_logprob += sampled.logprob
-        seq.logprobs.append(
+        seq.new_logprobs.append(
             logprob_entry(
                 self.names,
                 sampled.token_id,
@@ -71,31 +73,13 @@ class OutputBuilder:
     def add_prompt(self, seq: Sequence, scored: PromptLogprobs) -> None:
         add_prompt_logprobs(seq, scored, self.names)
 
-    def output(self, request: Request) -> RequestOutput:
-        """The request's cumulative output: Snapshots while it runs (constant work per
-        choice), plain lists once it has finished (copied once)."""
-        finished = request.finished
-        outputs = []
-        for seq in request.seqs:
-            wants_logprobs = seq.params.logprobs is not None
-            if finished:
-                token_ids: Seq[int] = seq.output_token_ids
-                logprobs: Seq[LogprobEntry] | None = seq.logprobs if wants_logprobs else None
-            else:
-                token_ids = Snapshot(seq.token_ids, seq.num_prompt_tokens)
-                logprobs = Snapshot(seq.logprobs) if wants_logprobs else None
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    # While running, hold back what could still turn out to be a stop string.
-                    text=seq.text[: seq.detokenizer.stable_length(seq.finished)],
-                    token_ids=token_ids,
-                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=logprobs,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
+    def output(self, request: Request) -> RequestOutput | None:
+        """What is new in the request since its last output: per choice with news, its new
+        token ids, text and logprob entries, and its finish reason when it has just finished.
+        None when no choice has news."""
+        outputs = [delta for seq in request.seqs if (delta := completion_delta(seq)) is not None]
+        if not outputs:
+            return None
         scorer = request.seqs[0]
         if scorer.scores_prompt and request.prompt_logprobs is None:
             request.prompt_logprobs = [None, *scorer.prompt_logprobs]
@@ -104,10 +88,38 @@ class OutputBuilder:
             request.prompt,
             request.prompt_token_ids,
             outputs,
-            finished,
+            request.finished,
             prompt_logprobs=request.prompt_logprobs,
             num_cached_tokens=scorer.num_cached_tokens,
         )
+
+
+def completion_delta(seq: Sequence) -> CompletionOutput | None:
+    """One choice's news (marked as handed out), or None when it has none."""
+    if seq.emitted_finish:
+        return None
+    first = seq.num_prompt_tokens + seq.num_emitted_tokens
+    token_ids = seq.token_ids[first:]
+    finished = seq.finished
+    # While running, hold back what could still turn out to be a stop string.
+    text = seq.detokenizer.take(finished)
+    if not token_ids and not text and not finished:
+        return None
+    seq.num_emitted_tokens += len(token_ids)
+    seq.emitted_finish = finished
+    wants_logprobs = seq.params.logprobs is not None
+    logprobs = None
+    if wants_logprobs:
+        logprobs, seq.new_logprobs = seq.new_logprobs, []
+    return CompletionOutput(
+        index=seq.index,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+        logprobs=logprobs,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
 
 
 def add_prompt_logprobs(seq: Sequence, scored: PromptLogprobs, names: TokenNames) -> None:

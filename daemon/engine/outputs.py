@@ -1,65 +1,15 @@
 """Results handed to users, shaped like vLLM's RequestOutput / CompletionOutput.
 
-The outputs of a running request are cumulative; their token ids and logprobs are Snapshots
-of the engine's growing lists (made in constant time), the outputs of a finished request hold
-plain lists."""
+The engine's step hands out deltas (vLLM's RequestOutputKind.DELTA): each RequestOutput holds,
+per choice with news, the token ids, text and logprob entries that are new since the
+request's previous output. OutputAccumulator folds a request's deltas into the whole output
+(what the offline LLM API and non-streaming answers return), joining the text once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import TypeVar, overload
-
-T = TypeVar("T")
-
-
-class Snapshot(Sequence[T]):
-    """items[start:stop] of a list that only grows at its end, without copying it: what the
-    list held when the snapshot was made, however it grows later. Read-only; slicing gives
-    lists, and a snapshot equals the list of the same items."""
-
-    __slots__ = ("_items", "_start", "_stop")
-
-    def __init__(self, items: list[T], start: int = 0, stop: int | None = None):
-        self._items = items
-        self._start = start
-        self._stop = len(items) if stop is None else stop
-
-    def __len__(self) -> int:
-        return self._stop - self._start
-
-    @overload
-    def __getitem__(self, index: int) -> T: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[T]: ...
-
-    def __getitem__(self, index: int | slice) -> T | list[T]:
-        size = len(self)
-        if isinstance(index, slice):
-            first, last, step = index.indices(size)
-            if step == 1:
-                return self._items[self._start + first : self._start + max(first, last)]
-            return [self._items[self._start + i] for i in range(first, last, step)]
-        if index < 0:
-            index += size
-        if not 0 <= index < size:
-            raise IndexError("snapshot index out of range")
-        return self._items[self._start + index]
-
-    def __iter__(self) -> Iterator[T]:
-        return islice(self._items, self._start, self._stop)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, (list, Snapshot)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(list(self))
 
 
 @dataclass(frozen=True)
@@ -118,3 +68,84 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+class _Choice:
+    """One choice's deltas so far: text in pieces, token ids and logprob entries in lists."""
+
+    __slots__ = ("pieces", "token_ids", "logprobs", "last")
+
+    def __init__(self, first: CompletionOutput):
+        self.pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = None
+        self.last = first
+
+    def add(self, delta: CompletionOutput) -> None:
+        if delta.text:
+            self.pieces.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.last = delta
+
+    def whole(self) -> CompletionOutput:
+        last = self.last
+        if len(self.pieces) > 1:
+            self.pieces = ["".join(self.pieces)]
+        return CompletionOutput(
+            index=last.index,
+            text=self.pieces[0] if self.pieces else "",
+            token_ids=list(self.token_ids),
+            cumulative_logprob=last.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+        )
+
+
+class OutputAccumulator:
+    """Folds one request's delta outputs into its whole output: each delta costs work in
+    proportion to its own size; `result` joins the text (once, at the end, is the intent)."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, _Choice] = {}
+        self._last: RequestOutput | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        for out in delta.outputs:
+            choice = self._choices.get(out.index)
+            if choice is None:
+                choice = self._choices[out.index] = _Choice(out)
+            choice.add(out)
+        self._last = delta
+
+    @property
+    def finished(self) -> bool:
+        return self._last is not None and self._last.finished
+
+    def result(self) -> RequestOutput:
+        """The request's output so far, whole: every choice's text, token ids and logprobs."""
+        last = self._last
+        if last is None:
+            raise ValueError("no output has been added")
+        return RequestOutput(
+            last.request_id,
+            last.prompt,
+            last.prompt_token_ids,
+            [self._choices[i].whole() for i in sorted(self._choices)],
+            last.finished,
+            metrics=last.metrics,
+            prompt_logprobs=last.prompt_logprobs,
+            num_cached_tokens=last.num_cached_tokens,
+        )
+
+
+def accumulate(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """The whole output of one request's deltas, in order."""
+    acc = OutputAccumulator()
+    for delta in outputs:
+        acc.add(delta)
+    return acc.result()

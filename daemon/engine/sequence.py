@@ -41,7 +41,10 @@ class Sequence:
     blocks: BlockTable = field(default_factory=BlockTable)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[LogprobEntry] = field(default_factory=list)
+    # Logprob entries of output tokens not yet handed out in an output (then cleared).
+    new_logprobs: list[LogprobEntry] = field(default_factory=list)
+    num_emitted_tokens: int = 0  # output tokens handed out in outputs so far
+    emitted_finish: bool = False  # the output with its finish reason went out
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)  # of prompt tokens 1..
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
@@ -87,10 +90,6 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute: the prefix cache is bypassed until they are done."""
         return self.scores_prompt and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
 
     @property
     def finished(self) -> bool:

@@ -47,8 +47,8 @@ class MessageStream:
         tools = None
         if job.tool_parser is not None:
             tools = ToolCallStream(job.tool_parser, None if job.parallel_tool_calls else 1)
-        sent = 0
         final = out = None
+        tokens = 0
         try:
             async for final in stream:
                 if out is None:
@@ -56,22 +56,22 @@ class MessageStream:
                     yield event("ping")
                 out = final.outputs[0]
                 if tools is not None:
-                    content, deltas = tools.feed(out.text, out.finish_reason is not None)
+                    content, deltas = tools.feed_delta(out.text, out.finish_reason is not None)
                 else:
-                    content, deltas = out.text[sent:], []
-                    sent = len(out.text)
+                    content, deltas = out.text, []
                 for chunk in self.text(content):
                     yield chunk
                 for delta in deltas:
                     for chunk in self.call(delta):
                         yield chunk
-                self.note.completion_tokens = len(out.token_ids)
+                tokens += len(out.token_ids)
+                self.note.completion_tokens = tokens
             if final is None or out is None:
                 raise RuntimeError("the engine ended the request without an output")
             for chunk in self.close():
                 yield chunk
             reason, sequence = stop_reason(out, bool(self.call_blocks))
-            usage = {"output_tokens": len(out.token_ids)}
+            usage = {"output_tokens": tokens}
             yield event(
                 "message_delta",
                 delta={"stop_reason": reason, "stop_sequence": sequence},

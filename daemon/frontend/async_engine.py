@@ -1,10 +1,11 @@
 """Runs the engine loop on its own thread and hands outputs to asyncio callers.
 
 Only the engine thread touches the LLMEngine. Callers submit commands (add, abort) through a
-thread-safe queue; each request gets an asyncio queue that receives RequestOutputs (or the
-exception that ended it). A failure that belongs to one request (adding it, planning, its text)
-ends that request only; a failure of the step itself (the executor, a rank) ends every
-in-flight request with that error, never a hang.
+thread-safe queue; each request gets an asyncio queue that receives its RequestOutputs, each
+holding what is new since the one before (or the exception that ended it). A failure that
+belongs to one request (adding it, planning, its text) ends that request only; a failure of
+the step itself (the executor, a rank) ends every in-flight request with that error, never a
+hang.
 """
 
 from __future__ import annotations
@@ -174,9 +175,10 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, admission: Admission, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
-        """Yields the request's output after every step that advanced it; the last one has
-        finished=True (an embedding request yields its one output). Leaving the iteration
-        early (client gone) aborts the request."""
+        """Yields the request's news after every step that advanced it (delta outputs:
+        outputs.OutputAccumulator folds them whole); the last one has finished=True (an
+        embedding request yields its one output). Leaving the iteration early (client gone)
+        aborts the request."""
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:

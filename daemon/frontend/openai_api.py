@@ -1,7 +1,8 @@
 """/v1/completions and /v1/chat/completions: run requests on the engine, answer in OpenAI's
-shapes, stream as server-sent events (one event per step that produced text). Chat output
-is read for tool calls when the request has tools: message.tool_calls, or streamed
-tool-call deltas, with finish_reason "tool_calls"."""
+shapes, stream as server-sent events (one event per step that produced text). The engine's
+outputs are deltas: a stream forwards each one's news, a whole answer folds them once
+(OutputAccumulator). Chat output is read for tool calls when the request has tools:
+message.tool_calls, or streamed tool-call deltas, with finish_reason "tool_calls"."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cpud.engine.admission import Admission
 from cpud.engine.llm_engine import RequestFailedError
-from cpud.engine.outputs import CompletionOutput, RequestOutput
+from cpud.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.access_log import AccessNote, access_note
 from cpud.frontend.async_engine import EngineDeadError, QueueFullError, StoppingError
@@ -30,10 +32,9 @@ from cpud.frontend.logprobs import (
     legacy_logprobs,
     prompt_logprobs_json,
 )
-from cpud.frontend.reasoning_stream import ChatTextStream, read_all, reasoning_fields
 from cpud.frontend.requests import Prompt, check_kv_room
 from cpud.frontend.state import ServerState
-from cpud.frontend.tool_calls import new_call_id, parse
+from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
 from cpud.settings.errors import RequestError
 
 ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
@@ -44,12 +45,13 @@ class Choice:
     """What has been sent so far for one choice of one prompt."""
 
     index: int
-    chars: int = 0
-    tokens: int = 0
     offset: int = 0  # text_offset of the next token's logprobs (as the full response counts)
     started: bool = False
     finished: bool = False
-    tool_stream: ChatTextStream | None = None  # reasoning and tool calls read off the text
+    tool_stream: ToolCallStream | None = None
+    # Tokens (and their logprob entries) whose text is held back: they go with the next text.
+    held_tokens: list[int] = field(default_factory=list)
+    held_logprobs: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -121,16 +123,16 @@ async def observed(
     """Pass outputs through, feeding the TTFT / inter-token / end-to-end histograms."""
     metrics = state.metrics
     arrival = last = time.monotonic()
-    seen = 0
+    tokens = 0
     async for out in stream:
         now = time.monotonic()
-        tokens = sum(len(o.token_ids) for o in out.outputs)
-        if tokens > seen:
-            if seen == 0:
+        new = sum(len(o.token_ids) for o in out.outputs)
+        if new:
+            if tokens == 0:
                 metrics.ttft.observe(now - arrival)
             else:
-                metrics.inter_token.observe((now - last) / (tokens - seen))
-            seen, last = tokens, now
+                metrics.inter_token.observe((now - last) / new)
+            tokens, last = tokens + new, now
         if out.finished:
             metrics.e2e.observe(now - arrival)
             metrics.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -178,12 +180,20 @@ async def merged(
 async def collect_or_abort(
     request: Request, streams: list[AsyncIterator[RequestOutput]]
 ) -> list[RequestOutput]:
-    """Final outputs of every stream; a client that disconnects cancels (and so aborts) all."""
-    finals: dict[int, RequestOutput] = {}
+    """Whole outputs of every stream (deltas folded as they come); a client that disconnects
+    cancels (and so aborts) all. An embedding stream's one output is its whole output."""
+    finals: dict[int, Any] = {}
+    folds: dict[int, OutputAccumulator] = {}
 
     async def consume() -> None:
         async for index, out in merged(streams):
-            finals[index] = out
+            if not isinstance(out, RequestOutput):
+                finals[index] = out
+                continue
+            fold = folds.setdefault(index, OutputAccumulator())
+            fold.add(out)
+            if out.finished:
+                finals[index] = fold.result()
 
     task = asyncio.create_task(consume())
     try:
@@ -304,29 +314,21 @@ def full_choice(
         return choice
     message: dict = {"role": "assistant", "content": out.text}
     reason = finish_reason(out)
-    text, calls = out.text, []
-    if job.reasoning is not None:
-        read = read_all(job.reasoning, out.text, reason == "length")
-        message.update(content=read.content, **reasoning_fields(read.reasoning))
-        text, calls = read.content or "", read.calls
     if job.tool_parser is not None:
         cut = reason == "length"
-        parsed = parse(text, job.tool_parser, job.parallel_tool_calls, cut)
-        if parsed.calls or parsed.content != (text or None):
+        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls, cut)
+        if parsed.calls or parsed.content != (out.text or None):
             message["content"] = parsed.content
-        calls = parsed.calls
-    if calls:
-        message["tool_calls"] = [
-            {
-                "id": new_call_id(),
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for c in calls
-        ]
-        reason = "tool_calls" if reason == "stop" else reason
-    if job.answer_prefix:
-        message["content"] = job.answer_prefix + (message["content"] or "")
+        if parsed.calls:
+            message["tool_calls"] = [
+                {
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in parsed.calls
+            ]
+            reason = "tool_calls" if reason == "stop" else reason
     return {
         "index": index,
         "message": message,
@@ -336,11 +338,10 @@ def full_choice(
     }
 
 
-def tool_stream(job: Job) -> ChatTextStream | None:
-    if job.tool_parser is None and job.reasoning is None:
+def tool_stream(job: Job) -> ToolCallStream | None:
+    if job.tool_parser is None:
         return None
-    max_calls = None if job.parallel_tool_calls else 1
-    return ChatTextStream(job.reasoning, job.tool_parser, max_calls)
+    return ToolCallStream(job.tool_parser, max_calls=None if job.parallel_tool_calls else 1)
 
 
 async def stream_events(
@@ -393,7 +394,8 @@ async def stream_events(
             cached[p_index] = output.num_cached_tokens
             rows = []
             for out in output.outputs:
-                generated[(p_index, out.index)] = len(out.token_ids)
+                key = (p_index, out.index)
+                generated[key] = generated.get(key, 0) + len(out.token_ids)
                 choice = choices[(p_index, out.index)]
                 if choice.finished:
                     continue
@@ -430,19 +432,28 @@ async def stream_events(
 
 def _advance(
     choice: Choice, out: CompletionOutput, send_anyway: bool = False
-) -> tuple[str, int, str | None] | None:
-    """(new text, first unsent token, finish reason), marked as sent; None while the new
-    tokens' text is held back (partial UTF-8, a possible stop string): they go out with the
-    next chunk, logprobs included."""
-    text = out.text[choice.chars :]
+) -> tuple[str, CompletionOutput, str | None] | None:
+    """(new text, the tokens to send with it, finish reason), marked as sent; None while the
+    new tokens' text is held back (partial UTF-8, a possible stop string): they go out with
+    the next chunk, logprobs included."""
+    choice.held_tokens += out.token_ids
+    if out.logprobs:
+        choice.held_logprobs += out.logprobs
     reason = finish_reason(out)
-    if not text and reason is None and not send_anyway:
+    if not out.text and reason is None and not send_anyway:
         return None
-    start = choice.tokens
-    choice.chars = len(out.text)
-    choice.tokens = len(out.token_ids)
+    sent = CompletionOutput(
+        out.index,
+        out.text,
+        choice.held_tokens,
+        out.cumulative_logprob,
+        choice.held_logprobs if out.logprobs is not None else None,
+        out.finish_reason,
+        out.stop_reason,
+    )
+    choice.held_tokens, choice.held_logprobs = [], []
     choice.finished = reason is not None
-    return text, start, reason
+    return out.text, sent, reason
 
 
 def completion_delta(
@@ -460,11 +471,11 @@ def completion_delta(
     advanced = _advance(choice, out, send_anyway=echoing)
     if advanced is None:
         return None
-    text, start, reason = advanced
+    text, sent, reason = advanced
     choice.started = True
     logprobs = None
     if job.params.logprobs is not None:
-        logprobs = completion_logprobs(out, start, choice.offset, job.top_logprobs)
+        logprobs = completion_logprobs(sent, 0, choice.offset, job.top_logprobs)
         choice.offset += sum(len(token) for token in logprobs["tokens"])
         if job.prompt_only:
             logprobs = echoed_logprobs(state, job, prompt, output) if echoing else None
@@ -485,26 +496,22 @@ def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
     advanced = _advance(choice, out)
     if advanced is None:
         return None
-    text, start, reason = advanced
+    text, sent, reason = advanced
     delta: dict = {}
-    echoed = "" if choice.started else job.answer_prefix
     if not choice.started:
         delta["role"] = "assistant"
         choice.started = True
     if choice.tool_stream is not None:
-        news = choice.tool_stream.feed(text, reason is not None, reason == "length")
-        text = news.content
-        if news.reasoning:
-            delta.update(reasoning_fields(news.reasoning))
-        if news.calls:
-            delta["tool_calls"] = news.calls
+        text, calls = choice.tool_stream.feed_delta(text, reason is not None)
+        if calls:
+            delta["tool_calls"] = calls
         if reason == "stop" and choice.tool_stream.called:
             reason = "tool_calls"
-    if text or echoed:
-        delta["content"] = echoed + text
+    if text:
+        delta["content"] = text
     logprobs = None
     if job.params.logprobs is not None:
-        logprobs = chat_logprobs(out, start, job.top_logprobs)
+        logprobs = chat_logprobs(sent, 0, job.top_logprobs)
     elif not delta and reason is None:
         return None  # text inside a tool call that is not an argument fragment yet
     return {

@@ -231,10 +231,10 @@ class Answer:
             "total_tokens": self.input_tokens + self.output_tokens,
         }
 
-    def measure(self, final: RequestOutput, out: CompletionOutput) -> None:
+    def measure(self, final: RequestOutput, output_tokens: int) -> None:
         self.input_tokens = len(final.prompt_token_ids)
         self.cached_tokens = final.num_cached_tokens if self.details else 0
-        self.output_tokens = len(out.token_ids)
+        self.output_tokens = output_tokens
         self.note.prompt_tokens = self.input_tokens
         self.note.completion_tokens = self.output_tokens
 
@@ -307,7 +307,7 @@ async def respond_responses(
         )
     final = (await collect_or_abort(request, streams))[0]
     out = final.outputs[0]
-    answer.measure(final, out)
+    answer.measure(final, len(out.token_ids))
     parsed = None
     if job.tool_parser:
         cut = out.finish_reason == "length"
@@ -333,11 +333,15 @@ class EventStream:
     answer: Answer
     sequence: int = 0
     message: dict | None = None
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the message's text, joined at its end
     calls: dict[int, dict] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)  # output index by item id
     logprobs: list[dict] = field(default_factory=list)  # of the text sent (when included)
-    tokens: int = 0  # output tokens whose logprobs went out
+    tokens: int = 0  # output tokens so far
+    # Tokens (with their logprob entries) whose text is held back: their logprobs go out
+    # with the next text.
+    held_tokens: list[int] = field(default_factory=list)
+    held_logprobs: list[dict] = field(default_factory=list)
 
     def event(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
@@ -351,7 +355,6 @@ class EventStream:
         if parser is not None:
             single = None if answer.job.parallel_tool_calls else 1
             tools = ToolCallStream(parser, max_calls=single)
-        sent = 0
         yield self.event("response.created", response=answer.snapshot("in_progress"))
         yield self.event("response.in_progress", response=answer.snapshot("in_progress"))
         try:
@@ -359,11 +362,11 @@ class EventStream:
             async for final in stream:
                 out = final.outputs[0]
                 done = out.finish_reason is not None
+                self.hold(out)
                 if tools is not None:
-                    content, deltas = tools.feed(out.text, done)
+                    content, deltas = tools.feed_delta(out.text, done)
                 else:
-                    content, deltas = out.text[sent:], []
-                    sent = len(out.text)
+                    content, deltas = out.text, []
                 if content:
                     for chunk in self.text_delta(content, self.new_logprobs(out)):
                         yield chunk
@@ -376,7 +379,7 @@ class EventStream:
                 self.logprobs += self.new_logprobs(out)
             for chunk in self.close_items():
                 yield chunk
-            answer.measure(final, out)
+            answer.measure(final, self.tokens)
             kind = "response.incomplete" if _status(out) == "incomplete" else "response.completed"
             yield self.event(kind, response=answer.snapshot(_status(out)))
         except ENGINE_ERRORS as exc:
@@ -389,11 +392,20 @@ class EventStream:
             message = f"internal error ({type(exc).__name__}); the server logged it"
             yield self.event("error", code="internal_error", message=message, param=None)
 
+    def hold(self, out: CompletionOutput) -> None:
+        """Count an output's new tokens and keep their logprob entries until text goes out."""
+        self.tokens += len(out.token_ids)
+        if wanted(self.answer.body):
+            self.held_tokens += out.token_ids
+            self.held_logprobs += out.logprobs or []
+
     def new_logprobs(self, out: CompletionOutput) -> list[dict]:
+        """The logprobs of the tokens held so far (handed out: no longer held)."""
         if not wanted(self.answer.body):
             return []
-        start, self.tokens = self.tokens, len(out.token_ids)
-        return token_logprobs(out, start, self.answer.job.top_logprobs)
+        held = CompletionOutput(0, "", self.held_tokens, None, self.held_logprobs)
+        self.held_tokens, self.held_logprobs = [], []
+        return token_logprobs(held, 0, self.answer.job.top_logprobs)
 
     def text_delta(self, content: str, logprobs: list[dict]) -> list[str]:
         chunks = []
@@ -415,7 +427,7 @@ class EventStream:
                     part=part,
                 )
             )
-        self.text += content
+        self.pieces.append(content)
         self.logprobs += logprobs
         chunks.append(
             self.event(
@@ -458,14 +470,15 @@ class EventStream:
         if message is None or message["status"] == "completed":
             return []
         index = self.answer.output.index(message)
-        part = {"type": "output_text", "text": self.text, "annotations": []}
+        text = "".join(self.pieces)
+        part = {"type": "output_text", "text": text, "annotations": []}
         if wanted(self.answer.body):
             part["logprobs"] = self.logprobs
         message["content"] = [part]
         message["status"] = "completed"
         ids = {"item_id": message["id"], "output_index": index, "content_index": 0}
         return [
-            self.event("response.output_text.done", **ids, text=self.text, logprobs=self.logprobs),
+            self.event("response.output_text.done", **ids, text=text, logprobs=self.logprobs),
             self.event("response.content_part.done", **ids, part=part),
             self.event("response.output_item.done", output_index=index, item=message),
         ]

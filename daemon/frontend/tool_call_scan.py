@@ -168,6 +168,22 @@ class CallScanner:
             self.start = self._cursor = at
         return self.start
 
+    @property
+    def searched(self) -> int:
+        """Before the calls begin: they cannot begin before this character."""
+        if self.parser == "llama3_json" and self._lead is None:
+            return 0
+        return max(0, self._searched)
+
+    def rebase(self, drop: int) -> None:
+        """Before the calls begin: the text will come without its first `drop` characters
+        (at most `searched`)."""
+        if self.start is not None or drop > self.searched:
+            raise ValueError(f"cannot drop {drop} characters of text still to be read")
+        self._searched -= drop
+        self._lead_from = max(0, self._lead_from - drop)
+        self._cursor = max(0, self._cursor - drop)
+
     def held(self, text: str) -> int:
         """Before the calls begin: trailing characters that may still open them."""
         if self.parser == "llama3_json" and self._lead is None:

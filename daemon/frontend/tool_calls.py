@@ -3,9 +3,10 @@
 separated by `;`) and mistral (`[TOOL_CALLS][{"name", "arguments"}, ...]`).
 
 One scanner (tool_call_scan) serves both answers: `parse` on the whole text, and
-`ToolCallStream` on the text as it grows, which yields OpenAI's deltas (the call's index, id,
-type and name first, then fragments of its arguments, whose concatenation is the arguments'
-JSON text). Each chunk reads only the text that is new.
+`ToolCallStream` on the text as it grows (`feed_delta` with each new piece), which yields
+OpenAI's deltas (the call's index, id, type and name first, then fragments of its arguments,
+whose concatenation is the arguments' JSON text). Each chunk reads only the text that is new,
+and before the calls begin keeps only the few characters that may still open one.
 """
 
 from __future__ import annotations
@@ -109,9 +110,14 @@ class ToolCallStream:
     def __init__(self, parser: str, max_calls: int | None = None):
         self.parser = parser
         self.max_calls = max_calls  # parallel_tool_calls false: 1
-        self.content_chars = 0
+        self.content_chars = 0  # of _text
         self.calls: list[_Sent] = []
         self._scanner = CallScanner(parser, max_calls)
+        # The output's text from character _base on: before the calls begin, content that
+        # went out and can no longer begin a call is dropped, so a long answer costs each
+        # step only its new text.
+        self._text = ""
+        self._base = 0
 
     @property
     def called(self) -> bool:
@@ -119,6 +125,23 @@ class ToolCallStream:
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         """(new content, tool-call deltas) for the text so far (the previous text and more)."""
+        return self.feed_delta(text[self._base + len(self._text) :], finished)
+
+    def feed_delta(self, new: str, finished: bool) -> tuple[str, list[dict]]:
+        """(new content, tool-call deltas) for the output's next piece of text."""
+        self._text += new
+        result = self._read(self._text, finished)
+        scanner = self._scanner
+        if scanner.start is None:
+            drop = min(self.content_chars, scanner.searched)
+            if drop > 0:
+                self._text = self._text[drop:]
+                self._base += drop
+                self.content_chars -= drop
+                scanner.rebase(drop)
+        return result
+
+    def _read(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         scanner = self._scanner
         start = scanner.find_start(text)
         if start is None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cpud import LLM, SamplingParams
 from cpud.engine import llm_engine
+from cpud.engine.outputs import OutputAccumulator
 from cpud.protocol.control import encoder, to_rank_decoder
 from cpud.settings.errors import RequestError
 
@@ -349,11 +350,13 @@ def test_plan_encode_failure_fails_only_its_request(llm):
     engine.add_request("bad", [1, 2, 3], bad)
     engine.add_request("good", [1, 2, 3], greedy())
     object.__setattr__(bad, "top_k", BIG)  # past validation, as a bug could let it
-    finals = {}
+    folds: dict[str, OutputAccumulator] = {}
     for _ in range(20):
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        for o in engine.step():
+            folds.setdefault(o.request_id, OutputAccumulator()).add(o)
         if not engine.has_unfinished():
             break
+    finals = {rid: fold.result() for rid, fold in folds.items() if fold.finished}
     failures = engine.take_failures()
     assert [rid for rid, _ in failures] == ["bad"]
     assert isinstance(failures[0][1], llm_engine.RequestFailedError)
