@@ -4,6 +4,7 @@ A block is free when no sequence references it. Free blocks that hold a full, ha
 of tokens stay findable by hash (a prefix-cache hit revives them) until they are reused;
 reuse takes the least recently freed block first. A request's cache salt seeds its hash
 chain: requests share cached blocks only when their salts (or their lack of one) match.
+Changes to the prefix cache can be reported to a KVEventSink (vLLM's KV-cache events).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
@@ -27,6 +29,18 @@ def salt_root(salt: str | None) -> bytes:
     if salt is None:
         return b""
     return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cpud-cache-salt").digest()
+
+
+class KVEventSink(Protocol):
+    """Hears the prefix cache change: full blocks cached (their chained hashes, the hash of the
+    block before the first, None at a chain's start, and their tokens), cached blocks reused
+    for other tokens."""
+
+    def stored(
+        self, parent: bytes | None, hashes: list[bytes], token_ids: list[int], block_size: int
+    ) -> None: ...
+
+    def removed(self, hashes: list[bytes]) -> None: ...
 
 
 @dataclass
@@ -67,6 +81,11 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.events: KVEventSink | None = None
+
+    def publish_to(self, sink: KVEventSink) -> None:
+        """Report prefix-cache changes to `sink` from now on (set once, before serving)."""
+        self.events = sink
 
     @property
     def num_blocks(self) -> int:
@@ -126,21 +145,26 @@ class BlockManager:
         needed = self.blocks_for(num_tokens) - len(table.block_ids)
         if needed > self.num_free:
             raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_free} free")
+        evicted: list[bytes] = []
         for _ in range(needed):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:
                 if self.cached.get(block.hash) == block_id:
                     del self.cached[block.hash]
+                    evicted.append(block.hash)
                 block.hash = None
             block.ref_count = 1
             table.block_ids.append(block_id)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
 
     def cache_computed(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
         """Register every full block whose KV is now computed under its chained hash."""
         if not self.enable_prefix_caching:
             return
         parent = table.hashes[-1] if table.hashes else table.root
+        stored: list[int] = []  # indexes of the blocks this call caches
         for index in range(len(table.hashes), num_computed // self.block_size):
             chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
             parent = block_hash(parent, chunk)
@@ -149,6 +173,28 @@ class BlockManager:
             if block.hash is None and parent not in self.cached:
                 block.hash = parent
                 self.cached[parent] = block.block_id
+                stored.append(index)
+        if stored and self.events is not None:
+            self._report_stored(table, token_ids, stored)
+
+    def _report_stored(self, table: BlockTable, token_ids: Seq[int], stored: list[int]) -> None:
+        """One event per run of consecutive newly cached blocks, chained to the block before
+        the run (a block another one already caches breaks the run, not the chain)."""
+        size = self.block_size
+        runs: list[list[int]] = []
+        for index in stored:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.stored(
+                table.hashes[first - 1] if first > 0 else None,
+                [table.hashes[i] for i in run],
+                list(token_ids[first * size : (last + 1) * size]),
+                size,
+            )
 
     def release(self, table: BlockTable) -> None:
         """Drop the sequence's references; the tail is freed first so it is reused first."""

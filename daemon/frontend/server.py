@@ -27,6 +27,7 @@ from cpud.protocol.launch import FrontendSecrets, FrontendSpec, TokenizerFacts
 from cpud.settings.errors import CpudError
 
 if TYPE_CHECKING:
+    from cpud.engine.kv_events import ZmqEventPublisher
     from cpud.frontend.http_versions import ServerHttpConfig
     from cpud.settings.config import EngineArgs, EngineConfig, ServeArgs
 
@@ -136,6 +137,7 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
         ),
         tokenizer,
     )
+    kv_events = kv_event_publisher(serve_args)  # bound now: a taken port stops the start
     ctx = zmq.Context()
     link = SupervisorLink(ctx, spec.runtime_dir)
     stop = asyncio.Event()
@@ -187,8 +189,12 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
             # The supervisor names a hung rank first; this only ends a wait it missed.
             serve_args.step_timeout + 30,
         )
+        llm = LLMEngine(config, tokenizer, client, grammars)
+        if kv_events is not None:
+            llm.blocks.publish_to(kv_events.recorder)
+            kv_events.start()
         engine = AsyncEngine(
-            LLMEngine(config, tokenizer, client, grammars),
+            llm,
             serve_args.max_waiting,
             rank_pids=[rank.pid for rank in ranks.ranks],
         )
@@ -209,9 +215,22 @@ async def run_frontend(spec: FrontendSpec[ServeArgs], secrets: FrontendSecrets) 
         beats.cancel()
         if engine is not None:
             engine.shutdown()
+        if kv_events is not None:
+            kv_events.shutdown()
         link.close()
         ctx.term()
         state.close()
+
+
+def kv_event_publisher(serve_args: ServeArgs) -> ZmqEventPublisher | None:
+    """The KV-cache event publisher --kv-events-config asks for (this replica's endpoint)."""
+    if not serve_args.kv_events.enabled:
+        return None
+    from cpud.engine.kv_events import KVEventRecorder, ZmqEventPublisher
+
+    replica = serve_args.replica or 0
+    config = serve_args.kv_events.for_replica(replica)
+    return ZmqEventPublisher(config, KVEventRecorder(config.max_queue_size), replica)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpud import settings
+from cpud.engine.kv_events import KVEventsConfig
 from cpud.model.cpu_features import resolve_dtype
 from cpud.model.load import config_from_facts, load_model_config, model_facts
 from cpud.model.model_config import ModelConfig, read_json_object
@@ -94,6 +95,7 @@ class ServeArgs:
     data_parallel_size: int = _SERVE["data_parallel_size"]
     router: bool = _SERVE["router"]
     router_args: str | None = _SERVE["router_args"]
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # off by default
     replica: int | None = None  # the replica this frontend serves (its metrics' label)
     grammar: GrammarLimits = field(default_factory=_grammar_limits)
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # off unless origins are listed

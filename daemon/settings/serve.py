@@ -251,4 +251,22 @@ SERVE_SETTINGS = (
         metavar="ARGS",
         shown_default="none",
     ),
+    _serve(
+        "kv_events_config",
+        str,
+        None,
+        "publish KV-cache events as vLLM does, for vllm-router's kv_aware policy: vLLM's JSON, "
+        'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}\'',
+        "--kv-events-config",
+        metavar="JSON",
+        shown_default="none (off)",
+        details="vLLM's KVEventsConfig as JSON: `enable_kv_cache_events`, `publisher` (`zmq` or "
+        "`null`), `endpoint` (default `tcp://127.0.0.1:5557`; cpud binds it), `replay_endpoint`, "
+        "`buffer_steps`, `hwm`, `max_queue_size`, `topic`. Each batch is vLLM's msgpack "
+        "`[ts, events, replica]` on a ZeroMQ PUB socket: BlockStored when a full block enters the "
+        "prefix cache, BlockRemoved when a cached block is reused, AllBlocksCleared at start. "
+        "With --data-parallel-size, replica i binds the endpoint's port + i. Point vllm-router at "
+        "it with `--policy kv_aware --kv-event-source URL=tcp://HOST:PORT --kv-event-model NAME "
+        "--kv-event-block-size` (cpud's --block-size)",
+    ),
 )

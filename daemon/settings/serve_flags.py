@@ -16,6 +16,7 @@ MAX_API_KEY_BYTES = 4096
 
 def serve_args(args: argparse.Namespace) -> ServeArgs:
     """The serve settings of a parsed `cpud serve` command line; ConfigError for a bad one."""
+    from cpud.engine.kv_events import KVEventsConfig
     from cpud.settings.cors_policy import CorsPolicy, word_list
     from cpud.structured.limits import GrammarLimits
 
@@ -36,6 +37,7 @@ def serve_args(args: argparse.Namespace) -> ServeArgs:
         data_parallel_size=args.data_parallel_size,
         router=args.router,
         router_args=args.router_args,
+        kv_events=KVEventsConfig.parse(args.kv_events_config),
         grammar=GrammarLimits(
             compile_timeout=args.grammar_compile_timeout,
             compile_threads=args.grammar_compile_threads,
