@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpud.model.moe_recipe import MoeRecipe
 from cpud.model.recipe import DecoderRecipe, LayerRecipe, Rope
 from cpud.settings.errors import ConfigError, one_line
 
@@ -48,6 +49,8 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     # Qwen2-MoE: a dense expert every token runs, scaled by sigmoid(x . shared_expert_gate)
     shared_expert_intermediate_size: int = 0
+    # The expert layers' router, biases and activation (None: from the two fields above)
+    moe: MoeRecipe | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -67,6 +70,16 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe_recipe(self) -> MoeRecipe:
+        """What the expert layers compute: `moe`, else the softmax router with
+        norm_topk_prob and router_weights_in_dtype."""
+        if self.moe is not None:
+            return self.moe
+        return MoeRecipe(
+            renormalize=self.norm_topk_prob, weights_in_dtype=self.router_weights_in_dtype
+        )
 
     def moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` runs experts (else a dense MLP)."""

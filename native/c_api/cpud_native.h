@@ -326,6 +326,32 @@ int cpud_moe_ffn(int isa, int dtype, intptr_t x, int64_t T, int64_t H, int64_t I
                  int64_t k, int flags, intptr_t router, intptr_t gate_up, intptr_t down,
                  intptr_t out);
 
+/* A whole expert layer as its recipe says (cpud.model.moe_recipe.MoeRecipe).  Experts are bf16
+ * stacks as for cpud_moe_experts (qtype -1, *_sc 0), or quantized stacks: expert e's [N][K] in
+ * cpud_quant_gemm's layout (qs, sc) at e times its bytes from the start (x and the activations
+ * quantized to int8 once, every routed expert's rows in one parallel region). */
+enum cpud_moe_router { CPUD_MOE_SOFTMAX_TOPK = 0, CPUD_MOE_TOPK_SOFTMAX = 1 };
+enum cpud_moe_activation { CPUD_MOE_SILU = 0, CPUD_MOE_SWIGLU_OAI = 1 };
+typedef struct cpud_moe {
+    int64_t E, k, H, I;   /* experts, routed per token, hidden, intermediate (this rank's)  */
+    int flags;            /* cpud_moe_flags                                              */
+    int router_kind;      /* cpud_moe_router; topk_softmax: softmax over the k raw logits */
+    int activation;       /* cpud_moe_activation; swiglu_oai: g = min(g, limit),
+                             u = clamp(u, -limit, limit), (u + 1) g sigmoid(alpha g)      */
+    float swiglu_alpha, swiglu_limit;
+    int quant_flags;      /* cpud_quant_gemm's flags for quantized stacks                 */
+    intptr_t router, router_bias;     /* packed [E][H] bf16; [E] f32 or 0 (cpud_moe_layer) */
+    int gate_up_qtype, down_qtype;    /* cpud_qtype of each stack, or -1: bf16 packed      */
+    intptr_t gate_up, gate_up_sc;     /* [2I][H] per expert (gate rows, then up rows)      */
+    intptr_t down, down_sc;           /* [H][I] per expert                                 */
+    intptr_t gate_up_bias, down_bias; /* [E][2I], [E][H] f32, or 0                        */
+} cpud_moe;
+/* The routed experts of m on given weights and ids (as cpud_moe_experts). */
+int cpud_moe_routed(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T,
+                    intptr_t weights, intptr_t ids, intptr_t out);
+/* Router, routing and experts of m on x [T][H]; x and out may be the same rows. */
+int cpud_moe_layer(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T, intptr_t out);
+
 /* ---------------------------------------------------------------------------
  * GEMM on GGUF-quantized weights (quant_*.c).  Rows of W[N][K] are repacked
  * once (cpud.native.quant.pack_quantized) into groups of CPUD_QROWS rows:

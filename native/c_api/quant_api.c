@@ -33,6 +33,8 @@ static const cpud_qops *qops_for(int isa, int flags) {
     return &cpud_qops_scalar;
 }
 
+const cpud_qops *cpud_qops_for(int isa, int flags) { return qops_for(isa, flags); }
+
 /* The amx tier exists only where AMX-BF16 tile data is granted (dispatch.c). */
 static int bf16_tiles(int isa, int flags) {
     return CPUD_CAN_AMX && isa >= CPUD_ISA_AMX && cpud_ops_for(isa) &&

@@ -1,19 +1,36 @@
-/* cpud_moe_experts (cpud_native.h): a step's routed experts.  The T x k (token, expert) pairs
- * are grouped by expert (ascending, tokens in order within each); every expert with tokens
- * runs its gate/up GEMM, silu * mul and down GEMM once over its gathered rows, so only the
- * routed experts' weights are read; the combine pass then sums each token's k weighted outputs
- * into out in ascending expert order, rounding as transformers' index_add does (exact in
- * fp32, bf16 steps for bf16). */
+/* cpud_moe_* (cpud_native.h): a step's routed experts.  The T x k (token, expert) pairs are
+ * grouped by expert (ascending, tokens in order within each); every expert with tokens runs its
+ * gate/up GEMM, activation and down GEMM once over its gathered rows, so only the routed
+ * experts' weights are read; the combine pass then sums each token's k weighted outputs into
+ * out in ascending expert order, rounding as transformers' index_add does (exact in fp32, bf16
+ * steps for bf16).
+ *
+ * bf16 stacks run each expert's packed GEMM in turn.  Quantized stacks run in one parallel
+ * region: x quantized to int8 once per token row and gathered, a work list of (expert, weight
+ * groups, rows) items for every routed expert's gate/up, the activation and its int8
+ * quantization by row shares, the down items, then the combine; each item writes rows of its
+ * own expert only, so no two threads write one output. */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dispatch.h"
 #include "moe.h"
+#include "quant.h"
 
 static int64_t packed_elems(int64_t n, int64_t k) {
     return (n + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * ((k + 1) / 2) * CPUD_GEMM_NB * 2;
 }
+
+/* Bytes of one expert's quantized [n][k]: its packed quants and scales. */
+static void q_bytes(int qt, int64_t n, int64_t k, int64_t *qb, int64_t *sb) {
+    const int64_t groups = (n + QR - 1) / QR, nb = k / q_fmt[qt].bs;
+    *qb = groups * nb * q_fmt[qt].qbytes;
+    *sb = groups * nb * q_fmt[qt].sbytes;
+}
+
+static void *amalloc(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64 + 64); }
 
 /* rows[r] = pair index (t * k + j) of sorted row r; start[e] .. start[e + 1]: expert e. */
 static void group_by_expert(const int32_t *ids, int64_t pairs, int64_t E, int64_t *start,
@@ -29,82 +46,126 @@ static void group_by_expert(const int32_t *ids, int64_t pairs, int64_t E, int64_
 }
 
 /* out[t] = sum over t's slots, ascending expert, of weight * y[row of the slot]. */
-static void combine(int dt, const float *y, const int64_t *row_of, const int32_t *ids,
-                    const float *w, int64_t T, int64_t k, int64_t H, void *out) {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        int64_t order[CPUD_MOE_MAX_K];
+static void combine_token(int dt, const float *y, const int64_t *row_of, const int32_t *ids,
+                          const float *w, int64_t t, int64_t k, int64_t H, void *out) {
+    int64_t order[CPUD_MOE_MAX_K];
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = j;
+        while (i > 0 && ids[t * k + order[i - 1]] > ids[t * k + j]) {
+            order[i] = order[i - 1];
+            i--;
+        }
+        order[i] = j;
+    }
+    void *dst = (char *)out + t * H * dtype_size(dt);
+    for (int64_t h = 0; h < H; h++) {
+        float acc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
-            int64_t i = j;
-            while (i > 0 && ids[t * k + order[i - 1]] > ids[t * k + j]) {
-                order[i] = order[i - 1];
-                i--;
-            }
-            order[i] = j;
+            const int64_t slot = t * k + order[j];
+            const float v = rnd1(y[row_of[slot] * H + h], dt);
+            acc = rnd1(acc + rnd1(v * w[slot], dt), dt);
         }
-        void *dst = (char *)out + t * H * dtype_size(dt);
-        for (int64_t h = 0; h < H; h++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < k; j++) {
-                const int64_t slot = t * k + order[j];
-                const float v = rnd1(y[row_of[slot] * H + h], dt);
-                acc = rnd1(acc + rnd1(v * w[slot], dt), dt);
-            }
-            st1(dst, h, acc, dt);
-        }
+        st1(dst, h, acc, dt);
     }
 }
 
-static int moe_dims_ok(int dtype, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k) {
-    return (dtype == CPUD_F32 || dtype == CPUD_BF16) && T >= 0 && H >= 1 && I >= 1 && E >= 1 &&
-           k >= 1 && k <= CPUD_MOE_MAX_K && k <= E;
+/* act rows [r0, r1) = the clamped SwiGLU of gpt-oss on gu's gate | up halves. */
+static void swiglu_oai_rows(int dt, const void *gu, void *act, int64_t r0, int64_t r1,
+                            int64_t I, float alpha, float limit) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = fminf(ld1(gu, r * 2 * I + i, dt), limit);
+            const float u = fmaxf(fminf(ld1(gu, r * 2 * I + I + i, dt), limit), -limit);
+            st1(act, r * I + i, (u + 1.0f) * (g / (1.0f + expf(-alpha * g))), dt);
+        }
 }
 
-static int experts(const cpud_ops *ops, int dtype, const void *x, int64_t T, int64_t H,
-                   int64_t I, const uint16_t *gate_up, const uint16_t *down, int64_t E,
-                   const float *weights, const int32_t *id, int64_t k, void *out) {
-    const int64_t pairs = T * k;
-    if (T == 0) return CPUD_OK;
+static void activation_rows(const cpud_ops *ops, int dt, const cpud_moe *m, const char *gu,
+                            char *act, int64_t r0, int64_t r1) {
+    const int es = dtype_size(dt);
+    if (r1 <= r0) return;
+    if (m->activation == CPUD_MOE_SWIGLU_OAI)
+        swiglu_oai_rows(dt, gu, act, r0, r1, m->I, m->swiglu_alpha, m->swiglu_limit);
+    else
+        ops->silu_and_mul(dt, gu + r0 * 2 * m->I * es, 2 * m->I, act + r0 * m->I * es, m->I,
+                          r1 - r0, m->I);
+}
 
+static const float *bias_of(intptr_t bias, int64_t e, int64_t n) {
+    return bias ? (const float *)bias + e * n : NULL;
+}
+
+/* The routing, grouped: start [E + 1], rows, row_of [pairs] (sorted row of each pair). */
+typedef struct grouping {
+    int64_t *start, *rows, *row_of;
+} grouping;
+
+static int group(const int32_t *id, int64_t pairs, int64_t E, grouping *g) {
+    g->start = malloc((size_t)(E + 1) * sizeof *g->start);
+    g->rows = malloc((size_t)pairs * sizeof *g->rows);
+    g->row_of = malloc((size_t)pairs * sizeof *g->row_of);
+    if (!g->start || !g->rows || !g->row_of) return CPUD_ENOMEM;
+    group_by_expert(id, pairs, E, g->start, g->rows);
+    /* short of pairs: the grouping's scratch could not be allocated */
+    return g->start[E] == pairs ? CPUD_OK : CPUD_ENOMEM;
+}
+
+static void ungroup(grouping *g) {
+    free(g->start);
+    free(g->rows);
+    free(g->row_of);
+}
+
+static int experts_bf16(const cpud_ops *ops, int dtype, const cpud_moe *m, const void *x,
+                        int64_t T, const float *weights, const int32_t *id, void *out) {
+    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = T * k;
     const int es = dtype_size(dtype);
     const int64_t gus = packed_elems(2 * I, H), ds = packed_elems(H, I);
-    int64_t *start = malloc((size_t)(E + 1) * sizeof *start);
-    int64_t *rows = malloc((size_t)pairs * sizeof *rows);
-    int64_t *row_of = malloc((size_t)pairs * sizeof *row_of);
+    const uint16_t *gate_up = (const uint16_t *)m->gate_up, *down = (const uint16_t *)m->down;
+    grouping g;
     char *xg = malloc((size_t)(pairs * H * es));
     char *gu = malloc((size_t)(pairs * 2 * I * es));
     char *act = malloc((size_t)(pairs * I * es));
     float *y = malloc((size_t)(pairs * H) * sizeof *y);
-    int rc = CPUD_ENOMEM;
-    if (!start || !rows || !row_of || !xg || !gu || !act || !y) goto done;
-    group_by_expert(id, pairs, E, start, rows);
-    if (start[E] != pairs) goto done; /* the grouping's scratch could not be allocated */
+    int rc = group(id, pairs, E, &g);
+    if (rc || !xg || !gu || !act || !y) {
+        rc = CPUD_ENOMEM;
+        goto done;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < pairs; r++) {
-        row_of[rows[r]] = r;
-        memcpy(xg + r * H * es, (const char *)x + rows[r] / k * H * es, (size_t)(H * es));
+        g.row_of[g.rows[r]] = r;
+        memcpy(xg + r * H * es, (const char *)x + g.rows[r] / k * H * es, (size_t)(H * es));
     }
-    /* every routed expert's gate/up, one silu * mul over all rows, every routed expert's down */
-    rc = CPUD_OK;
+    /* every routed expert's gate/up, one activation over all rows, every routed expert's down */
     for (int64_t e = 0; e < E && !rc; e++) {
-        const int64_t r0 = start[e], n = start[e + 1] - r0;
+        const int64_t r0 = g.start[e], n = g.start[e + 1] - r0;
         if (n > 0)
-            rc = ops->gemm_packed(xg + r0 * H * es, dtype, H, gate_up + e * gus, NULL, CPUD_F32,
+            rc = ops->gemm_packed(xg + r0 * H * es, dtype, H, gate_up + e * gus,
+                                  bias_of(m->gate_up_bias, e, 2 * I), CPUD_F32,
                                   gu + r0 * 2 * I * es, dtype, 2 * I, n, 2 * I, H);
     }
-    if (!rc) ops->silu_and_mul(dtype, gu, 2 * I, act, I, pairs, I);
-    for (int64_t e = 0; e < E && !rc; e++) {
-        const int64_t r0 = start[e], n = start[e + 1] - r0;
-        if (n > 0)
-            rc = ops->gemm_packed(act + r0 * I * es, dtype, I, down + e * ds, NULL, CPUD_F32,
-                                  y + r0 * H, CPUD_F32, H, n, H, I);
+    if (!rc) {
+        if (m->activation == CPUD_MOE_SWIGLU_OAI) {
+#pragma omp parallel for schedule(static) if (pairs * I >= CPUD_PAR_MIN)
+            for (int64_t r = 0; r < pairs; r++) activation_rows(ops, dtype, m, gu, act, r, r + 1);
+        } else {
+            ops->silu_and_mul(dtype, gu, 2 * I, act, I, pairs, I);
+        }
     }
-    if (!rc)
-        combine(dtype, y, row_of, id, weights, T, k, H, out);
+    for (int64_t e = 0; e < E && !rc; e++) {
+        const int64_t r0 = g.start[e], n = g.start[e + 1] - r0;
+        if (n > 0)
+            rc = ops->gemm_packed(act + r0 * I * es, dtype, I, down + e * ds,
+                                  bias_of(m->down_bias, e, H), CPUD_F32, y + r0 * H, CPUD_F32, H,
+                                  n, H, I);
+    }
+    if (!rc) {
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < T; t++) combine_token(dtype, y, g.row_of, id, weights, t, k, H, out);
+    }
 done:
-    free(start);
-    free(rows);
-    free(row_of);
+    ungroup(&g);
     free(xg);
     free(gu);
     free(act);
@@ -112,37 +173,220 @@ done:
     return rc;
 }
 
+/* int8 rows as cpud_qops reads them: q [rows][K], d [rows][K/32], s [rows][K/16]. */
+typedef struct qbuf {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+} qbuf;
+
+static int qbuf_alloc(qbuf *b, int64_t rows, int64_t K) {
+    b->q = amalloc((size_t)(rows * K));
+    b->d = amalloc((size_t)(rows * (K / 32)) * sizeof(float));
+    b->s = amalloc((size_t)(rows * (K / 16)) * sizeof(int32_t));
+    return b->q && b->d && b->s ? CPUD_OK : CPUD_ENOMEM;
+}
+
+static void qbuf_free(qbuf *b) {
+    free(b->q);
+    free(b->d);
+    free(b->s);
+}
+
+/* The thread's share [*r0, *r1) of n rows. */
+static void share(int64_t n, int64_t *r0, int64_t *r1) {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    *r0 = n * t / nt;
+    *r1 = n * (t + 1) / nt;
+}
+
+/* Quantizes rows of x [n][K] (dtype dt, contiguous) into b's rows from `row`. */
+static void quantize_rows(const cpud_qops *q, int dt, const char *x, int64_t row, int64_t n,
+                          int64_t K, const qbuf *b) {
+    if (n > 0)
+        q->quantize(x + row * K * dtype_size(dt), dt, K, n, K, b->q + row * K,
+                    b->d + row * (K / 32), b->s + row * (K / 16));
+}
+
+/* A work item: weight groups [g0, g1) of expert e over sorted rows [m0, m1). */
+typedef struct moe_item {
+    int64_t e, g0, g1, m0, m1;
+} moe_item;
+
+/* The items of a projection with n output rows (items NULL: only counted): each routed
+ * expert's rows in runs of QMC, its groups in runs of cg. */
+static int64_t make_items(const int64_t *start, int64_t E, int64_t n, int64_t cg,
+                          moe_item *items) {
+    const int64_t groups = (n + QR - 1) / QR;
+    int64_t c = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += QMC) {
+            const int64_t m1 = m0 + QMC < start[e + 1] ? m0 + QMC : start[e + 1];
+            for (int64_t g0 = 0; g0 < groups; g0 += cg, c++)
+                if (items) items[c] = (moe_item){e, g0, g0 + cg < groups ? g0 + cg : groups, m0, m1};
+        }
+    return c;
+}
+
+/* Weight groups per item: about 4 items per thread over the routed experts' groups. */
+static int64_t groups_per_item(const int64_t *start, int64_t E, int64_t n) {
+    int64_t routed = 0;
+    for (int64_t e = 0; e < E; e++) routed += start[e + 1] > start[e];
+    const int64_t total = routed * ((n + QR - 1) / QR), want = 4 * (int64_t)omp_get_max_threads();
+    return total / want > 1 ? total / want : 1;
+}
+
+/* One projection's items: out rows (dtype odt, row stride n) from a's rows. */
+static void run_items(const cpud_qops *q, int qt, const moe_item *items, int64_t count,
+                      const qact *a, const uint8_t *qs, const uint8_t *sc, int64_t qb, int64_t sb,
+                      intptr_t bias, void *out, int odt, int64_t n) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; i++) {
+        const moe_item *it = &items[i];
+        for (int64_t g = it->g0; g < it->g1; g++)
+            q->rows(qt, a, qs + it->e * qb, sc + it->e * sb, bias_of(bias, it->e, n), out, odt, n,
+                    it->m0, it->m1, g, n);
+    }
+}
+
+static int experts_quant(const cpud_ops *ops, const cpud_qops *q, int dt, const cpud_moe *m,
+                         const void *x, int64_t T, const float *weights, const int32_t *id,
+                         void *out) {
+    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = T * k;
+    const int es = dtype_size(dt), gqt = m->gate_up_qtype, dqt = m->down_qtype;
+    int64_t guq, gus, dq, dsb;
+    q_bytes(gqt, 2 * I, H, &guq, &gus);
+    q_bytes(dqt, H, I, &dq, &dsb);
+    grouping g;
+    qbuf qx = {0}, qg = {0}, qa = {0};
+    moe_item *gu_items = NULL, *down_items = NULL;
+    char *gu = malloc((size_t)(pairs * 2 * I * es));
+    char *act = malloc((size_t)(pairs * I * es));
+    float *y = malloc((size_t)(pairs * H) * sizeof *y);
+    int rc = group(id, pairs, E, &g);
+    if (rc || qbuf_alloc(&qx, T, H) || qbuf_alloc(&qg, pairs, H) || qbuf_alloc(&qa, pairs, I) ||
+        !gu || !act || !y) {
+        rc = CPUD_ENOMEM;
+        goto done;
+    }
+    const int64_t gu_cg = groups_per_item(g.start, E, 2 * I),
+                  down_cg = groups_per_item(g.start, E, H);
+    const int64_t n_gu = make_items(g.start, E, 2 * I, gu_cg, NULL),
+                  n_down = make_items(g.start, E, H, down_cg, NULL);
+    gu_items = malloc((size_t)n_gu * sizeof *gu_items);
+    down_items = malloc((size_t)n_down * sizeof *down_items);
+    if (!gu_items || !down_items) {
+        rc = CPUD_ENOMEM;
+        goto done;
+    }
+    make_items(g.start, E, 2 * I, gu_cg, gu_items);
+    make_items(g.start, E, H, down_cg, down_items);
+    const qact ag = {qg.q, qg.d, qg.s, H}, aa = {qa.q, qa.d, qa.s, I};
+#pragma omp parallel
+    {
+        int64_t r0, r1;
+        share(T, &r0, &r1);
+        quantize_rows(q, dt, x, r0, r1 - r0, H, &qx);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) {
+            const int64_t t = g.rows[r] / k;
+            g.row_of[g.rows[r]] = r;
+            memcpy(qg.q + r * H, qx.q + t * H, (size_t)H);
+            memcpy(qg.d + r * (H / 32), qx.d + t * (H / 32), (size_t)(H / 32) * sizeof(float));
+            memcpy(qg.s + r * (H / 16), qx.s + t * (H / 16), (size_t)(H / 16) * sizeof(int32_t));
+        }
+        run_items(q, gqt, gu_items, n_gu, &ag, (const uint8_t *)m->gate_up,
+                  (const uint8_t *)m->gate_up_sc, guq, gus, m->gate_up_bias, gu, dt, 2 * I);
+        share(pairs, &r0, &r1);
+        activation_rows(ops, dt, m, gu, act, r0, r1);
+        quantize_rows(q, dt, act, r0, r1 - r0, I, &qa);
+#pragma omp barrier
+        run_items(q, dqt, down_items, n_down, &aa, (const uint8_t *)m->down,
+                  (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, y, CPUD_F32, H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) combine_token(dt, y, g.row_of, id, weights, t, k, H, out);
+    }
+done:
+    ungroup(&g);
+    qbuf_free(&qx);
+    qbuf_free(&qg);
+    qbuf_free(&qa);
+    free(gu_items);
+    free(down_items);
+    free(gu);
+    free(act);
+    free(y);
+    return rc;
+}
+
+static int quantized(const cpud_moe *m) { return m->gate_up_qtype >= 0; }
+
+static int moe_ok(int dtype, const cpud_moe *m) {
+    if (!m || (dtype != CPUD_F32 && dtype != CPUD_BF16) || m->H < 1 || m->I < 1 || m->E < 1 ||
+        m->k < 1 || m->k > CPUD_MOE_MAX_K || m->k > m->E || !m->gate_up || !m->down)
+        return 0;
+    if ((m->router_kind != CPUD_MOE_SOFTMAX_TOPK && m->router_kind != CPUD_MOE_TOPK_SOFTMAX) ||
+        (m->activation != CPUD_MOE_SILU && m->activation != CPUD_MOE_SWIGLU_OAI) ||
+        !(m->swiglu_limit > 0.0f) || !isfinite(m->swiglu_alpha))
+        return 0;
+    if (m->gate_up_qtype == -1 && m->down_qtype == -1) return 1;
+    const int g = m->gate_up_qtype, d = m->down_qtype;
+    return g >= 0 && g < Q_TYPES && d >= 0 && d < Q_TYPES && m->gate_up_sc && m->down_sc &&
+           m->gate_up % 64 == 0 && m->down % 64 == 0 && m->H % q_fmt[g].bs == 0 &&
+           m->I % q_fmt[d].bs == 0 && m->H % 32 == 0 && m->I % 32 == 0;
+}
+
+static int routed(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m, const void *x,
+                  int64_t T, const float *weights, const int32_t *id, void *out) {
+    if (T == 0) return CPUD_OK;
+    if (!quantized(m)) return experts_bf16(ops, dtype, m, x, T, weights, id, out);
+    const cpud_qops *q = cpud_qops_for(isa, m->quant_flags);
+    if (!q) return CPUD_EISA;
+    return experts_quant(ops, q, dtype, m, x, T, weights, id, out);
+}
+
+int cpud_moe_routed(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T,
+                    intptr_t weights, intptr_t ids, intptr_t out) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (!moe_ok(dtype, m) || T < 0 || (T > 0 && (!x || !weights || !ids || !out)))
+        return CPUD_EARG;
+    const int32_t *id = (const int32_t *)ids;
+    for (int64_t p = 0; p < T * m->k; p++)
+        if (id[p] < 0 || id[p] >= m->E) return CPUD_EARG;
+    return routed(ops, isa, dtype, m, (const void *)x, T, (const float *)weights, id, (void *)out);
+}
+
 int cpud_moe_experts(int isa, int dtype, intptr_t x, int64_t T, int64_t H, int64_t I,
                      intptr_t gate_up, intptr_t down, int64_t E, intptr_t weights, intptr_t ids,
                      int64_t k, intptr_t out) {
-    const cpud_ops *ops = cpud_ops_for(isa);
-    if (!ops) return CPUD_EISA;
-    if (!moe_dims_ok(dtype, T, H, I, E, k) || !gate_up || !down ||
-        (T > 0 && (!x || !weights || !ids || !out)))
-        return CPUD_EARG;
-    const int32_t *id = (const int32_t *)ids;
-    for (int64_t p = 0; p < T * k; p++)
-        if (id[p] < 0 || id[p] >= E) return CPUD_EARG;
-    return experts(ops, dtype, (const void *)x, T, H, I, (const uint16_t *)gate_up,
-                   (const uint16_t *)down, E, (const float *)weights, id, k, (void *)out);
+    const cpud_moe m = {.E = E, .k = k, .H = H, .I = I, .swiglu_limit = 1.0f,
+                        .gate_up_qtype = -1, .down_qtype = -1, .gate_up = gate_up, .down = down};
+    return cpud_moe_routed(isa, dtype, &m, x, T, weights, ids, out);
 }
 
-/* For each token: softmax (fp32) over its E router logits, the k largest (ties: the lower
- * id first), renormalised over the k (CPUD_MOE_RENORMALIZE), rounded to dt
+/* For each token (kind, flags of m): softmax_topk: softmax (fp32) over its E router logits,
+ * the k largest (ties: the lower id first), renormalised over the k (CPUD_MOE_RENORMALIZE);
+ * topk_softmax: the k largest logits, softmax (fp32) over them; rounded to dt
  * (CPUD_MOE_WEIGHTS_IN_DTYPE) - transformers' routers. */
-static void route(int dt, const void *logits, int64_t T, int64_t E, int64_t k, int flags,
-                  float *w, int32_t *ids) {
+static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, float *w,
+                  int32_t *ids) {
+    const int64_t E = m->E, k = m->k;
+    const int flags = m->flags, raw = m->router_kind == CPUD_MOE_TOPK_SOFTMAX;
 #pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
         const void *row = (const char *)logits + t * E * dtype_size(dt);
         float top[CPUD_MOE_MAX_K];
         int32_t *id = ids + t * k;
         float mx = ld1(row, 0, dt), sum = 0.0f, picked = 0.0f;
-        for (int64_t e = 1; e < E; e++) mx = fmaxf(mx, ld1(row, e, dt));
-        for (int64_t e = 0; e < E; e++) sum += expf(ld1(row, e, dt) - mx);
+        if (!raw) {
+            for (int64_t e = 1; e < E; e++) mx = fmaxf(mx, ld1(row, e, dt));
+            for (int64_t e = 0; e < E; e++) sum += expf(ld1(row, e, dt) - mx);
+        }
         int64_t n = 0;
         for (int64_t e = 0; e < E; e++) {
-            const float p = expf(ld1(row, e, dt) - mx) / sum;
+            const float p = raw ? ld1(row, e, dt) : expf(ld1(row, e, dt) - mx) / sum;
             if (n == k && p <= top[k - 1]) continue;
             int64_t i = n < k ? n++ : k - 1;
             while (i > 0 && top[i - 1] < p) {
@@ -153,34 +397,56 @@ static void route(int dt, const void *logits, int64_t T, int64_t E, int64_t k, i
             top[i] = p;
             id[i] = (int32_t)e;
         }
-        for (int64_t j = 0; j < k; j++) picked += top[j];
+        if (raw) { /* softmax over the k picked logits; top[0] is their largest */
+            for (int64_t j = 0; j < k; j++) picked += top[j] = expf(top[j] - top[0]);
+        } else {
+            for (int64_t j = 0; j < k; j++) picked += top[j];
+        }
         for (int64_t j = 0; j < k; j++) {
-            const float v = flags & CPUD_MOE_RENORMALIZE ? top[j] / picked : top[j];
+            const float v = raw || flags & CPUD_MOE_RENORMALIZE ? top[j] / picked : top[j];
             w[t * k + j] = flags & CPUD_MOE_WEIGHTS_IN_DTYPE ? rnd1(v, dt) : v;
         }
     }
 }
 
-int cpud_moe_ffn_ops(const cpud_ops *ops, int dtype, const void *x, void *out, int64_t T,
-                     int64_t H, int64_t I, int64_t E, int64_t k, int flags,
-                     const uint16_t *router, const uint16_t *gate_up, const uint16_t *down) {
-    if (!moe_dims_ok(dtype, T, H, I, E, k) || !router || !gate_up || !down) return CPUD_EARG;
+int cpud_moe_layer_ops(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
+                       const void *x, void *out, int64_t T) {
+    if (!moe_ok(dtype, m) || !m->router || T < 0) return CPUD_EARG;
     if (T == 0) return CPUD_OK;
+    const int64_t E = m->E, k = m->k;
     char *logits = malloc((size_t)(T * E * dtype_size(dtype)));
     float *w = malloc((size_t)(T * k) * sizeof *w);
     int32_t *ids = malloc((size_t)(T * k) * sizeof *ids);
     int rc = CPUD_ENOMEM;
     if (logits && w && ids) {
-        rc = ops->gemm_packed(x, dtype, H, router, NULL, CPUD_F32, logits, dtype, E, T, E, H);
+        rc = ops->gemm_packed(x, dtype, m->H, (const uint16_t *)m->router,
+                              (const void *)m->router_bias, CPUD_F32, logits, dtype, E, T, E,
+                              m->H);
         if (!rc) {
-            route(dtype, logits, T, E, k, flags, w, ids);
-            rc = experts(ops, dtype, x, T, H, I, gate_up, down, E, w, ids, k, out);
+            route(dtype, logits, T, m, w, ids);
+            rc = routed(ops, isa, dtype, m, x, T, w, ids, out);
         }
     }
     free(logits);
     free(w);
     free(ids);
     return rc;
+}
+
+int cpud_moe_layer(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T, intptr_t out) {
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
+    if (T > 0 && (!x || !out)) return CPUD_EARG;
+    return cpud_moe_layer_ops(ops, isa, dtype, m, (const void *)x, (void *)out, T);
+}
+
+int cpud_moe_ffn_ops(const cpud_ops *ops, int dtype, const void *x, void *out, int64_t T,
+                     int64_t H, int64_t I, int64_t E, int64_t k, int flags,
+                     const uint16_t *router, const uint16_t *gate_up, const uint16_t *down) {
+    const cpud_moe m = {.E = E, .k = k, .H = H, .I = I, .flags = flags, .swiglu_limit = 1.0f,
+                        .router = (intptr_t)router, .gate_up_qtype = -1, .down_qtype = -1,
+                        .gate_up = (intptr_t)gate_up, .down = (intptr_t)down};
+    return cpud_moe_layer_ops(ops, CPUD_ISA_SCALAR, dtype, &m, x, out, T);
 }
 
 int cpud_moe_ffn(int isa, int dtype, intptr_t x, int64_t T, int64_t H, int64_t I, int64_t E,

@@ -8,5 +8,8 @@
 int cpud_moe_ffn_ops(const cpud_ops *ops, int dtype, const void *x, void *out, int64_t T,
                      int64_t H, int64_t I, int64_t E, int64_t k, int flags,
                      const uint16_t *router, const uint16_t *gate_up, const uint16_t *down);
+/* cpud_moe_layer (cpud_native.h) on a kernel table; isa picks the quantized kernels. */
+int cpud_moe_layer_ops(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
+                       const void *x, void *out, int64_t T);
 
 #endif

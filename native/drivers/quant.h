@@ -90,8 +90,16 @@ typedef struct cpud_qops {
     void (*gemm_parts)(const qpart *p, int np, const qact *a, void *out, int odt, int64_t os,
                        int64_t M);
     double (*probe)(int64_t iters, float *sink);
+    /* out rows [m0, m1) x weight group g (its 16 rows of N; qs, sc at the weights' first
+     * group) on the calling thread, no parallel region: a share of a caller's work list */
+    void (*rows)(int qtype, const qact *a, const uint8_t *qs, const uint8_t *sc,
+                 const float *bias, void *out, int odt, int64_t os, int64_t m0, int64_t m1,
+                 int64_t g, int64_t N);
     int mrows; /* gemm reads x's buffers in whole blocks of this many rows (pad rows zero) */
 } cpud_qops;
+
+/* The variant cpud_quant_gemm runs for (isa, flags), or NULL (quant_api.c). */
+const cpud_qops *cpud_qops_for(int isa, int flags);
 
 extern const cpud_qops cpud_qops_scalar, cpud_qops_avx2, cpud_qops_avx2_vnni, cpud_qops_avx512,
     cpud_qops_avx512_vnni, cpud_qops_amx;

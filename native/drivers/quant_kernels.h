@@ -240,6 +240,21 @@ static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out,
     }
 }
 
+static QTGT void qrows_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,
+                         const float *bias, void *out, int odt, int64_t os, int64_t m0,
+                         int64_t m1, int64_t g, int64_t N) {
+    const int64_t nb = a->K / q_fmt[qt].bs;
+    float res[4 * QR];
+    qtile t = {qs + g * nb * q_fmt[qt].qbytes, sc + g * nb * q_fmt[qt].sbytes, a, m0, nb, res};
+    while (t.m0 < m1) {
+        const int64_t left = m1 - t.m0;
+        const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
+        q_tiles[qt][mr == 1 ? 0 : mr == 2 ? 1 : 2](&t);
+        q_store(res, mr, t.m0, g, N, bias, out, odt, os);
+        t.m0 += mr;
+    }
+}
+
 static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,
                          const float *bias, void *out, int odt, int64_t os, int64_t M, int64_t N) {
     const qpart p = {qt, qs, sc, bias, N, 0};
@@ -265,4 +280,5 @@ static QTGT __attribute__((unused)) double probe_k(int64_t iters, float *sink) {
 
 #define QUANT_OPS(sym, label)                                                                      \
     const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k,                 \
-                           .gemm_parts = qgemm_parts_k, .probe = probe_k, .mrows = 1}
+                           .gemm_parts = qgemm_parts_k, .probe = probe_k, .rows = qrows_k,  \
+                           .mrows = 1}

@@ -375,6 +375,7 @@ const cpud_qops cpud_qops_amx = {
     .gemm = qgemm_amx,
     .gemm_parts = qgemm_parts_k,
     .probe = probe_amx,
+    .rows = qrows_k,
     .mrows = 16,
 };
 #else

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpud.model.model_config import ModelConfig
+from cpud.model.moe_recipe import MoeRecipe
 from cpud.model.sizes import divide
 from cpud.ranks.layers.base import Layer
-from cpud.ranks.layers.linear import ReplicatedLinear, check_shape, new_param
+from cpud.ranks.layers.linear import ReplicatedLinear, check_shape, load_whole, new_param
 from cpud.ranks.ops import Ops
 from cpud.ranks.parallel import TPGroup
 from cpud.settings.errors import ConfigError
@@ -30,18 +31,40 @@ ALL = "all"  # the shard id's expert for a stack of every expert (GGUF's *_exps 
 # cpud_moe_flags (native/c_api/cpud_native.h)
 RENORMALIZE = 1
 WEIGHTS_IN_DTYPE = 2
+SILU = MoeRecipe()
 
 
 def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    router: str = "softmax_topk",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in weights_dtype, expert ids [T, k] int32) from router logits [T, E]:
-    softmax in fp32, top-k, optionally renormalised over the chosen k."""
+    softmax_topk: softmax in fp32, top-k, optionally renormalised over the chosen k;
+    topk_softmax: top-k of the logits, softmax in fp32 over those k."""
+    if router == "topk_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+        return weights.to(weights_dtype), ids.to(torch.int32)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights.to(weights_dtype), ids.to(torch.int32)
+
+
+def activate(h: torch.Tensor, recipe: MoeRecipe) -> torch.Tensor:
+    """[n, 2 I] gate | up -> [n, I] by the recipe's activation, in h's dtype."""
+    inter = h.shape[-1] // 2
+    gate, up = h[:, :inter], h[:, inter:]
+    if recipe.activation == "silu":
+        return F.silu(gate) * up
+    limit = recipe.swiglu_limit
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * recipe.swiglu_alpha))
 
 
 def experts_reference(
@@ -50,22 +73,26 @@ def experts_reference(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    recipe: MoeRecipe = SILU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, H] = sum over each token's experts e of weight * down_e(silu(gate_e x) * up_e x),
-    in x's dtype, experts added in ascending order (the numerics of transformers' modules)."""
+    """out [T, H] = sum over each token's experts e of weight * down_e(act(gate_up_e x)), with
+    the experts' biases when given, in x's dtype, experts added in ascending order (the
+    numerics of transformers' modules)."""
     out = torch.zeros_like(x)
-    inter = gate_up.shape[1] // 2
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        h = F.linear(x[token], gate_up[e])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, down[e]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(x.dtype))
+        h = F.linear(x[token], gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+        h = activate(h, recipe)
+        y = F.linear(h, down[e], None if down_bias is None else down_bias[e])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
     return out
 
 
 class MoEExperts(Layer):
-    """This rank's slices of every expert's gate/up and down projections."""
+    """This rank's slices of every expert's gate/up and down projections (and their biases
+    when the recipe has them)."""
 
     def __init__(
         self,
@@ -75,24 +102,39 @@ class MoEExperts(Layer):
         dtype: torch.dtype,
         group: TPGroup,
         ops: Ops,
+        recipe: MoeRecipe = SILU,
     ):
         super().__init__()
         self.group = group
         self.ops = ops
+        self.recipe = recipe
         self.num_experts = num_experts
         self.hidden = hidden
         self.inter = divide(intermediate, group.size, "moe_intermediate_size")
         shape = (num_experts, 2 * self.inter, hidden)
         self.gate_up_proj = new_param(shape, dtype, self.load_gate_up)
         self.down_proj = new_param((num_experts, hidden, self.inter), dtype, self.load_down)
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if recipe.expert_bias:
+            bias_shape = (num_experts, 2 * self.inter)
+            self.gate_up_proj_bias = new_param(bias_shape, dtype, self.load_gate_up_bias)
+            self.down_proj_bias = new_param((num_experts, hidden), dtype, load_whole)
         self.packed: Any = None  # native: (gate_up [E, *packed], down [E, *packed]) bf16
         self._packing: tuple[torch.Tensor, torch.Tensor] | None = None  # filled while loading
+        # Kept in GGUF blocks (ranks/gguf_experts.py): the plan while loading, then the
+        # (gate_up, down) ExpertStacks the kernel runs.
+        self.quant_plan: Any = None
+        self.quant: Any = None
+        self.quant_sources: dict[str, Any] = {}  # {"gate", "up", "down": GGUF source}
 
     def begin_pack(self) -> None:
         """From here on each expert's rows go from the checkpoint straight into the packed
-        stacks; the plain stacks' pages are never touched."""
+        stacks; the plain stacks' pages are never touched.  Experts kept quantized stay so."""
         from cpud.native import packed_shape
 
+        if self.quant_plan is not None:
+            return
         shapes = (packed_shape(2 * self.inter, self.hidden), packed_shape(self.hidden, self.inter))
         self._packing = tuple(
             torch.zeros((self.num_experts, *shape), dtype=torch.bfloat16) for shape in shapes
@@ -108,31 +150,61 @@ class MoEExperts(Layer):
 
             pack_rows(self._packing[which][expert], row0, rows)
 
+    def _local(self) -> slice:
+        return slice(self.group.rank * self.inter, (self.group.rank + 1) * self.inter)
+
     def load_gate_up(self, param: nn.Parameter, source: Any, shard_id: Any) -> None:
         """shard_id (expert, part): part 0 gate, 1 up of one expert's [I, H] tensor, or of a
-        GGUF stack [E, I, H] of every expert when expert is ALL."""
+        GGUF stack [E, I, H] of every expert when expert is ALL; None: the whole stack
+        [E, 2 I, H] in cpud's layout (gate rows, then up rows)."""
+        rows = self._local()
+        if shard_id is None:
+            full = self.inter * self.group.size
+            for e in range(self.num_experts):
+                whole = source[e : e + 1][0]
+                self._store(0, param, e, 0, whole[rows])
+                self._store(0, param, e, self.inter, whole[full + rows.start : full + rows.stop])
+            return
         expert, part = shard_id
-        rows = slice(self.group.rank * self.inter, (self.group.rank + 1) * self.inter)
         if expert != ALL:
             self._store(0, param, expert, part * self.inter, source[rows])
             return
+        self._check_stack(source, self.inter * self.group.size, self.hidden)
+        if self.quant_plan is not None:
+            self.quant_sources[("gate", "up")[part]] = source
+            return
         from cpud.ranks.gguf_experts import expert_rows
 
-        self._check_stack(source, self.inter * self.group.size, self.hidden)
         for e in range(self.num_experts):
             self._store(0, param, e, part * self.inter, expert_rows(source, e, rows))
 
     def load_down(self, param: nn.Parameter, source: Any, shard_id: Any) -> None:
+        columns = self._local()
+        if shard_id is None:
+            for e in range(self.num_experts):
+                self._store(1, param, e, 0, source[e : e + 1][0][:, columns])
+            return
         expert, _ = shard_id
-        columns = slice(self.group.rank * self.inter, (self.group.rank + 1) * self.inter)
         if expert != ALL:
             self._store(1, param, expert, 0, source[:, columns])
             return
+        self._check_stack(source, self.hidden, self.inter * self.group.size)
+        if self.quant_plan is not None:
+            self.quant_sources["down"] = source
+            return
         from cpud.ranks.gguf_experts import expert_rows
 
-        self._check_stack(source, self.hidden, self.inter * self.group.size)
         for e in range(self.num_experts):
             self._store(1, param, e, 0, expert_rows(source, e, slice(None), columns))
+
+    def load_gate_up_bias(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        """The whole [E, 2 I] bias (gate, then up); this rank keeps its slice of each half."""
+        full = source[:]
+        rows = self._local()
+        half = full.shape[-1] // 2
+        mine = torch.cat([full[:, rows], full[:, half + rows.start : half + rows.stop]], dim=1)
+        check_shape(tuple(param.shape), mine, "experts.gate_up_proj_bias")
+        param.data.copy_(mine)
 
     def _check_stack(self, source: Any, rows: int, columns: int) -> None:
         want = [self.num_experts, rows, columns]
@@ -144,16 +216,43 @@ class MoEExperts(Layer):
 
     def finish_pack(self) -> None:
         """The packed stacks filled while loading replace the plain weights."""
+        if self.quant_plan is not None:
+            return
         self.packed, self._packing = self._packing, None
         self.gate_up_proj = None
         self.down_proj = None
 
+    def stacks(self) -> Any:
+        """(gate_up, down) ExpertStacks for the native kernel, or None (torch)."""
+        if self.quant is not None:
+            return self.quant
+        if self.packed is None:
+            return None
+        from cpud.native.moe_kernels import ExpertStack
+
+        gate_up, down = self.packed
+        return (
+            ExpertStack(2 * self.inter, self.hidden, gate_up),
+            ExpertStack(self.hidden, self.inter, down),
+        )
+
+    def biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up bias, down bias) this rank adds: the down bias on rank 0 only, since the
+        ranks' partial outputs are summed."""
+        gate_up = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias.data
+        down = self.down_proj_bias
+        return gate_up, (down.data if down is not None and self.group.rank == 0 else None)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum over the experts (not yet all-reduced)."""
-        if self.packed is not None:
-            gate_up, down = self.packed
-            return self.ops.k.moe_experts(x, gate_up, down, weights, ids, self.inter)
-        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+        stacks = self.stacks()
+        if stacks is not None:
+            from cpud.native.moe_kernels import moe_routed
+
+            return moe_routed(self.ops.k, x, *stacks, weights, ids, self.recipe, *self.biases())
+        return experts_reference(
+            x, self.gate_up_proj, self.down_proj, weights, ids, self.recipe, *self.biases()
+        )
 
 
 class SparseMoeBlock(Layer):
@@ -163,12 +262,21 @@ class SparseMoeBlock(Layer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, group: TPGroup, ops: Ops):
         super().__init__()
         self.group = group
+        self.recipe = cfg.moe_recipe
         self.top_k = cfg.num_experts_per_tok
-        self.renormalize = cfg.norm_topk_prob
-        self.weights_in_dtype = cfg.router_weights_in_dtype
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype)
+        self.renormalize = self.recipe.renormalize
+        self.weights_in_dtype = self.recipe.weights_in_dtype
+        self.gate = ReplicatedLinear(
+            cfg.hidden_size, cfg.num_experts, self.recipe.router_bias, dtype
+        )
         self.experts = MoEExperts(
-            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, group, ops
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            dtype,
+            group,
+            ops,
+            self.recipe,
         )
         self.shared_expert: Layer | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
@@ -186,22 +294,25 @@ class SparseMoeBlock(Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
-        if experts.packed is not None and self.gate.packed is not None:
-            gate_up, down = experts.packed
-            out = experts.ops.k.moe_ffn(
+        stacks = experts.stacks()
+        if stacks is not None and self.gate.packed is not None:
+            from cpud.native.moe_kernels import moe_layer
+
+            out = moe_layer(
+                experts.ops.k,
                 x.contiguous(),
                 self.gate.packed,
-                gate_up,
-                down,
+                *stacks,
                 self.top_k,
-                experts.inter,
-                self.flags,
+                self.recipe,
+                *experts.biases(),
             )
         else:
             logits = self.gate(x)
             dtype = x.dtype if self.weights_in_dtype else torch.float32
-            weights, ids = route(logits, self.top_k, self.renormalize, dtype)
-            out = self.experts(x, weights, ids)
+            router = self.recipe.router
+            weights, ids = route(logits, self.top_k, self.renormalize, dtype, router)
+            out = self.experts(x.contiguous(), weights, ids)
         out = self.group.all_reduce(out)
         if self.shared_expert is None:
             return out

@@ -14,6 +14,7 @@ from cpud.model.model_config import (
     decoder_fields,
     is_int,
 )
+from cpud.model.moe_recipe import MoeRecipe
 from cpud.ranks.models.families.qwen import qwen_window
 from cpud.ranks.models.family import Family
 
@@ -36,6 +37,7 @@ def _hf_moe_fields(f: ConfigFields, arch: str, num_layers: int) -> dict[str, Any
             num_experts_per_tok=top_k,
             moe_intermediate_size=f.size("intermediate_size"),
             norm_topk_prob=True,
+            moe=MoeRecipe(renormalize=True),
         )
     step = f.size("decoder_sparse_step", 1)
     only = f.value("mlp_only_layers", [])
@@ -49,6 +51,7 @@ def _hf_moe_fields(f: ConfigFields, arch: str, num_layers: int) -> dict[str, Any
         moe_intermediate_size=f.size("moe_intermediate_size"),
         norm_topk_prob=f.flag("norm_topk_prob", False),
         router_weights_in_dtype=True,
+        moe=MoeRecipe(renormalize=f.flag("norm_topk_prob", False), weights_in_dtype=True),
         dense_layers=dense,
         shared_expert_intermediate_size=shared,
     )
@@ -94,6 +97,7 @@ def gguf_config(m: GGUFMeta) -> ModelConfig:
         ),
         norm_topk_prob=True,
         router_weights_in_dtype=qwen,
+        moe=MoeRecipe(renormalize=True, weights_in_dtype=qwen),
         dense_layers=dense,
     )
     return decoder_config(fields)
