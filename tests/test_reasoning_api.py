@@ -201,3 +201,74 @@ def test_harmony_reasoning_cut_by_max_tokens(gpt_oss, answer):
     got = answer(client, messages=ASK, max_tokens=12)
     assert got["finish"] == "length" and got["content"] == ""
     assert "The user asks about Paris.".startswith(got["reasoning"]) and got["reasoning"]
+
+
+def response_items(response) -> list[tuple]:
+    items = []
+    for item in response.output:
+        if item.type == "reasoning":
+            items.append(("reasoning", "".join(c.text for c in item.content or [])))
+        elif item.type == "message":
+            items.append(("message", "".join(c.text for c in item.content)))
+        else:
+            items.append(("function_call", item.name, json.loads(item.arguments)))
+    return items
+
+
+def streamed_response(client, **kwargs) -> tuple[list[tuple], list[str]]:
+    """The final response's items, checked against the events that built them."""
+    kinds, reasoning, final = [], {}, None
+    with client.responses.stream(model="scripted", **kwargs) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.reasoning_text.delta":
+                reasoning[event.item_id] = reasoning.get(event.item_id, "") + event.delta
+        final = stream.get_final_response()
+    items = response_items(final)
+    streamed = [r for r in reasoning.values()]
+    assert [i[1] for i in items if i[0] == "reasoning"] == streamed
+    return items, kinds
+
+
+def test_responses_carry_a_reasoning_item_before_the_message(gpt_oss):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_ANSWER, HARMONY_ANSWER)
+    expected = [("reasoning", "The user asks about Paris."), ("message", "Sunny, 21 C.")]
+    assert response_items(client.responses.create(model="scripted", input="Weather?")) == expected
+    items, kinds = streamed_response(client, input="Weather?")
+    assert items == expected
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+
+def test_responses_harmony_calls_are_function_call_items(gpt_oss):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_CALL, HARMONY_CALL)
+    tools = [{"type": "function", **WEATHER[0]["function"]}]
+    expected = [
+        ("reasoning", "Need the tool."),
+        ("function_call", "get_weather", {"city": "Paris"}),
+    ]
+    whole_answer = client.responses.create(model="scripted", input="Weather?", tools=tools)
+    assert response_items(whole_answer) == expected
+    assert streamed_response(client, input="Weather?", tools=tools)[0] == expected
+
+
+def test_responses_take_back_their_reasoning_items_as_input(think):
+    """A client that sends the previous output back (reasoning item included) is answered."""
+    server, client, _ = think
+    server.will_say("<think>one</think>first", "<think>two</think>second")
+    first = client.responses.create(model="scripted", input="Hi")
+    assert response_items(first) == [("reasoning", "one"), ("message", "first")]
+    history = [{"role": "user", "content": "Hi"}, *[i.model_dump() for i in first.output]]
+    history.append({"role": "user", "content": "And?"})
+    second = client.responses.create(model="scripted", input=history)
+    assert response_items(second) == [("reasoning", "two"), ("message", "second")]
+
+
+def test_a_reasoning_only_response_cut_by_max_output_tokens(think):
+    server, client, _ = think
+    server.will_say("<think>\nLet me think about the weather in Paris for a long while")
+    response = client.responses.create(model="scripted", input="Weather?", max_output_tokens=6)
+    assert response.status == "incomplete"
+    [(kind, text)] = response_items(response)
+    assert kind == "reasoning" and "Let me think about the weather".startswith(text)

@@ -32,9 +32,10 @@ from cpud.frontend.logprobs import (
     legacy_logprobs,
     prompt_logprobs_json,
 )
+from cpud.frontend.reasoning_stream import ChatTextStream, read_all, reasoning_fields
 from cpud.frontend.requests import Prompt, check_kv_room
 from cpud.frontend.state import ServerState
-from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
+from cpud.frontend.tool_calls import new_call_id, parse
 from cpud.settings.errors import RequestError
 
 ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
@@ -48,7 +49,7 @@ class Choice:
     offset: int = 0  # text_offset of the next token's logprobs (as the full response counts)
     started: bool = False
     finished: bool = False
-    tool_stream: ToolCallStream | None = None
+    tool_stream: ChatTextStream | None = None  # reasoning and tool calls read off the text
     # Tokens (and their logprob entries) whose text is held back: they go with the next text.
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[dict] = field(default_factory=list)
@@ -314,21 +315,29 @@ def full_choice(
         return choice
     message: dict = {"role": "assistant", "content": out.text}
     reason = finish_reason(out)
+    text, calls = out.text, []
+    if job.reasoning is not None:
+        read = read_all(job.reasoning, out.text, reason == "length")
+        message.update(content=read.content, **reasoning_fields(read.reasoning))
+        text, calls = read.content or "", read.calls
     if job.tool_parser is not None:
         cut = reason == "length"
-        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls, cut)
-        if parsed.calls or parsed.content != (out.text or None):
+        parsed = parse(text, job.tool_parser, job.parallel_tool_calls, cut)
+        if parsed.calls or parsed.content != (text or None):
             message["content"] = parsed.content
-        if parsed.calls:
-            message["tool_calls"] = [
-                {
-                    "id": new_call_id(),
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in parsed.calls
-            ]
-            reason = "tool_calls" if reason == "stop" else reason
+        calls = parsed.calls
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in calls
+        ]
+        reason = "tool_calls" if reason == "stop" else reason
+    if job.answer_prefix:
+        message["content"] = job.answer_prefix + (message["content"] or "")
     return {
         "index": index,
         "message": message,
@@ -338,10 +347,11 @@ def full_choice(
     }
 
 
-def tool_stream(job: Job) -> ToolCallStream | None:
-    if job.tool_parser is None:
+def tool_stream(job: Job) -> ChatTextStream | None:
+    if job.tool_parser is None and job.reasoning is None:
         return None
-    return ToolCallStream(job.tool_parser, max_calls=None if job.parallel_tool_calls else 1)
+    max_calls = None if job.parallel_tool_calls else 1
+    return ChatTextStream(job.reasoning, job.tool_parser, max_calls)
 
 
 async def stream_events(
@@ -498,17 +508,21 @@ def chat_delta(job: Job, choice: Choice, out: CompletionOutput) -> dict | None:
         return None
     text, sent, reason = advanced
     delta: dict = {}
+    echoed = "" if choice.started else job.answer_prefix
     if not choice.started:
         delta["role"] = "assistant"
         choice.started = True
     if choice.tool_stream is not None:
-        text, calls = choice.tool_stream.feed_delta(text, reason is not None)
-        if calls:
-            delta["tool_calls"] = calls
+        news = choice.tool_stream.feed(text, reason is not None, reason == "length")
+        text = news.content
+        if news.reasoning:
+            delta.update(reasoning_fields(news.reasoning))
+        if news.calls:
+            delta["tool_calls"] = news.calls
         if reason == "stop" and choice.tool_stream.called:
             reason = "tool_calls"
-    if text:
-        delta["content"] = text
+    if text or echoed:
+        delta["content"] = echoed + text
     logprobs = None
     if job.params.logprobs is not None:
         logprobs = chat_logprobs(sent, 0, job.top_logprobs)

@@ -17,7 +17,6 @@ class ChatTextStream:
         self.tools: ToolCallStream | None = None
         if tool_parser is not None and (plan is None or not plan.reads_calls):
             self.tools = ToolCallStream(tool_parser, max_calls)
-        self.content = ""  # the answer so far, as the tool-call parser reads it
 
     @property
     def called(self) -> bool:
@@ -35,8 +34,7 @@ class ChatTextStream:
                 news.extend(self.reasoning.finish(cut))
         if self.tools is None or not (news.content or finished):
             return news
-        self.content += news.content
-        news.content, calls = self.tools.feed(self.content, finished)
+        news.content, calls = self.tools.feed_delta(news.content, finished)
         news.calls += calls
         return news
 

@@ -25,7 +25,13 @@ from cpud.frontend.openai_api import (
     engine_error,
     start_requests,
 )
+from cpud.frontend.reasoning_stream import ChatTextStream, read_all
 from cpud.frontend.responses_logprobs import chat_fields, token_logprobs, wanted, with_logprobs
+from cpud.frontend.responses_reasoning import (
+    ReasoningEvents,
+    check_reasoning_input,
+    reasoning_item,
+)
 from cpud.frontend.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -40,7 +46,7 @@ from cpud.frontend.schemas import (
     ToolChoiceFunction,
 )
 from cpud.frontend.state import ServerState
-from cpud.frontend.tool_calls import ToolCallStream, new_call_id, parse
+from cpud.frontend.tool_calls import new_call_id, parse
 
 MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
 CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
@@ -110,6 +116,8 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "reasoning":
+            check_reasoning_input(item, where)
         elif kind == "function_call_output":
             _check_keys(item, OUTPUT_KEYS, where)
             messages.append(
@@ -308,20 +316,26 @@ async def respond_responses(
     final = (await collect_or_abort(request, streams))[0]
     out = final.outputs[0]
     answer.measure(final, len(out.token_ids))
+    cut = out.finish_reason == "length"
+    read = read_all(job.reasoning, out.text, cut)
+    if read.reasoning:
+        answer.output.append(reasoning_item(read.reasoning))
+    text = read.content or ""
     parsed = None
     if job.tool_parser:
-        cut = out.finish_reason == "length"
-        parsed = parse(out.text, job.tool_parser, job.parallel_tool_calls, cut)
-    if parsed is not None and (parsed.calls or parsed.content != (out.text or None)):
+        parsed = parse(text, job.tool_parser, job.parallel_tool_calls, cut)
+    if parsed is not None and (parsed.calls or parsed.content != (text or None)):
         if parsed.content:
             answer.output.append(message_item(parsed.content))
         for call in parsed.calls:
             answer.output.append(call_item(new_call_id(), call.name, call.arguments))
     elif wanted(body):
         logprobs = token_logprobs(out, 0, job.top_logprobs)
-        answer.output.append(with_logprobs(message_item(out.text), logprobs))
-    else:
-        answer.output.append(message_item(out.text))
+        answer.output.append(with_logprobs(message_item(text), logprobs))
+    elif text or not (read.reasoning or read.calls):
+        answer.output.append(message_item(text))
+    for call in read.calls:  # the format's own calls (harmony)
+        answer.output.append(call_item(new_call_id(), call.name, call.arguments))
     return JSONResponse(answer.snapshot(_status(out)))
 
 
@@ -335,6 +349,7 @@ class EventStream:
     message: dict | None = None
     pieces: list[str] = field(default_factory=list)  # the message's text, joined at its end
     calls: dict[int, dict] = field(default_factory=dict)
+    reasoning: ReasoningEvents = field(default_factory=ReasoningEvents)
     positions: dict[str, int] = field(default_factory=dict)  # output index by item id
     logprobs: list[dict] = field(default_factory=list)  # of the text sent (when included)
     tokens: int = 0  # output tokens so far
@@ -350,11 +365,8 @@ class EventStream:
 
     async def events(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         answer = self.answer
-        parser = answer.job.tool_parser
-        tools = None
-        if parser is not None:
-            single = None if answer.job.parallel_tool_calls else 1
-            tools = ToolCallStream(parser, max_calls=single)
+        single = None if answer.job.parallel_tool_calls else 1
+        reader = ChatTextStream(answer.job.reasoning, answer.job.tool_parser, single)
         yield self.event("response.created", response=answer.snapshot("in_progress"))
         yield self.event("response.in_progress", response=answer.snapshot("in_progress"))
         try:
@@ -363,10 +375,11 @@ class EventStream:
                 out = final.outputs[0]
                 done = out.finish_reason is not None
                 self.hold(out)
-                if tools is not None:
-                    content, deltas = tools.feed_delta(out.text, done)
-                else:
-                    content, deltas = out.text, []
+                news = reader.feed(out.text, done, out.finish_reason == "length")
+                if news.reasoning:
+                    for chunk in self.reasoning_delta(news.reasoning):
+                        yield chunk
+                content, deltas = news.content, news.calls
                 if content:
                     for chunk in self.text_delta(content, self.new_logprobs(out)):
                         yield chunk
@@ -407,8 +420,15 @@ class EventStream:
         self.held_tokens, self.held_logprobs = [], []
         return token_logprobs(held, 0, self.answer.job.top_logprobs)
 
+    def reasoning_delta(self, text: str) -> list[str]:
+        """Reasoning after an answer began closes that message: later text opens another."""
+        chunks = self.close_message()
+        if self.message is not None:
+            self.message, self.pieces, self.logprobs = None, [], []
+        return chunks + self.reasoning.delta(self, text)
+
     def text_delta(self, content: str, logprobs: list[dict]) -> list[str]:
-        chunks = []
+        chunks = self.reasoning.close(self)
         index = len(self.answer.output)
         if self.message is None:
             self.message = message_item("", "in_progress")
@@ -442,7 +462,7 @@ class EventStream:
         return chunks
 
     def call_delta(self, delta: dict) -> list[str]:
-        chunks = []
+        chunks = self.reasoning.close(self)
         fn = delta["function"]
         if "id" in delta:
             chunks += self.close_message()
@@ -484,7 +504,7 @@ class EventStream:
         ]
 
     def close_items(self) -> list[str]:
-        chunks = self.close_message()
+        chunks = self.reasoning.close(self) + self.close_message()
         for item in self.calls.values():
             index = self.answer.output.index(item)
             item["status"] = "completed"
