@@ -1,7 +1,8 @@
 """A rank's slice of one GGUF tensor, in two steps: `slice_blocks` picks rows and a whole-block
 column range straight from the memory-mapped file, still in the tensor's own block format;
 `to_dense` turns such blocks into a torch tensor of the model's dtype (gguf's dequantizers,
-a bounded number of rows at a time)."""
+a bounded number of rows at a time).  MXFP4 blocks whose scale byte is 0xFF (NaN in OCP MX)
+are refused at the slice, whichever path reads them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
+from cpud.native.mxfp4 import check_mxfp4_scales
 from cpud.native.quant_formats import FORMATS
 from cpud.settings.errors import ConfigError
 
@@ -58,6 +60,11 @@ def slice_blocks(
         )
     picked = raw[rows, start // block * type_size : stop // block * type_size]
     count = len(range(*rows.indices(n_rows))) if isinstance(rows, slice) else len(rows)
+    if tensor.tensor_type == T.MXFP4:
+        try:
+            check_mxfp4_scales(picked[:, ::type_size], f"tensor {tensor.name}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return Blocks(tensor.tensor_type, picked, (count, stop - start))
 
 
