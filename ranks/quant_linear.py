@@ -1,7 +1,7 @@
 """Linears kept in their GGUF blocks, run by the native quantized GEMM (native/quant.py).
 
 Where the native kernels run and a linear's tensors are in a type they compute on (Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K, Q6_K), each rank takes its shard from the memory-mapped file as blocks
+Q4_1, Q4_K, Q5_K, Q6_K, MXFP4), each rank takes its shard from the memory-mapped file as blocks
 (rows for column-parallel and vocab-parallel layers, whole-block column ranges for
 row-parallel ones; llama's Q/K permutation picks whole rows) and repacks it once with
 ``pack_quantized``; no dense copy of the matrix exists at any point. A fused linear whose

@@ -229,16 +229,16 @@ ENGINE_SETTINGS = (
         "quantization",
         str,
         "auto",
-        "auto: a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears stay in their blocks and run "
-        "the int8 kernels (activations rounded to int8 per 32 values), dense checkpoints run "
+        "auto: a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/MXFP4 linears stay in their blocks and "
+        "run the int8 kernels (activations rounded to int8 per 32 values), dense checkpoints run "
         "dense; none: dequantize GGUF blocks to --dtype at load; q8_0|q4_0|q4_k: quantize a "
         "dense checkpoint at load into that llama.cpp block type (LM head and embedding Q8_0), "
         "kept in --weight-cache",
         EVERYWHERE,
         flags=("--quantization", "-q"),
         choices=("auto", "none", "q8_0", "q4_0", "q4_k"),
-        details="`auto`: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K linears stay in "
-        "their blocks and run the int8 kernels inside the fused decoder (resident weights "
+        details="`auto`: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and MXFP4 linears stay "
+        "in their blocks and run the int8 kernels inside the fused decoder (resident weights "
         "about the file's size, no dense copy; activations rounded to int8 per 32 values as "
         "llama.cpp does, except for batches of 64+ rows (Q6_K: 32+) on AMX, which run bf16 "
         "tiles on the weights dequantized group by group); dense checkpoints run dense. "
