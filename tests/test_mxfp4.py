@@ -10,6 +10,7 @@ per-block products and their sum: at most 1e-6 of |x| @ |W|^T."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import gguf
@@ -21,6 +22,7 @@ from gguf.quants import dequantize, quantize
 from test_gguf_model import prompt_of, reference
 
 from cpud import LLM, SamplingParams, native
+from cpud.model.quant_check import quantized_bytes
 from cpud.native import quant
 from cpud.native.mxfp4 import E2M1_DOUBLED, from_hf_blocks, to_hf_blocks
 from cpud.ranks.fused_decoder import FusedDecoder
@@ -80,7 +82,9 @@ def test_every_code_and_extreme_exponents(isa, vnni, M, dtype):
 
 
 def test_values_are_ggufs():
-    """gguf's quantizer and ggml's value table: the codes' doubled E2M1 values."""
+    """gguf's quantizer and ggml's value table: the codes' doubled E2M1 values; the control
+    plane's sizes (memory plan, doctor) read the same table."""
+    assert quantized_bytes(33, "MXFP4") == 2 * 17
     assert E2M1_DOUBLED == tuple(gguf.quants.MXFP4.kvalues)
     raw = quantize(np.linspace(-6, 6, 64, dtype=np.float32).reshape(1, 64), T.MXFP4)
     assert raw.shape == (1, 34) and raw[0, 0] == 127  # amax 6: floor(log2 6) - 2 + 127 = 127
@@ -201,3 +205,28 @@ def test_gguf_file_greedy_tokens_match_transformers(mxfp4_llama, gguf_file, hf_g
         next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), 8) for g, w in zip(got, want)
     ]
     assert sum(p > 0 for p in prefix) >= 9 and sum(prefix) >= 4 * len(prompts), prefix
+
+
+@pytest.mark.slow
+def test_tp2_and_weight_cache_equal_one_rank(mxfp4_llama, tmp_path):
+    """Row-parallel ranks take whole 32-value MXFP4 blocks of their K halves; the weight cache
+    keeps the packed codes and exponent bytes (uint8) and reloads them to the same tokens."""
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 90)), [300, 12, 44]]
+    kw = dict(dtype="float32", kernels="native")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    runs = []
+    for _ in range(2):
+        with LLM(mxfp4_llama, weight_cache=str(tmp_path), **kw) as llm:
+            runs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    (index,) = tmp_path.glob("*.json")
+    assert any(e["name"] == "lm_head.q0.sc" for e in json.loads(index.read_text())["tensors"])
+    with LLM(mxfp4_llama, tp=2, bind="0|1", weight_cache="off", **kw) as llm:
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for one, two in zip(runs[0], got):
+        for step, (token, top) in enumerate(zip(one.token_ids, one.logprobs)):
+            first, second = sorted((lp.logprob for lp in top.values()), reverse=True)[:2]
+            if first - second < 0.02:  # a near tie: the K halves' sums add in another order
+                break
+            assert two.token_ids[step] == token, (step, one.token_ids, two.token_ids)
+            assert abs(two.logprobs[step][token].logprob - top[token].logprob) < 0.05
