@@ -24,6 +24,11 @@ from . import _loader
 from .hugepages import huge_empty
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # cpud_dtype in cpud_native.h
+# KV cache element types (cpud_kv_dtype): a cache tensor's dtype names its row format. int8:
+# [.., hd + 4] bytes per row, hd int8 values then their float32 scale (amax / 127);
+# float8_e5m2: [.., hd], no scale.
+KV_DTYPE_CODE = {**DTYPE_CODE, torch.int8: 2, torch.float8_e5m2: 3}
+KV_ROW_EXTRA = {torch.int8: 4}  # bytes after a row's hd values
 _ERRORS = {-1: "ISA tier not supported by this CPU", -2: "invalid argument", -3: "out of memory"}
 GEMM_NB = 32  # columns per packed panel (CPUD_GEMM_NB)
 
@@ -108,6 +113,32 @@ def _contig(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int 
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
+
+
+def kv_row_width(cache_dtype: torch.dtype, head_dim: int) -> int:
+    """Elements in the last dim of a KV cache of cache_dtype: head_dim, + 4 for int8's scale."""
+    return head_dim + KV_ROW_EXTRA.get(cache_dtype, 0)
+
+
+def _kv_caches(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, nkv: int | None, hd: int
+) -> int:
+    """Checks a pair of caches [num_blocks, nkv, bs, row] of one KV dtype that dtype's
+    activations can use; returns its cpud_kv_dtype code."""
+    code = KV_DTYPE_CODE.get(key_cache.dtype)
+    if code is None or (code <= 1 and code != DTYPE_CODE[dtype] and code != 1):
+        raise ValueError(
+            f"key_cache: dtype {key_cache.dtype} cannot cache {dtype} keys (the same dtype, "
+            "bfloat16, int8 or float8_e5m2)"
+        )
+    _contig(
+        key_cache,
+        "key_cache",
+        key_cache.dtype,
+        (None, nkv, None, kv_row_width(key_cache.dtype, hd)),
+    )
+    _contig(value_cache, "value_cache", key_cache.dtype, tuple(key_cache.shape))
+    return code
 
 
 def _norm_weight(x: torch.Tensor, weight: torch.Tensor, hidden: int) -> int:
@@ -440,8 +471,9 @@ class Kernels:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """key/value [T, nkv, hd] -> caches [num_blocks, nkv, block_size, hd] at slot_mapping
-        [T] int64 (slot = block * block_size + offset; negative = skip)."""
+        """key/value [T, nkv, hd] -> caches [num_blocks, nkv, block_size, row] at slot_mapping
+        [T] int64 (slot = block * block_size + offset; negative = skip); the caches' dtype
+        (KV_DTYPE_CODE) says how rows are stored: converted, or quantized per row."""
         dt = _dtype(key, "key")
         ks = _tokens(key, "key", 3)
         _same_dtype(key, value, "value")
@@ -449,13 +481,13 @@ class Kernels:
         n_tok, nkv, hd = key.shape
         if value.shape != key.shape:
             raise ValueError(f"value: shape {tuple(value.shape)} != key {tuple(key.shape)}")
-        _contig(key_cache, "key_cache", key.dtype, (None, nkv, None, hd))
-        _contig(value_cache, "value_cache", key.dtype, tuple(key_cache.shape))
+        kvt = _kv_caches(key_cache, value_cache, key.dtype, nkv, hd)
         _contig(slot_mapping, "slot_mapping", torch.int64, (n_tok,))
         num_blocks, _, block_size, _ = key_cache.shape
         rc = _loader.lib.cpud_write_kv_cache(
             self._code,
             dt,
+            kvt,
             key.data_ptr(),
             value.data_ptr(),
             ks,
@@ -484,21 +516,25 @@ class Kernels:
         scale: float,
         sliding_window: int = 0,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal paged attention with GQA for decode and chunked prefill.
 
-        query, out: [T, nh, hd]; caches: [num_blocks, nkv, block_size, hd];
+        query, out: [T, nh, hd]; caches: [num_blocks, nkv, block_size, row] of any KV dtype
+        (write_kv_cache; quantized values read as rounded to query's dtype);
         query_start_loc: [S+1] int32; seq_lens: [S] int32 (context incl. this step);
         block_tables: [S, max_blocks] int32.  Query i of sequence s is at position
         seq_lens[s] - q_len + i and sees keys j with p - sliding_window < j <= p.
+        sinks: [nh] float32 logits joined to each head's softmax denominator (gpt-oss), or None.
         Rows of out outside every sequence are left untouched.
         """
         dt = _dtype(query, "query")
         qs = _tokens(query, "query", 3)
         n_tok, nh, hd = query.shape
-        _contig(key_cache, "key_cache", query.dtype, (None, None, None, hd))
-        _contig(value_cache, "value_cache", query.dtype, tuple(key_cache.shape))
+        kvt = _kv_caches(key_cache, value_cache, query.dtype, None, hd)
         num_blocks, nkv, block_size, _ = key_cache.shape
+        if sinks is not None:
+            _contig(sinks, "sinks", torch.float32, (nh,))
         if nh % nkv:
             raise ValueError(f"query heads {nh} not a multiple of kv heads {nkv}")
         n_seq = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -515,6 +551,7 @@ class Kernels:
         rc = _loader.lib.cpud_paged_attention(
             self._code,
             dt,
+            kvt,
             query.data_ptr(),
             qs,
             key_cache.data_ptr(),
@@ -534,6 +571,7 @@ class Kernels:
             block_size,
             float(scale),
             int(sliding_window),
+            0 if sinks is None else sinks.data_ptr(),
         )
         check_rc(rc, "paged_attention", "query_start_loc / seq_lens / block_tables")
         return out

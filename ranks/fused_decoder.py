@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cpud.native.kernels import DTYPE_CODE, check_rc
+from cpud.native.kernels import DTYPE_CODE, KV_DTYPE_CODE, check_rc
 from cpud.ranks.models.decoder import DecoderForCausalLM, KVCache
 from cpud.ranks.ops import Ops
 from cpud.ranks.paged_kv import AttentionMetadata
@@ -55,9 +55,6 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
         return f"{type(model).__name__} is not a recipe decoder"
     if model.cfg.shared_expert_intermediate_size:
         return "shared experts (Qwen2-MoE) run op by op"
-    # The C decoder reads no sinks yet (kvcache: drop this when the layer struct carries them)
-    if model.cfg.recipe.attention_sinks:
-        return "attention sinks run op by op"
     for layer in model.decoder_weights().layers:
         if layer.experts is not None:
             if layer.experts.packed is None or layer.router.packed is None:
@@ -77,8 +74,15 @@ class FusedDecoder:
     """Runs `model`'s decoder layers with one native call per step (see the module doc)."""
 
     def __init__(
-        self, model: DecoderForCausalLM, ops: Any, group: TPGroup, kv_caches: list[KVCache]
+        self,
+        model: DecoderForCausalLM,
+        ops: Any,
+        group: TPGroup,
+        kv_caches: list[KVCache],
+        dtype: torch.dtype | None = None,
     ):
+        """dtype: the activations' (default: the KV caches', which must then be float32 or
+        bfloat16); the caches may hold bf16 or quantized rows (ranks/paged_kv.py)."""
         from cpud.native import _loader
 
         reason = unsupported_reason(model, ops, group)
@@ -91,10 +95,15 @@ class FusedDecoder:
         self._shm = inner if group.size > 1 else None
         table = model.decoder_weights()
         self.table = table
-        dtype = kv_caches[0][0].dtype
+        cache_dtype = kv_caches[0][0].dtype
+        dtype = cache_dtype if dtype is None else dtype
         if dtype not in DTYPE_CODE:
             raise ValueError(f"fused decoder: dtype {dtype} is not float32 or bfloat16")
+        if cache_dtype not in KV_DTYPE_CODE or cache_dtype not in (dtype, torch.bfloat16):
+            if cache_dtype not in (torch.int8, torch.float8_e5m2):
+                raise ValueError(f"fused decoder: a {cache_dtype} KV cache under {dtype}")
         self.dtype = dtype
+        self.cache_dtype = cache_dtype
         self.hidden = model.cfg.hidden_size
         self.q_dim = table.heads * table.head_dim
         self.qkv_dim = table.q_size + 2 * table.kv_size
@@ -118,6 +127,7 @@ class FusedDecoder:
         dims.activation = 1 if table.gelu else 0
         dims.rotary_neox = 1
         dims.residual_scale = table.residual_scale
+        dims.kv_dtype = KV_DTYPE_CODE[cache_dtype]
         dims.quant_flags = 0
         dims.experts = table.experts
         dims.experts_per_tok = table.experts_per_tok
@@ -128,7 +138,9 @@ class FusedDecoder:
         # bytes of weights the dense linears read per step, and their time summed over steps
         self.linear_bytes = 0
         self.linear_seconds = 0.0
-        self._layers = self._layer_table(kv_caches)
+        # the attention sinks [heads] fp32 of each layer, where it has them (gpt-oss)
+        sinks = [getattr(layer.self_attn, "sinks", None) for layer in model.model.layers]
+        self._layers = self._layer_table(kv_caches, sinks)
         self._peer = self._ffi.new("int *")
 
     def _addr(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int:
@@ -139,10 +151,12 @@ class FusedDecoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _layer_table(self, kv_caches: list[KVCache]) -> Any:
+    def _layer_table(self, kv_caches: list[KVCache], sinks: list[torch.Tensor | None]) -> Any:
         layers = self.table.layers
         table = self._ffi.new("cpud_decoder_layer[]", len(layers))
-        for entry, layer, (key_cache, value_cache) in zip(table, layers, kv_caches):
+        for entry, layer, (key_cache, value_cache), layer_sinks in zip(
+            table, layers, kv_caches, sinks
+        ):
             norms = self.norm_dtype
             entry.input_norm = self._addr(layer.input_norm, norms)
             entry.post_norm = self._addr(layer.post_norm, norms)
@@ -164,8 +178,11 @@ class FusedDecoder:
             else:
                 self._linear(entry, "gate_up", layer.gate_up)
                 self._linear(entry, "down", layer.down)
-            entry.key_cache = self._addr(key_cache, self.dtype)
-            entry.value_cache = self._addr(value_cache, self.dtype)
+            entry.key_cache = self._addr(key_cache, self.cache_dtype)
+            entry.value_cache = self._addr(value_cache, self.cache_dtype)
+            entry.sinks = self._addr(
+                None if layer_sinks is None else layer_sinks.data, torch.float32
+            )
         return table
 
     def _linear(self, entry: Any, name: str, layer: Any) -> None:

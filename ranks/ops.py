@@ -131,8 +131,8 @@ class TorchOps:
             zip(meta.query_starts, meta.query_lens, meta.seq_lens)
         ):
             table = meta.block_tables[seq]
-            keys = gather_context(key_cache, table, ctx)
-            values = gather_context(value_cache, table, ctx)
+            keys = gather_context(key_cache, table, ctx, query.dtype)
+            values = gather_context(value_cache, table, ctx, query.dtype)
             q = query[start : start + qlen].transpose(0, 1)
             attn = F.scaled_dot_product_attention(
                 q,
@@ -164,6 +164,7 @@ class NativeOps:
     """cpud.native kernels (SIMD, OpenMP on torch's libgomp)."""
 
     name = "native"
+    attention_sinks = True  # attention() takes sinks (ranks/layers/attention.py)
 
     def __init__(self, kernels: object):
         self.k = kernels
@@ -209,6 +210,7 @@ class NativeOps:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         self.k.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -221,6 +223,7 @@ class NativeOps:
             meta.block_tables_i32,
             scale,
             sliding_window or 0,
+            sinks=sinks,
         )
 
 

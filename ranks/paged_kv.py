@@ -1,7 +1,16 @@
-"""The paged KV cache's step metadata and the torch reference helpers over it.
+"""The paged KV cache's step metadata, its element formats, and the torch reference helpers
+over it.
 
-KV cache per layer: key_cache, value_cache [num_blocks, kv_heads_local, block_size, head_dim].
-Token t of the step is written at slot_mapping[t] = block * block_size + offset.
+KV cache per layer: key_cache, value_cache [num_blocks, kv_heads_local, block_size, row].
+Token t of the step is written at slot_mapping[t] = block * block_size + offset. The cache
+tensor's dtype names the row format (--kv-cache-dtype; native/drivers/kv_formats.h):
+  float32 / bfloat16 / float16  row = head_dim values
+  int8                          row = head_dim int8 values q, then 4 bytes: their float32 scale
+                                d = amax / 127 (one per token and kv head); value = q * d
+  float8_e5m2                   row = head_dim bytes, the top byte of an fp16 (no scale),
+                                rounded to nearest even, saturated at +-57344
+Quantized values read back rounded to the activations' dtype; the native kernels and these
+helpers give the same bits.
 """
 
 from __future__ import annotations
@@ -9,6 +18,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# --kv-cache-dtype values and the cache dtype each names ("auto": the model's dtype)
+KV_CACHE_TORCH_DTYPES = {
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+INT8_SCALE_BYTES = 4
+E5M2_MAX = 57344.0
+
+
+def kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype for a --kv-cache-dtype value under model dtype `dtype`."""
+    return dtype if kv_cache_dtype == "auto" else KV_CACHE_TORCH_DTYPES[kv_cache_dtype]
+
+
+def kv_cache_shape(
+    num_blocks: int, kv_heads: int, block_size: int, head_dim: int, cache_dtype: torch.dtype
+) -> tuple[int, int, int, int]:
+    """Shape of one key or value cache tensor of cache_dtype."""
+    row = head_dim + (INT8_SCALE_BYTES if cache_dtype == torch.int8 else 0)
+    return (num_blocks, kv_heads, block_size, row)
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rows x [..., head_dim] as cache rows of cache_dtype (the module doc's formats)."""
+    if cache_dtype == torch.int8:
+        x32 = x.float()
+        scale = x32.abs().amax(-1, keepdim=True) / 127
+        inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+        q = torch.round(x32 * inverse).nan_to_num(0.0).clamp(-127, 127).to(torch.int8)
+        return torch.cat((q, scale.contiguous().view(torch.int8)), dim=-1)
+    if cache_dtype == torch.float8_e5m2:
+        return x.float().clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
+    return x.to(cache_dtype)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., row] -> values [..., head_dim] in dtype, as the kernels read them."""
+    if rows.dtype == torch.int8:
+        head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+        scale = rows[..., head_dim:].contiguous().view(torch.float32)
+        return (rows[..., :head_dim].float() * scale).to(dtype)
+    return rows.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -31,20 +84,29 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value: [T, kv_heads, head_dim] scattered into the caches at slot_mapping."""
+    """key/value: [T, kv_heads, head_dim] scattered into the caches at slot_mapping, stored in
+    the caches' format."""
     block_size = key_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    key_cache[blocks, :, offsets] = key
-    value_cache[blocks, :, offsets] = value
+    key_cache[blocks, :, offsets] = quantize_kv(key, key_cache.dtype)
+    value_cache[blocks, :, offsets] = quantize_kv(value, value_cache.dtype)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached positions of one sequence as [kv_heads, length, head_dim]."""
-    _, kv_heads, block_size, head_dim = cache.shape
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The first `length` cached positions of one sequence as [kv_heads, length, head_dim],
+    read as `dtype` (default: the cache's own; float32 for a quantized cache)."""
+    _, kv_heads, block_size, row = cache.shape
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks]]  # [nb, kv_heads, bs, hd]
-    return blocks.transpose(0, 1).reshape(kv_heads, num_blocks * block_size, head_dim)[:, :length]
+    blocks = cache[block_table[:num_blocks]]  # [nb, kv_heads, bs, row]
+    rows = blocks.transpose(0, 1).reshape(kv_heads, num_blocks * block_size, row)[:, :length]
+    if dtype is None and cache.dtype in (torch.int8, torch.float8_e5m2):
+        dtype = torch.float32
+    if dtype is None or dtype == cache.dtype:
+        return rows
+    return dequantize_kv(rows, dtype)
 
 
 def causal_mask(

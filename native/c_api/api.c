@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include "dispatch.h"
+#include "kv_formats.h"
 #include "step_checks.h"
 
 #define ADDR(p) ((void *)(p))
@@ -112,20 +113,45 @@ void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *sl
     }
 }
 
-int cpud_write_kv_cache(int isa, int dtype, intptr_t key, intptr_t value, int64_t key_stride,
-                        int64_t value_stride, intptr_t key_cache, intptr_t value_cache,
-                        intptr_t slot_mapping, int64_t T, int64_t nkv, int64_t hd,
-                        int64_t num_blocks, int64_t bs) {
+void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
+                   const int64_t *slots, int64_t T, int64_t nkv, int64_t hd, int64_t bs) {
+    if (kvt == dt) {
+        cpud_kv_scatter(src, ss, cache, slots, T, nkv, hd, bs, dtype_size(dt));
+        return;
+    }
+    const int64_t rb = kv_row_bytes(kvt, hd);
+#pragma omp parallel for schedule(static) if (T * nkv * hd >= CPUD_PAR_MIN && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        float x[hd];
+        for (int64_t h = 0; h < nkv; h++) {
+            const int64_t e0 = t * ss + h * hd;
+            for (int64_t i = 0; i < hd; i++) x[i] = ld1(src, e0 + i, dt);
+            char *dst = (char *)cache + ((slot / bs * nkv + h) * bs + slot % bs) * rb;
+            if (kvt == CPUD_BF16) {
+                for (int64_t i = 0; i < hd; i++) ((uint16_t *)dst)[i] = f32_to_bf16(x[i]);
+            } else {
+                kv_quantize_row(x, hd, kvt, dst);
+            }
+        }
+    }
+}
+
+int cpud_write_kv_cache(int isa, int dtype, int kv_dtype, intptr_t key, intptr_t value,
+                        int64_t key_stride, int64_t value_stride, intptr_t key_cache,
+                        intptr_t value_cache, intptr_t slot_mapping, int64_t T, int64_t nkv,
+                        int64_t hd, int64_t num_blocks, int64_t bs) {
     if (!cpud_ops_for(isa)) return CPUD_EISA;
-    if (!dtype_ok(dtype) || !key || !value || !key_cache || !value_cache || !slot_mapping ||
-        T < 0 || nkv < 1 || hd < 1 || bs < 1 || num_blocks < 0)
+    if (!dtype_ok(dtype) || !kv_pair_ok(dtype, kv_dtype) || !key || !value || !key_cache ||
+        !value_cache || !slot_mapping || T < 0 || nkv < 1 || hd < 1 || bs < 1 || num_blocks < 0)
         return CPUD_EARG;
     const int64_t *slots = (const int64_t *)slot_mapping;
     if (!cpud_slots_ok(slots, T, num_blocks * bs)) return CPUD_EARG;
-    const int es = dtype_size(dtype);
-    cpud_kv_scatter((const char *)key, key_stride, (char *)key_cache, slots, T, nkv, hd, bs, es);
-    cpud_kv_scatter((const char *)value, value_stride, (char *)value_cache, slots, T, nkv, hd, bs,
-                    es);
+    cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, slots, T, nkv, hd,
+                  bs);
+    cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, slots, T, nkv,
+                  hd, bs);
     return CPUD_OK;
 }
 
@@ -148,15 +174,15 @@ int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const in
     return 1;
 }
 
-int cpud_paged_attention(int isa, int dtype, intptr_t query, int64_t q_stride, intptr_t key_cache,
-                         intptr_t value_cache, intptr_t query_start_loc, intptr_t seq_lens,
-                         intptr_t block_tables, int64_t max_blocks, intptr_t out,
-                         int64_t out_stride, int64_t T, int64_t S, int64_t nh, int64_t nkv,
-                         int64_t hd, int64_t num_blocks, int64_t bs, float scale,
-                         int64_t sliding_window) {
+int cpud_paged_attention(int isa, int dtype, int kv_dtype, intptr_t query, int64_t q_stride,
+                         intptr_t key_cache, intptr_t value_cache, intptr_t query_start_loc,
+                         intptr_t seq_lens, intptr_t block_tables, int64_t max_blocks,
+                         intptr_t out, int64_t out_stride, int64_t T, int64_t S, int64_t nh,
+                         int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs, float scale,
+                         int64_t sliding_window, intptr_t sinks) {
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops) return CPUD_EISA;
-    if (!dtype_ok(dtype) || !query || !key_cache || !value_cache || !query_start_loc ||
+    if (!dtype_ok(dtype) || !kv_pair_ok(dtype, kv_dtype) || !query || !key_cache || !value_cache || !query_start_loc ||
         !seq_lens || !out || (S > 0 && !block_tables) || T < 0 || S < 0 || nkv < 1 ||
         nh % nkv || hd < 1 || bs < 1 || max_blocks < 0 || sliding_window < 0)
         return CPUD_EARG;
@@ -164,9 +190,10 @@ int cpud_paged_attention(int isa, int dtype, intptr_t query, int64_t q_stride, i
     const int32_t *bt = (const int32_t *)block_tables;
     if (!cpud_attention_plan_ok(qsl, sl, bt, max_blocks, T, S, num_blocks, bs, sliding_window))
         return CPUD_EARG;
-    return ops->paged_attention(dtype, CADDR(query), q_stride, CADDR(key_cache),
+    return ops->paged_attention(dtype, kv_dtype, CADDR(query), q_stride, CADDR(key_cache),
                                 CADDR(value_cache), qsl, sl, bt, max_blocks, ADDR(out), out_stride,
-                                S, nh, nkv, hd, bs, scale, sliding_window);
+                                S, nh, nkv, hd, bs, scale, sliding_window,
+                                (const float *)sinks);
 }
 
 int cpud_gemm_packed(int isa, intptr_t x, int x_dtype, int64_t x_stride, intptr_t packed,

@@ -26,6 +26,11 @@ enum cpud_isa {
     CPUD_ISA_AMX = 4 /* AVX512-BF16 kernels, GEMMs of 4+ rows on AMX-BF16 tiles */
 };
 enum cpud_dtype { CPUD_F32 = 0, CPUD_BF16 = 1 };
+/* KV cache element types (kv_dtype arguments): CPUD_F32 / CPUD_BF16 rows of that type (bf16
+ * also under f32 activations), or quantized rows: CPUD_KV_INT8 = hd int8 values then their f32
+ * scale amax / 127 (hd + 4 bytes per row), CPUD_KV_FP8_E5M2 = hd bytes, each the top byte of an
+ * fp16 (round to nearest even, saturated at +-57344).  drivers/kv_formats.h has the rules. */
+enum cpud_kv_dtype { CPUD_KV_INT8 = 2, CPUD_KV_FP8_E5M2 = 3 };
 enum cpud_err { CPUD_OK = 0, CPUD_EISA = -1, CPUD_EARG = -2, CPUD_ENOMEM = -3 };
 
 /* Highest tier this CPU and OS can run (cpuid + XGETBV), fixed at load. */
@@ -87,24 +92,29 @@ int cpud_argmax_rows(int isa, int dtype,
                      int64_t x_stride, int64_t rows, int64_t n,
                      intptr_t out); /* [rows] int64 */
 
-/* key_cache[b][h][o] = key[t][h] for slot = slot_mapping[t] = b*bs + o >= 0. */
-int cpud_write_kv_cache(int isa, int dtype,
+/* key_cache[b][h][o] = key[t][h] for slot = slot_mapping[t] = b*bs + o >= 0, stored as
+ * kv_dtype rows (quantized per row for CPUD_KV_INT8 / CPUD_KV_FP8_E5M2). */
+int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
                         intptr_t key,          /* [T][nkv][hd], token stride key_stride   */
                         intptr_t value,        /* [T][nkv][hd], token stride value_stride */
                         int64_t key_stride, int64_t value_stride,
-                        intptr_t key_cache,    /* [num_blocks][nkv][bs][hd]             */
-                        intptr_t value_cache,  /* [num_blocks][nkv][bs][hd]             */
+                        intptr_t key_cache,    /* [num_blocks][nkv][bs] rows of kv_dtype */
+                        intptr_t value_cache,  /* [num_blocks][nkv][bs] rows of kv_dtype */
                         intptr_t slot_mapping, /* [T] int64, < 0 = skip                 */
                         int64_t T, int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs);
 
 /* Paged causal attention with GQA for decode and chunked prefill.
  * Query i of sequence s sits at position seq_lens[s] - q_len + i and attends
- * keys j with max(0, p - window + 1) <= j <= p (window 0 = unlimited). */
-int cpud_paged_attention(int isa, int dtype,
+ * keys j with max(0, p - window + 1) <= j <= p (window 0 = unlimited).  sinks (or 0): a
+ * logit per query head joined to the softmax's denominator only (gpt-oss):
+ * p_j = exp(s_j - m) / (exp(sink - m) + sum_i exp(s_i - m)).  A quantized cache is read as
+ * its values rounded to dtype (int8: q * scale), so the result equals that of a dtype cache
+ * holding them. */
+int cpud_paged_attention(int isa, int dtype, int kv_dtype,
                          intptr_t query,           /* [>= qsl[S]][nh][hd], stride q_stride */
                          int64_t q_stride,
-                         intptr_t key_cache,       /* [num_blocks][nkv][bs][hd]            */
-                         intptr_t value_cache,     /* [num_blocks][nkv][bs][hd]            */
+                         intptr_t key_cache,       /* [num_blocks][nkv][bs] kv_dtype rows  */
+                         intptr_t value_cache,     /* [num_blocks][nkv][bs] kv_dtype rows  */
                          intptr_t query_start_loc, /* [S+1] int32                          */
                          intptr_t seq_lens,        /* [S] int32                            */
                          intptr_t block_tables,    /* [S][max_blocks] int32                */
@@ -112,7 +122,8 @@ int cpud_paged_attention(int isa, int dtype,
                          intptr_t out,             /* [T][nh][hd], token stride out_stride */
                          int64_t out_stride, int64_t T, int64_t S, int64_t nh, int64_t nkv,
                          int64_t hd, int64_t num_blocks, int64_t bs, float scale,
-                         int64_t sliding_window);
+                         int64_t sliding_window,
+                         intptr_t sinks);          /* [nh] f32, or 0                       */
 
 /* Packed weight layout for the skinny GEMM: W[N][K] bf16 is stored as
  * [ceil(N/32)][ceil(K/2)][32][2] bf16, zero padded: for each panel of 32
@@ -257,7 +268,8 @@ typedef struct cpud_decoder_layer {
     intptr_t qkv, qkv_bias;         /* packed [(nh + 2 nkv) hd, H]; [.] f32 or 0    */
     intptr_t o, o_bias;             /* packed [H, nh hd]; [H] dtype or 0            */
     intptr_t gate_up, down;         /* packed [2 I, H], [H, I]                      */
-    intptr_t key_cache, value_cache; /* [num_blocks][nkv][bs][hd] dtype              */
+    intptr_t key_cache, value_cache; /* [num_blocks][nkv][bs] rows of dims' kv_dtype */
+    intptr_t sinks;                  /* [heads] f32 attention sink logits, or 0      */
     cpud_qlinear q_qkv, q_o, q_gate_up, q_down; /* used instead where parts > 0     */
     /* An expert layer (router != 0) runs cpud_moe_ffn instead of gate_up / down: router
      * packed [E][H], experts as cpud_moe_experts' gate_up and down. */
@@ -285,6 +297,7 @@ typedef struct cpud_decoder_dims {
     int rotary_neox; /* 1: neox (rotate halves), 0: gpt-j pairs */
     float residual_scale; /* each block's output (attention, feed-forward) is multiplied by it
                              before its residual add (Granite's residual_multiplier); 1: none */
+    int kv_dtype; /* the KV cache's rows: CPUD_BF16, CPUD_KV_INT8, CPUD_KV_FP8_E5M2, or 0: dtype */
 } cpud_decoder_dims;
 
 typedef struct cpud_decoder_step {

@@ -83,10 +83,11 @@ typedef struct cpud_ops {
                               int64_t I);
     void (*argmax_rows)(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
                         int64_t *out);
-    int (*paged_attention)(int dt, const void *q, int64_t qs, const void *kc, const void *vc,
-                           const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
-                           int64_t max_blocks, void *out, int64_t os, int64_t S, int64_t nh,
-                           int64_t nkv, int64_t hd, int64_t bs, float scale, int64_t window);
+    int (*paged_attention)(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+                           const void *vc, const int32_t *qsl, const int32_t *seq_lens,
+                           const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
+                           int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
+                           float scale, int64_t window, const float *sinks);
     int (*gemm_packed)(const void *x, int xdt, int64_t xs, const uint16_t *packed,
                        const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
                        int64_t N, int64_t K);

@@ -5,13 +5,20 @@
  * window per layer) picks the kernels; they and their order are those of the per-op path
  * (ranks/models/decoder.py, moe.py), so both give the same bits. */
 #include "dispatch.h"
+#include "kv_formats.h"
 #include "moe.h"
 #include "step_checks.h"
+
+/* The KV cache's row type: kv_dtype, where 0 (CPUD_F32) means the activations' dtype. */
+static int cache_dtype(const cpud_decoder_dims *d) {
+    return d->kv_dtype == CPUD_F32 ? d->dtype : d->kv_dtype;
+}
 
 static int recipe_ok(const cpud_decoder_dims *d) {
     return (d->norm_wdt == d->dtype || d->norm_wdt == CPUD_F32) &&
            (d->activation == 0 || d->activation == 1) &&
            (d->rotary_neox == 0 || d->rotary_neox == 1) && isfinite(d->residual_scale) &&
+           kv_pair_ok(d->dtype, cache_dtype(d)) &&
            d->residual_scale > 0.0f;
 }
 
@@ -138,7 +145,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     if (!step_ok(d, s, widest_window(layers, n_layers))) return CPUD_EARG;
     if (s->T == 0) return CPUD_OK;
 
-    const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt;
+    const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);
     const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
     const int64_t *pos = (const int64_t *)s->positions, *slots = (const int64_t *)s->slots;
@@ -161,11 +168,12 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         if (l->cos_sin)
             ops->rotary(dt, pos, q, qn, k, qn, (const float *)l->cos_sin, T, nh, nkv, hd,
                         d->rot_dim, d->rotary_neox);
-        cpud_kv_scatter(k, qn, (char *)l->key_cache, slots, T, nkv, hd, d->block_size, es);
-        cpud_kv_scatter(v, qn, (char *)l->value_cache, slots, T, nkv, hd, d->block_size, es);
-        rc = ops->paged_attention(dt, q, qn, (const void *)l->key_cache,
+        cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, T, nkv, hd, d->block_size);
+        cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, T, nkv, hd, d->block_size);
+        rc = ops->paged_attention(dt, kvt, q, qn, (const void *)l->key_cache,
                                   (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
-                                  qd, s->S, nh, nkv, hd, d->block_size, d->scale, l->window);
+                                  qd, s->S, nh, nkv, hd, d->block_size, d->scale, l->window,
+                                  (const float *)l->sinks);
         if (rc) return rc;
         rc = linear(isa, ops, d, &l->q_o, l->o, 0, attn, qd, x, H, T, H, qd, s);
         if (rc) return rc;

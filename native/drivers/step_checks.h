@@ -17,5 +17,9 @@ int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const in
 /* src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
                      int64_t nkv, int64_t hd, int64_t bs, int es);
+/* src: [T][nkv][hd] of dt (token stride ss) -> cache: [nb][nkv][bs] rows of kvt (kv_formats.h)
+ * at slots: a copy where kvt is dt, else each row converted or quantized. */
+void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
+                   const int64_t *slots, int64_t T, int64_t nkv, int64_t hd, int64_t bs);
 
 #endif

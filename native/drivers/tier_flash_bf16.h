@@ -1,5 +1,5 @@
-/* Flash-style paged attention for the AVX512-BF16 tier, bf16 KV cache (prefill
- * and decode).  Included by tier_kernels.h only when TIER_ID >= 3, after att_item.
+/* Flash-style paged attention for the AVX512-BF16 tier, bf16 activations and a bf16 or
+ * quantized (int8, e5m2: converted to bf16 16 keys at a time) KV cache (prefill and decode).  Included by tier_kernels.h only when TIER_ID >= 3, after att_item.
  *
  * Items of >= FA_MIN_ROWS rows (prefill): the rows of a work item (queries x the
  * G heads of one kv head) sit in the 16 lanes of a vector ("row group"), so
@@ -35,6 +35,15 @@ static ALWAYS_INLINE int fa_usable(int dt, int64_t hd, int64_t bs) {
     return dt == CPUD_BF16 && hd % 16 == 0 && bs % 16 == 0;
 }
 
+/* The caches an item reads: rows of rb bytes of kvt (kv_formats.h).  bf16 rows are read in
+ * place; quantized rows are converted, 16 keys at a time, into bf16 rows of the workspace
+ * (fa_ws.kst, .vst), after which every step is the bf16 one. */
+typedef struct fa_cache {
+    const void *k, *v; /* [nb][nkv][bs] rows */
+    int64_t rb;
+    int kvt;
+} fa_cache;
+
 /* Per-thread workspace for items of up to ng row groups; every array 64-byte aligned. */
 typedef struct fa_ws {
     uint32_t *qt; /* [ng][hd/2][16] query pairs, rows in lanes */
@@ -47,6 +56,8 @@ typedef struct fa_ws {
     uint32_t *p;  /* [FA_CHUNK/2][16] bf16 probability pairs of one chunk */
     uint32_t *vp; /* [FA_CHUNK/2][hd] bf16 value pairs of one chunk */
     float *alpha; /* [16] output rescale factors of one group and chunk */
+    uint16_t *kst; /* [2][16][hd] bf16 keys of one chunk read from a quantized cache */
+    uint16_t *vst; /* [2][16][hd] bf16 values, likewise */
     void *mem;
 } fa_ws;
 
@@ -57,7 +68,7 @@ static fa_ws fa_ws_alloc(int64_t ng, int64_t hd) {
         (size_t)(ng * hd / 2) * v, (size_t)(ng * 16 * hd) * 4, (size_t)ng * v,
         (size_t)ng * v,            (size_t)ng * v,        (size_t)ng * v,
         (size_t)(ng * FA_CHUNK) * v, FA_CHUNK / 2 * v,      (size_t)(FA_CHUNK / 2 * hd) * 4,
-        v,
+        v,                           (size_t)(FA_CHUNK * hd) * 2, (size_t)(FA_CHUNK * hd) * 2,
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++) total += (sz[i] + 63) & ~(size_t)63;
@@ -78,6 +89,8 @@ static fa_ws fa_ws_alloc(int64_t ng, int64_t hd) {
     w.p = ptr[7];
     w.vp = ptr[8];
     w.alpha = ptr[9];
+    w.kst = ptr[10];
+    w.vst = ptr[11];
     return w;
 }
 
@@ -296,14 +309,14 @@ typedef struct fa_pf {
 
 /* Adds the key and value rows of keys [j0, min(j0 + FA_CHUNK - 1, jhi)] of item it. */
 static ALWAYS_INLINE void fa_pf_add(fa_pf *pf, const att_item *it, const int32_t *bt,
-                                    int64_t max_blocks, const uint16_t *kcb, const uint16_t *vcb,
-                                    int64_t nkv, int64_t hd, int64_t bs, int64_t j0, int64_t jhi) {
+                                    int64_t max_blocks, const fa_cache *c, int64_t nkv,
+                                    int64_t bs, int64_t j0, int64_t jhi) {
     for (int64_t j = j0; j < j0 + FA_CHUNK && j <= jhi && pf->n + 2 <= FA_PF_STREAMS; j += 16) {
         const int64_t phys = bt[it->s * max_blocks + j / bs];
-        const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
-        const int64_t bytes = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * hd * 2;
+        const int64_t bytes = (jhi - j + 1 < 16 ? jhi - j + 1 : 16) * c->rb;
         for (int kv = 0; kv < 2; kv++) {
-            const uintptr_t from = (uintptr_t)((kv ? vcb : kcb) + base);
+            const uintptr_t from =
+                (uintptr_t)kv_row(kv ? c->v : c->k, phys, it->kvh, j % bs, nkv, bs, c->rb);
             pf->base[pf->n] = (const char *)(from & ~(uintptr_t)63);
             pf->lines[pf->n++] = (int32_t)(((from & 63) + (uintptr_t)bytes + 63) / 64);
         }
@@ -380,43 +393,71 @@ typedef struct fa_stream {
     int warm; /* the previous item prefetched this item's first FA_PF_DIST chunks */
 } fa_stream;
 
-/* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows in the
- * cache, pf is planned over `steps` fa_pf_step calls with the chunk FA_PF_DIST ahead in the
- * stream st, and the values are re-laid as key pairs in w->vp (taking nk / 2 of the steps).
- * Returns nsub (1 or 2). */
+/* Rows [a, b] of 16 quantized rows (row j at row0 + j * rb, of kvt) -> the same rows of dst:
+ * [16][hd] bf16 (hd % 16 == 0), each value rounded to bf16 (kv_ldq). */
+static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, int64_t rb,
+                                              int kvt, int64_t a, int64_t b, int64_t hd) {
+    for (int64_t j = a; j <= b; j++) {
+        const char *row = row0 + j * rb;
+        if (kvt == CPUD_KV_INT8) {
+            const vf d = _mm512_set1_ps(kv_int8_scale(row, hd));
+            for (int64_t i = 0; i < hd; i += 16)
+                vf_st_bf16(dst + j * hd + i,
+                           _mm512_mul_ps(kv_ld_i8((const int8_t *)row + i), d));
+        } else {
+            for (int64_t i = 0; i < hd; i += 16)
+                vf_st_bf16(dst + j * hd + i, kv_ld_e5m2((const uint8_t *)row + i));
+        }
+    }
+}
+
+/* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows (in the
+ * cache, or converted into w->kst), pf is planned over `steps` fa_pf_step calls with the chunk
+ * FA_PF_DIST ahead in the stream st, and the values are re-laid as key pairs in w->vp (taking
+ * nk / 2 of the steps).  Returns nsub (1 or 2). */
 static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_t *bt,
-                                      int64_t max_blocks, const uint16_t *kcb,
-                                      const uint16_t *vcb, int64_t nkv, int64_t hd, int64_t bs,
-                                      int64_t j0, int64_t jlo, int64_t jhi, const uint16_t **kb,
-                                      fa_pf *pf, int steps, const fa_stream *st) {
+                                      int64_t max_blocks, const fa_cache *c, int64_t nkv,
+                                      int64_t hd, int64_t bs, int64_t j0, int64_t jlo,
+                                      int64_t jhi, const uint16_t **kb, fa_pf *pf, int steps,
+                                      const fa_stream *st) {
     const int nsub = j0 + 16 <= jhi ? 2 : 1;
     const uint16_t *vb[2];
     for (int u = 0; u < nsub; u++) {
         const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
-        const int64_t base = ((phys * nkv + it->kvh) * bs + j % bs) * hd;
-        kb[u] = kcb + base;
-        vb[u] = vcb + base;
+        const char *kr = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, c->rb);
+        const char *vr = kv_row(c->v, phys, it->kvh, j % bs, nkv, bs, c->rb);
+        if (c->kvt == CPUD_BF16) {
+            kb[u] = (const uint16_t *)kr;
+            vb[u] = (const uint16_t *)vr;
+            continue;
+        }
+        /* only the rows the item attends: the others' scores and values are masked */
+        const int64_t a = jlo > j ? jlo - j : 0, b = jhi < j + 15 ? jhi - j : 15;
+        uint16_t *ks = w->kst + u * 16 * hd, *vs = w->vst + u * 16 * hd;
+        fa_dequant_rows(ks, kr, c->rb, c->kvt, a, b, hd);
+        fa_dequant_rows(vs, vr, c->rb, c->kvt, a, b, hd);
+        kb[u] = ks;
+        vb[u] = vs;
     }
     const int64_t first = jlo & ~(int64_t)15, i = (j0 - first) / FA_CHUNK;
     const int64_t n = (jhi - first) / FA_CHUNK + 1; /* chunks of this item */
     pf->n = 0;
     if (i == 0 && !st->warm) { /* a cold start fetches the window before it at once */
-        for (int64_t c = 1; c < FA_PF_DIST; c++)
-            fa_pf_add(pf, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, first + c * FA_CHUNK, jhi);
+        for (int64_t k = 1; k < FA_PF_DIST; k++)
+            fa_pf_add(pf, it, bt, max_blocks, c, nkv, bs, first + k * FA_CHUNK, jhi);
         fa_pf_spread(pf, 1);
         fa_pf_step(pf);
         pf->n = 0;
     }
     if (i + FA_PF_DIST < n) {
-        fa_pf_add(pf, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0 + FA_PF_DIST * FA_CHUNK,
-                  jhi);
+        fa_pf_add(pf, it, bt, max_blocks, c, nkv, bs, j0 + FA_PF_DIST * FA_CHUNK, jhi);
     } else if (st->next) {
         /* the next item's chunk in that place; an item of fewer than FA_PF_DIST chunks also
          * takes, at its first chunk, those no chunk of it reaches */
-        const int64_t nfirst = st->next_lo & ~(int64_t)15, c_hi = i + FA_PF_DIST - n;
-        for (int64_t c = i == 0 ? 0 : c_hi; c <= c_hi; c++)
-            fa_pf_add(pf, st->next, bt, max_blocks, kcb, vcb, nkv, hd, bs,
-                      nfirst + c * FA_CHUNK, st->next_hi);
+        const int64_t nfirst = st->next_lo & ~(int64_t)15, k_hi = i + FA_PF_DIST - n;
+        for (int64_t k = i == 0 ? 0 : k_hi; k <= k_hi; k++)
+            fa_pf_add(pf, st->next, bt, max_blocks, c, nkv, bs, nfirst + k * FA_CHUNK,
+                      st->next_hi);
     }
     fa_pf_spread(pf, steps);
     fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd, pf);
@@ -426,15 +467,15 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
 /* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh
  * (arguments as att_item_run; dt is bf16, hd % 16 == 0, bs % 16 == 0). */
 static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t qs,
-                            const void *kc, const void *vc, const int32_t *qsl,
-                            const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks,
-                            void *out, int64_t os, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
-                            float scale, int64_t window, const fa_stream *st) {
+                            const fa_cache *c, const int32_t *qsl, const int32_t *seq_lens,
+                            const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
+                            int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale,
+                            int64_t window, const float *sinks, const fa_stream *st) {
     const int64_t G = nh / nkv, rows = (int64_t)it->nq * G, hp = hd / 2;
     const int64_t ng = (rows + FA_LANES - 1) / FA_LANES;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
-    const uint16_t *qb = q, *kcb = kc, *vcb = vc;
+    const uint16_t *qb = q;
     int32_t glo[ng], ghi[ng]; /* key range of each row group */
     for (int64_t g = 0; g < ng; g++) {
         glo[g] = INT32_MAX;
@@ -458,6 +499,12 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
         }
         _mm512_store_ps(w->m + g * FA_LANES, _mm512_set1_ps(-INFINITY));
         _mm512_store_ps(w->l + g * FA_LANES, _mm512_setzero_ps());
+        /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it */
+        for (int64_t ln = 0; sinks && ln < FA_LANES && g * FA_LANES + ln < rows; ln++) {
+            const int64_t r = g * FA_LANES + ln;
+            w->m[r] = sinks[it->kvh * G + r % G];
+            w->l[r] = 1.0f;
+        }
         memset(w->o + g * FA_LANES * hd, 0, sizeof(float) * (size_t)(FA_LANES * hd));
         /* Qt: 16 x 16 dword transposes of the rows' query pairs */
         uint32_t *qt = w->qt + g * hp * FA_LANES;
@@ -478,7 +525,7 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
         const uint16_t *kb[2];
         fa_pf pf;
         const int nsub =
-            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf,
+            fa_chunk(w, it, bt, max_blocks, c, nkv, hd, bs, j0, jlo, jhi, kb, &pf,
                      j0 + 16 <= jhi ? 16 : 8, st);
         const int nk = 16 * nsub;
         int gs[ng], n = 0;
@@ -564,15 +611,14 @@ static ALWAYS_INLINE TGT void fa_scores_rows(const uint16_t *const *qr, const ui
  * row with keys in lanes (no idle lanes), softmax per row, the same value
  * product as the row-group path.  Arguments as fa_item_run. */
 static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int64_t qs,
-                                const void *kc, const void *vc, const int32_t *qsl,
-                                const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks,
-                                void *out, int64_t os, int64_t nh, int64_t nkv, int64_t hd,
-                                int64_t bs, float scale, int64_t window, int R,
-                                const fa_stream *st) {
+                                const fa_cache *c, const int32_t *qsl, const int32_t *seq_lens,
+                                const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
+                                int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale,
+                                int64_t window, const float *sinks, int R, const fa_stream *st) {
     const int64_t G = nh / nkv;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
-    const uint16_t *qb = q, *kcb = kc, *vcb = vc;
+    const uint16_t *qb = q;
     const uint16_t *qr[FA_LANES];
     int64_t lo[FA_LANES], hi[FA_LANES];
     float m[FA_LANES], l[FA_LANES];
@@ -582,8 +628,8 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         hi[r] = p;
         lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
         qr[r] = qb + (t0 + qi) * qs + h * hd;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        m[r] = sinks ? sinks[h] : -INFINITY; /* the sink: a key of value 0 */
+        l[r] = sinks ? 1.0f : 0.0f;
         memset(w->o + r * hd, 0, sizeof(float) * (size_t)hd);
     }
     int64_t jlo, jhi;
@@ -593,7 +639,7 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         const uint16_t *kb[2];
         fa_pf pf;
         const int nsub =
-            fa_chunk(w, it, bt, max_blocks, kcb, vcb, nkv, hd, bs, j0, jlo, jhi, kb, &pf,
+            fa_chunk(w, it, bt, max_blocks, c, nkv, hd, bs, j0, jlo, jhi, kb, &pf,
                      j0 + 16 <= jhi ? 32 : 16, st);
         const int nk = 16 * nsub;
         __m512 s0[FA_LANES], s1[FA_LANES];

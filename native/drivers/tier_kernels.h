@@ -194,6 +194,8 @@ static TGT void argmax_rows_k(int dt, const void *x, int64_t xs, int64_t rows, i
 
 /* ------------------------------------------------------ paged attention */
 
+#include "tier_kv.h"
+
 /* (query, head) rows handled by one work item: ATT_ROWS / G queries of one
  * sequence times the G heads of one kv head (one query when G > ATT_ROWS). */
 #define ATT_ROWS 64
@@ -413,14 +415,15 @@ static TGT void att_group_tiles(int mr, att_ws *w, const float *vb, int64_t j0, 
     }
 }
 
-/* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh. */
+/* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh; the caches
+ * hold rows of kvt (kv_formats.h), sinks: [nh] f32 or NULL. */
 static ALWAYS_INLINE TGT void att_item_run(
     att_ws *w, const att_item *it, const void *q /* [T][nh][hd] stride qs */, int64_t qs,
-    const void *kc /* [nb][nkv][bs][hd] */, const void *vc /* [nb][nkv][bs][hd] */,
+    const void *kc /* [nb][nkv][bs] rows */, const void *vc /* [nb][nkv][bs] rows */,
     const int32_t *qsl /* [S+1] */, const int32_t *seq_lens /* [S] */,
     const int32_t *bt /* [S][max_blocks] */, int64_t max_blocks,
     void *out /* [T][nh][hd] stride os */, int64_t os, int64_t nh, int64_t nkv, int64_t hd,
-    int64_t bs, float scale, int64_t window, int dt) {
+    int64_t bs, float scale, int64_t window, const float *sinks, int kvt, int dt) {
     const int64_t G = nh / nkv, rows = (int64_t)it->nq * G;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
@@ -432,9 +435,13 @@ static ALWAYS_INLINE TGT void att_item_run(
         lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
         to_f32(at(q, (t0 + qi) * qs + h * hd, dt), w->q + r * hd, hd, scale, dt);
         memset(w->acc + r * hd, 0, sizeof(float) * (size_t)hd);
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
+        /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it */
+        w->m[r] = sinks ? sinks[h] : -INFINITY;
+        w->l[r] = sinks ? 1.0f : 0.0f;
     }
+    const int64_t rb = kv_row_bytes(kvt, hd);
+    /* the caches' rows are read in place when they hold dt, else converted into w->kb, w->vb */
+    const int direct = kvt == dt;
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     /* the tiled path needs whole 16-wide key chunks and dims; it pays from a few rows on */
@@ -444,16 +451,27 @@ static ALWAYS_INLINE TGT void att_item_run(
         const int64_t ka = (jlo > j0 ? jlo : j0) - j0;
         const int64_t ke = (jhi < j0 + bs - 1 ? jhi : j0 + bs - 1) - j0;
         const int64_t base = (phys * nkv + it->kvh) * bs * hd;
+        const char *krow0 = kv_row(kc, phys, it->kvh, 0, nkv, bs, rb);
+        const char *vrow0 = kv_row(vc, phys, it->kvh, 0, nkv, bs, rb);
         const float *kb, *vb;
         if (tiled) {
             /* keys [ka, ke] transposed into kt, values as fp32 rows (converted if bf16) */
-            for (int64_t j = ka; j <= ke; j++)
-                for (int64_t d = 0; d < hd; d++)
-                    w->kt[d * bs + j] = ld1(kc, base + j * hd + d, dt);
-            if (dt == CPUD_F32)
+            if (direct) {
+                for (int64_t j = ka; j <= ke; j++)
+                    for (int64_t d = 0; d < hd; d++)
+                        w->kt[d * bs + j] = ld1(kc, base + j * hd + d, dt);
+            } else {
+                kv_rows_f32(krow0, rb, kvt, dt, ka, ke, hd, w->kb);
+                for (int64_t j = ka; j <= ke; j++)
+                    for (int64_t d = 0; d < hd; d++) w->kt[d * bs + j] = w->kb[j * hd + d];
+            }
+            if (direct && dt == CPUD_F32)
                 vb = (const float *)vc + base;
-            else {
+            else if (direct) {
                 to_f32(at(vc, base + ka * hd, dt), w->vb + ka * hd, (ke - ka + 1) * hd, 1.0f, dt);
+                vb = w->vb;
+            } else {
+                kv_rows_f32(vrow0, rb, kvt, dt, ka, ke, hd, w->vb);
                 vb = w->vb;
             }
             for (int64_t r0 = 0; r0 < rows; r0 += ATT_MR)
@@ -461,12 +479,17 @@ static ALWAYS_INLINE TGT void att_item_run(
                                 lo, hi, r0, hd, bs);
             continue;
         }
-        if (dt == CPUD_F32) {
+        if (direct && dt == CPUD_F32) {
             kb = (const float *)kc + base;
             vb = (const float *)vc + base;
-        } else {
+        } else if (direct) {
             to_f32(at(kc, base + ka * hd, dt), w->kb + ka * hd, (ke - ka + 1) * hd, 1.0f, dt);
             to_f32(at(vc, base + ka * hd, dt), w->vb + ka * hd, (ke - ka + 1) * hd, 1.0f, dt);
+            kb = w->kb;
+            vb = w->vb;
+        } else {
+            kv_rows_f32(krow0, rb, kvt, dt, ka, ke, hd, w->kb);
+            kv_rows_f32(vrow0, rb, kvt, dt, ka, ke, hd, w->vb);
             kb = w->kb;
             vb = w->vb;
         }
@@ -488,13 +511,13 @@ static ALWAYS_INLINE TGT void att_item_run(
 #include "tier_flash_bf16.h"
 #endif
 
-/* Arguments as cpud_paged_attention; returns 0 or CPUD_ENOMEM. The caller has
- * validated query_start_loc, seq_lens and every block id that is read. */
-static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *kc, const void *vc,
-                                 const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
-                                 int64_t max_blocks, void *out, int64_t os, int64_t S, int64_t nh,
-                                 int64_t nkv, int64_t hd, int64_t bs, float scale,
-                                 int64_t window) {
+/* Arguments as cpud_paged_attention (kvt: the caches' kv_dtype); returns 0 or CPUD_ENOMEM.
+ * The caller has validated query_start_loc, seq_lens and every block id that is read. */
+static TGT int paged_attention_k(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+                                 const void *vc, const int32_t *qsl, const int32_t *seq_lens,
+                                 const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
+                                 int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
+                                 float scale, int64_t window, const float *sinks) {
     const int64_t G = nh / nkv, tile = ATT_ROWS / G > 0 ? ATT_ROWS / G : 1;
     int64_t n_items = 0;
     for (int64_t s = 0; s < S; s++) n_items += nkv * ((qsl[s + 1] - qsl[s] + tile - 1) / tile);
@@ -524,6 +547,7 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
 #if TIER_ID >= 3
         /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
         const int fa = fa_usable(dt, hd, bs);
+        const fa_cache fc = {kc, vc, kv_row_bytes(kvt, hd), kvt};
         fa_ws fw = {0};
         if (fa) {
             const int64_t R = G > ATT_ROWS ? G : ATT_ROWS;
@@ -555,22 +579,22 @@ static TGT int paged_attention_k(int dt, const void *q, int64_t qs, const void *
                 }
                 warm_item = st.next ? ii + 1 : -1;
                 if (rows >= FA_MIN_ROWS)
-                    fa_item_run(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
-                                out, os, nh, nkv, hd, bs, scale, window, &st);
+                    fa_item_run(&fw, &items[i], q, qs, &fc, qsl, seq_lens, bt, max_blocks, out,
+                                os, nh, nkv, hd, bs, scale, window, sinks, &st);
                 else
-                    fa_item_run_few(&fw, &items[i], q, qs, kc, vc, qsl, seq_lens, bt,
-                                    max_blocks, out, os, nh, nkv, hd, bs, scale, window,
-                                    (int)rows, &st);
+                    fa_item_run_few(&fw, &items[i], q, qs, &fc, qsl, seq_lens, bt, max_blocks,
+                                    out, os, nh, nkv, hd, bs, scale, window, sinks, (int)rows,
+                                    &st);
                 continue;
             }
 #endif
             if (!w.q) continue;
             if (dt == CPUD_BF16)
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
-                             nh, nkv, hd, bs, scale, window, CPUD_BF16);
+                             nh, nkv, hd, bs, scale, window, sinks, kvt, CPUD_BF16);
             else
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
-                             nh, nkv, hd, bs, scale, window, CPUD_F32);
+                             nh, nkv, hd, bs, scale, window, sinks, kvt, CPUD_F32);
         }
         if (!fa) att_ws_free(&w);
 #if TIER_ID >= 3

@@ -1,0 +1,66 @@
+/* Reading KV cache rows of any kv_formats.h type as the activations' dtype, vectorised for the
+ * tier (included by tier_kernels.h after the tier's simd_*.h).  A quantized value reads as
+ * rnd_dt(dequantized): int8 q * scale rounded to dt, e5m2 exactly (it fits bf16). */
+
+#include "kv_formats.h"
+
+/* p: [VW] int8 -> f32 */
+static ALWAYS_INLINE TGT vf kv_ld_i8(const int8_t *p) {
+#if VW == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VW == 8
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return (float)*p;
+#endif
+}
+
+/* p: [VW] e5m2 bytes -> f32 (kv_e5m2_to_f32 per lane) */
+static ALWAYS_INLINE TGT vf kv_ld_e5m2(const uint8_t *p) {
+#if VW == 16
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 21);
+    const __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+    const vf f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p112f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
+#elif VW == 8
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f)), 21);
+    const __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const vf f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p112f));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sgn));
+#else
+    return kv_e5m2_to_f32(*p);
+#endif
+}
+
+/* Values [i, i + VW) of a quantized row (kvt int8 with scale d, or e5m2), rounded to dt. */
+static ALWAYS_INLINE TGT vf kv_ldq(const char *row, int64_t i, int kvt, vf d, int dt) {
+    if (kvt == CPUD_KV_INT8) return rndv(vf_mul(kv_ld_i8((const int8_t *)row + i), d), dt);
+    return kv_ld_e5m2((const uint8_t *)row + i);
+}
+
+/* Value i of a quantized row, as kv_ldq. */
+static ALWAYS_INLINE float kv_ldq1(const char *row, int64_t i, int kvt, float d, int dt) {
+    if (kvt == CPUD_KV_INT8) return rnd1((float)((const int8_t *)row)[i] * d, dt);
+    return kv_e5m2_to_f32(((const uint8_t *)row)[i]);
+}
+
+/* Rows [a, b] (row j at row0 + j * rb, of kvt) -> dst: rows [a, b] of [.][hd] f32, each value
+ * as dt reads it. */
+static ALWAYS_INLINE TGT void kv_rows_f32(const char *row0, int64_t rb, int kvt, int dt,
+                                          int64_t a, int64_t b, int64_t hd, float *dst) {
+    for (int64_t j = a; j <= b; j++) {
+        const char *row = row0 + j * rb;
+        float *o = dst + j * hd;
+        if (!kv_quantized(kvt)) {
+            to_f32(row, o, hd, 1.0f, kvt);
+            continue;
+        }
+        const float d1 = kvt == CPUD_KV_INT8 ? kv_int8_scale(row, hd) : 1.0f;
+        const vf d = vf_set1(d1);
+        int64_t i = 0;
+        for (; i + VW <= hd; i += VW) vf_st(o + i, kv_ldq(row, i, kvt, d, dt));
+        for (; i < hd; i++) o[i] = kv_ldq1(row, i, kvt, d1, dt);
+    }
+}

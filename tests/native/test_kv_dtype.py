@@ -1,0 +1,135 @@
+"""Quantized KV caches (--kv-cache-dtype int8 / fp8_e5m2, and bf16 under fp32 activations):
+the KV write kernel against the torch quantizer of ranks/paged_kv.py byte for byte, and paged
+attention (decode, chunked prefill, GQA, odd head dims, block boundaries) on every tier against
+the same kernel and the torch reference on the dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention import make_case, ref_attention
+from tolerances import assert_close
+
+from cpud.ranks.paged_kv import dequantize_kv, kv_cache_shape, quantize_kv
+
+QUANTIZED = [torch.int8, torch.float8_e5m2]
+# contexts around block edges (16, 17, 32, 33) for decode and chunks, a long prefill chunk
+SEQS = ((16, 1), (17, 17), (33, 1), (32, 5), (130, 40), (1, 1))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+# (activations, cache): every quantized cache under both, and bf16 rows under fp32 activations
+WRITES = [(a, c) for a in (torch.float32, torch.bfloat16) for c in QUANTIZED]
+WRITES.append((torch.float32, torch.bfloat16))
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), WRITES)
+@pytest.mark.parametrize("hd", [64, 33])
+def test_write_kv_cache_matches_the_torch_quantizer(kern, dtype, cache_dtype, hd):
+    g = torch.Generator().manual_seed(1)
+    T, nkv, nb, bs = 6, 2, 4, 16
+    key = (torch.randn(T, nkv, hd, generator=g) * 3).to(dtype)
+    value = torch.randn(T, nkv, hd, generator=g).to(dtype)
+    key[0, 0] = 0.0  # an all-zero row: scale 0
+    key[1, 0, :4] = torch.tensor([1e-6, 7e4, -1e5, -3e-8]).to(dtype)  # e5m2: subnormal, saturated
+    value[2, 1, 0] = 1000.0  # one outlier sets the row's int8 scale
+    kc = torch.zeros(kv_cache_shape(nb, nkv, bs, hd, cache_dtype), dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([0, 5, 17, 40, -1, 63])
+    kern.write_kv_cache(key, value, kc, vc, slots)
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // bs, slots[keep] % bs
+    for cache, src in ((kc, key), (vc, value)):
+        got = cache[blocks, :, offsets]
+        want = quantize_kv(src[keep], cache_dtype)
+        assert torch.equal(_as_bytes(got), _as_bytes(want))
+    assert torch.count_nonzero(_as_bytes(kc)) > 0
+
+
+def test_quantized_rows_read_back_close():
+    x = torch.randn(64, 128) * torch.linspace(0.1, 10, 64)[:, None]
+    int8 = dequantize_kv(quantize_kv(x, torch.int8), torch.float32)
+    assert ((int8 - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
+    fp8 = dequantize_kv(quantize_kv(x, torch.float8_e5m2), torch.float32)
+    assert ((fp8 - x).abs() <= x.abs() / 8 + 1e-5).all()  # 2 mantissa bits: half-ulp 1/8
+
+
+def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0):
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), nh, nkv, hd, bs, dtype, seed)
+    return q, quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype), qsl, seq_lens, bt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+@pytest.mark.parametrize(
+    ("nh", "nkv", "hd", "bs"),
+    [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 1, 33, 16)],
+)
+def test_paged_attention_reads_quantized_caches(kern, dtype, cache_dtype, nh, nkv, hd, bs):
+    q, kq, vq, qsl, seq_lens, bt = _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype)
+    kd, vd = dequantize_kv(kq, dtype), dequantize_kv(vq, dtype)
+    scale = hd**-0.5
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
+    # the same bits as a dtype cache holding the values the quantized one reads as
+    assert torch.equal(out, kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, scale))
+    assert_close(out, ref_attention(q, kd, vd, qsl, seq_lens, bt, scale, 0), dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+def test_paged_attention_quantized_sliding_window(kern, cache_dtype):
+    q, kq, vq, qsl, seq_lens, bt = _quantized_case(8, 2, 64, 16, torch.bfloat16, cache_dtype, 2)
+    kd, vd = dequantize_kv(kq, torch.bfloat16), dequantize_kv(vq, torch.bfloat16)
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, 0.125, sliding_window=20)
+    ref = ref_attention(q, kd, vd, qsl, seq_lens, bt, 0.125, 20)
+    assert_close(out, ref, torch.bfloat16)
+
+
+def test_paged_attention_bf16_cache_under_fp32(kern):
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), 8, 2, 64, 16, torch.float32)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    out = kern.paged_attention(q, kb, vb, qsl, seq_lens, bt, 0.125)
+    assert out.dtype == torch.float32
+    assert torch.equal(
+        out, kern.paged_attention(q, kb.float(), vb.float(), qsl, seq_lens, bt, 0.125)
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+def test_quantized_attention_stays_close_to_bf16(kern, cache_dtype):
+    # the quantization error itself: int8 / e5m2 caches against the unquantized bf16 cache
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), 8, 2, 64, 16, torch.bfloat16, 3)
+    exact = kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, 0.125).float()
+    kq, vq = quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype)
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, 0.125).float()
+    err = (out - exact).norm() / exact.norm()
+    assert err < (0.02 if cache_dtype == torch.int8 else 0.12)
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+@pytest.mark.parametrize("bs", [16, 128])
+def test_quantized_garbage_in_unused_slots_never_reaches_the_output(kern, cache_dtype, bs):
+    # Unused rows of every byte 0xff: int8 scale NaN, e5m2 NaN patterns.
+    seqs = ((200, 37), (50, 1), (77, 77), (20, 20))
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), 8, 2, 64, bs, torch.bfloat16, 7)
+    kq, vq = quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype)
+    clean = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, 0.125)
+    valid = torch.zeros(kc.shape[0], bs, dtype=torch.bool)
+    for s, (ctx, _) in enumerate(seqs):
+        for j in range(ctx):
+            valid[bt[s, j // bs], j % bs] = True
+    for cache in (kq, vq):
+        _as_bytes(cache)[~valid[:, None, :, None].expand_as(cache)] = 0xFF
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, 0.125)
+    assert torch.equal(out, clean)
+
+
+def test_paged_attention_rejects_caches_it_cannot_read(kern):
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), 2, 1, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="key_cache"):
+        kern.paged_attention(q, kc.float(), vc.float(), qsl, seq_lens, bt, 0.1)
+    int8_without_scales = kc.to(torch.int8)
+    with pytest.raises(ValueError, match="key_cache"):
+        kern.paged_attention(q, int8_without_scales, int8_without_scales, qsl, seq_lens, bt, 0.1)
