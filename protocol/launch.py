@@ -68,6 +68,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     weight_cache: str | None  # directory of packed weight shards; None: off
     kv_pretouch: bool
     quantization: str
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bf16, int8 or fp8_e5m2
     model: ModelFacts | None = None  # None: read them from model_dir
 
 

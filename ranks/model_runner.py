@@ -25,6 +25,7 @@ from cpud.ranks.models.build import (
     packed_weight_names,
 )
 from cpud.ranks.ops import make_ops
+from cpud.ranks.paged_kv import kv_cache_dtype, kv_cache_shape
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.pooling import embeddings, pool
 from cpud.ranks.sampler import sample, score_prompts
@@ -49,6 +50,8 @@ class RunnerConfig:
     # native kernels: auto keeps a GGUF file's quantized linears in blocks; q8_0|q4_0|q4_k
     # quantizes dense linears at load (ranks/quantize_dense.py); none runs everything dense
     quantization: str = _ENGINE["quantization"]
+    # auto: the KV cache holds dtype; bf16, int8, fp8_e5m2: that format (ranks/paged_kv.py)
+    kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
 
 
 class ModelRunner:
@@ -72,21 +75,25 @@ class ModelRunner:
         self.model_cfg = model_cfg
         # An encoder attends within each step's sequences only: no KV cache.
         self.uses_kv = getattr(self.model, "uses_kv_cache", True)
-        shape = (
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype)
+        shape = kv_cache_shape(
             config.num_kv_blocks,
             self.model.kv_heads_local,
             config.block_size,
             self.model.head_dim,
+            cache_dtype,
         )
         # torch.empty: pages are touched (and so placed) by the rank that writes them.
         self.kv_caches = [
-            (torch.empty(shape, dtype=config.dtype), torch.empty(shape, dtype=config.dtype))
+            (torch.empty(shape, dtype=cache_dtype), torch.empty(shape, dtype=cache_dtype))
             for _ in range(model_cfg.num_layers if self.uses_kv else 0)
         ]
         reason = unsupported_reason(self.model, self.ops, group)
         # None: the per-op path (the reference, and what runs where fusing is not supported)
         self.decoder = (
-            FusedDecoder(self.model, self.ops, group, self.kv_caches) if reason is None else None
+            FusedDecoder(self.model, self.ops, group, self.kv_caches, config.dtype)
+            if reason is None
+            else None
         )
         if group.rank == 0:
             recipe = model_cfg.recipe.describe() if model_cfg.recipe is not None else "own model"

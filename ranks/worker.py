@@ -57,6 +57,7 @@ def runner_config(engine: EngineSpec) -> RunnerConfig:
         weight_cache=Path(engine.weight_cache) if engine.weight_cache else None,
         kv_pretouch=engine.kv_pretouch,
         quantization=engine.quantization,
+        kv_cache_dtype=engine.kv_cache_dtype,
     )
 
 

@@ -82,6 +82,8 @@ def memory_check(planning: Planning) -> Check:
         "fits": True,
         "kv_tokens": memory.kv_tokens,
         "num_kv_blocks": memory.num_kv_blocks,
+        "kv_cache_dtype": memory.kv_cache_dtype,
+        "kv_block_bytes": memory.kv_block_bytes,
         "ranks": ranks,
         "warnings": list(memory.warnings),
     }

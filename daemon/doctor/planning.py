@@ -110,7 +110,9 @@ def headroom(config: EngineConfig, binding: BindingPlan, topology: Topology) -> 
     A one-block context with the KV fraction at 1 always plans when anything fits; its rank
     budgets less weights and the runtime at the real context length leave the KV room.
     """
-    block_bytes = kv_block_bytes(config.model, config.tp, config.block_size, config.dtype)
+    block_bytes = kv_block_bytes(
+        config.model, config.tp, config.block_size, config.dtype, config.kv_cache_dtype
+    )
     probe = _attempt(
         lambda: config_memory(
             config, binding, topology, max_model_len=config.block_size, kv_cache_fraction=1.0

@@ -10,6 +10,9 @@ from cpud.settings.errors import ConfigError
 
 VOCAB_PADDING = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# --kv-cache-dtype: bytes of one cached row (a token's keys or values of one kv head) of
+# head_dim values; auto: the model's dtype (ranks/paged_kv.py has the formats)
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e5m2")
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -36,9 +39,31 @@ def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
     return max(1, cfg.num_kv_heads // tp)
 
 
-def kv_block_bytes(cfg: ModelConfig, tp: int, block_size: int, dtype: Any) -> int:
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+
+
+def kv_row_bytes(head_dim: int, dtype: Any, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one cached row of head_dim values: the model dtype's (auto), bf16's, int8's
+    (head_dim int8 values and their fp32 scale) or e5m2's (one byte each)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        return head_dim + 4
+    if kv_cache_dtype == "fp8_e5m2":
+        return head_dim
+    return head_dim * (2 if kv_cache_dtype == "bf16" else dtype_bytes(dtype))
+
+
+def kv_block_bytes(
+    cfg: ModelConfig, tp: int, block_size: int, dtype: Any, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes one KV block takes on one rank, over all layers, keys and values."""
-    per_token = cfg.num_layers * kv_heads_local(cfg, tp) * cfg.head_dim * dtype_bytes(dtype)
+    per_token = (
+        cfg.num_layers * kv_heads_local(cfg, tp) * kv_row_bytes(cfg.head_dim, dtype, kv_cache_dtype)
+    )
     return 2 * block_size * per_token
 
 

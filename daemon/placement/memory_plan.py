@@ -202,6 +202,7 @@ class MemoryPlan:
     kv_source: KvSource
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype the blocks are sized for
 
     @property
     def kv_tokens(self) -> int:
@@ -214,9 +215,11 @@ class MemoryPlan:
             f" ({r.budget_source})"
             for r in self.ranks
         ]
+        elements = "model dtype" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         lines.append(
             f"KV cache: {self.num_kv_blocks} blocks of {self.block_size} tokens "
-            f"({self.kv_tokens} tokens, {self.kv_source})"
+            f"({self.kv_tokens} tokens, {self.kv_source}; {elements}, "
+            f"{self.kv_block_bytes // self.block_size} bytes per token)"
         )
         lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"note: {n}" for n in self.notes]
@@ -291,9 +294,11 @@ def plan_memory(
     kv_cache_fraction: float | None = None,
     gpu_memory_utilization: float | None = None,
     weights: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     """Size every rank's memory, or raise ConfigError with the numbers and what would fit.
-    `weights`: one rank's weight bytes where not `dtype` throughout (quantized_weight_bytes)."""
+    `weights`: one rank's weight bytes where not `dtype` throughout (quantized_weight_bytes).
+    `kv_cache_dtype`: the KV cache's element type (--kv-cache-dtype; auto: dtype)."""
     tp = binding.tp
     warnings: list[str] = []
     notes: list[str] = []
@@ -307,7 +312,9 @@ def plan_memory(
     weights = weight_bytes(model, dtype, tp) if weights is None else weights
     overhead = overhead_bytes(model, dtype, tp, max_model_len, max_num_batched_tokens, max_num_seqs)
     # An encoder keeps no KV cache: its blocks are bookkeeping only and take no memory.
-    block_bytes = kv_block_bytes(model, tp, block_size, dtype) if model.generates else 0
+    block_bytes = (
+        kv_block_bytes(model, tp, block_size, dtype, kv_cache_dtype) if model.generates else 0
+    )
     blocks_per_seq = -(-max_model_len // block_size)
     budgets = _budgets(binding, topology)
 
@@ -399,5 +406,12 @@ def plan_memory(
         for placement in binding.ranks
     )
     return MemoryPlan(
-        ranks, block_size, block_bytes, num_blocks, kv_source, tuple(warnings), tuple(notes)
+        ranks,
+        block_size,
+        block_bytes,
+        num_blocks,
+        kv_source,
+        tuple(warnings),
+        tuple(notes),
+        kv_cache_dtype,
     )

@@ -81,6 +81,7 @@ def config_memory(
         kv_cache_space_gib=kv_cache_space_gib,
         kv_cache_fraction=kv_cache_fraction,
         weights=config.weight_bytes_per_rank,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

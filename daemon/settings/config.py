@@ -13,7 +13,7 @@ from cpud.model.cpu_features import resolve_dtype
 from cpud.model.load import config_from_facts, load_model_config, model_facts
 from cpud.model.model_config import ModelConfig, read_json_object
 from cpud.model.safetensors_check import check_weights
-from cpud.model.sizes import kv_block_bytes
+from cpud.model.sizes import check_kv_cache_dtype, kv_block_bytes
 from cpud.process.user_files import check_model_files_are_regular
 from cpud.protocol.launch import EngineSpec
 from cpud.settings import (
@@ -46,6 +46,7 @@ class EngineArgs:
     tp: int = _ENGINE["tp"]
     max_model_len: int | None = _ENGINE["max_model_len"]
     block_size: int = _ENGINE["block_size"]
+    kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
     max_num_seqs: int = _ENGINE["max_num_seqs"]
     max_num_batched_tokens: int | None = _ENGINE["max_num_batched_tokens"]
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]
@@ -132,10 +133,13 @@ class EngineConfig:
     weight_cache: str | None = None  # directory of packed weight shards; None: off
     kv_pretouch: bool = _ENGINE["kv_pretouch"]
     quantization: str = _ENGINE["quantization"]
+    kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
-        return self.num_kv_blocks * kv_block_bytes(self.model, self.tp, self.block_size, self.dtype)
+        return self.num_kv_blocks * kv_block_bytes(
+            self.model, self.tp, self.block_size, self.dtype, self.kv_cache_dtype
+        )
 
     @property
     def weight_bytes_per_rank(self) -> int:
@@ -220,7 +224,8 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
             f"{model.max_position_embeddings}: lower --max-model-len"
         )
     batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype)
+    check_kv_cache_dtype(args.kv_cache_dtype)
+    block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype, args.kv_cache_dtype)
     blocks_per_seq = -(-max_model_len // args.block_size)
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
@@ -252,6 +257,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         weight_cache=resolve_weight_cache(args.weight_cache),
         kv_pretouch=args.kv_pretouch,
         quantization=quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

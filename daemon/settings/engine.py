@@ -147,6 +147,21 @@ ENGINE_SETTINGS = (
         positive=True,
     ),
     Setting(
+        "kv_cache_dtype",
+        str,
+        "auto",
+        "KV cache element type: auto (the model's dtype), bf16, int8 (per token and head "
+        "scale) or fp8_e5m2; smaller types hold more tokens and read fewer bytes per step",
+        EVERYWHERE,
+        flags=("--kv-cache-dtype",),
+        choices=("auto", "bf16", "int8", "fp8_e5m2"),
+        details="`auto` (the model's dtype), `bf16`, `int8` (each token's row of each kv head "
+        "as int8 with its fp32 scale amax/127: head_dim + 4 bytes instead of 2 x head_dim) or "
+        "`fp8_e5m2` (the top byte of an fp16, no scale: head_dim bytes). The memory plan counts "
+        "the smaller cache, so the same --kv-cache-space holds about twice the tokens; paged "
+        "attention reads the quantized rows on every ISA tier",
+    ),
+    Setting(
         "max_num_seqs",
         int,
         256,
