@@ -29,12 +29,16 @@ _ROWS_PER_PASS = 4096  # rows converted per numpy pass (bounds the temporaries)
 
 def check_mxfp4_scales(scales: np.ndarray, what: str = "MXFP4 weights") -> None:
     """ValueError naming the first block whose E8M0 exponent is 0xFF (NaN in OCP MX): no value
-    of such a block is a number, so the weights are damaged."""
-    bad = np.flatnonzero(np.asarray(scales).reshape(-1) == NAN_SCALE)
-    if bad.size:
+    of such a block is a number, so the weights are damaged.  scales: [..., blocks per row]."""
+    scales = np.asarray(scales)
+    bad = scales == NAN_SCALE
+    count = int(np.count_nonzero(bad))
+    if count:
+        where = np.unravel_index(int(np.argmax(bad)), scales.shape)
+        row = ", ".join(str(int(i)) for i in where[:-1]) or "0"
         raise ValueError(
-            f"{what}: {bad.size} MXFP4 block(s) have scale byte 0xFF, NaN in OCP MX (first: "
-            f"block {int(bad[0])} in row-major order); the file is damaged, convert it again"
+            f"{what}: {count} MXFP4 block(s) have scale byte 0xFF, NaN in OCP MX (first: row "
+            f"{row}, block {int(where[-1])}); the file is damaged, convert it again"
         )
 
 
