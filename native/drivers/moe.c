@@ -398,7 +398,11 @@ static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, floa
             id[i] = (int32_t)e;
         }
         if (raw) { /* softmax over the k picked logits; top[0] is their largest */
-            for (int64_t j = 0; j < k; j++) picked += top[j] = expf(top[j] - top[0]);
+            mx = top[0];
+            for (int64_t j = 0; j < k; j++) {
+                top[j] = expf(top[j] - mx);
+                picked += top[j];
+            }
         } else {
             for (int64_t j = 0; j < k; j++) picked += top[j];
         }
