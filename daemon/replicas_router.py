@@ -13,7 +13,8 @@ from cpud.settings.errors import ConfigError
 ROUTER_MODULE = "vllm_router"
 INSTALL_HINT = "pip install vllm-router (cpud's `router` extra)"
 # cpud's defaults, before --router-args (a flag given twice: the later one wins): the policy for
-# chat and agent traffic, workers checked every second while they start and every 5 s after.
+# chat and agent traffic, workers checked every second while they start and every 5 s after, and
+# a replica's circuit closed again 10 s after it opened (a lost replica restarts in seconds).
 DEFAULT_ARGS = (
     "--policy",
     "cache_aware",
@@ -21,6 +22,8 @@ DEFAULT_ARGS = (
     "1",
     "--health-check-interval-secs",
     "5",
+    "--cb-timeout-duration-secs",
+    "10",
     "--log-level",
     "warning",
 )
