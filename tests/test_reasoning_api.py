@@ -272,3 +272,72 @@ def test_a_reasoning_only_response_cut_by_max_output_tokens(think):
     assert response.status == "incomplete"
     [(kind, text)] = response_items(response)
     assert kind == "reasoning" and "Let me think about the weather".startswith(text)
+
+
+def anthropic_client(http):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url="http://testserver", api_key="unused", http_client=http)
+
+
+def message_blocks(message) -> list[tuple]:
+    blocks = []
+    for block in message.content:
+        if block.type == "thinking":
+            blocks.append(("thinking", block.thinking))
+        elif block.type == "text":
+            blocks.append(("text", block.text))
+        else:
+            blocks.append(("tool_use", block.name, block.input))
+    return blocks
+
+
+THINKING_CASES = [
+    ("think", "<think>\nHm.\n</think>\n\nSunny.", [("thinking", "Hm."), ("text", "Sunny.")]),
+    (
+        "gpt_oss",
+        HARMONY_ANSWER,
+        [("thinking", "The user asks about Paris."), ("text", "Sunny, 21 C.")],
+    ),
+    (
+        "gpt_oss",
+        HARMONY_CALL,
+        [("thinking", "Need the tool."), ("tool_use", "get_weather", {"city": "Paris"})],
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("clients", "said", "expected"), THINKING_CASES)
+def test_messages_answer_thinking_blocks(request, clients, said, expected, stream):
+    server, _, http = request.getfixturevalue(clients)
+    server.will_say(said)
+    client = anthropic_client(http)
+    tools = [{"name": "get_weather", "input_schema": WEATHER[0]["function"]["parameters"]}]
+    ask = {"model": "scripted", "max_tokens": 64, "messages": ASK, "tools": tools}
+    if stream:
+        with client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**ask)
+    stop = "tool_use" if expected[-1][0] == "tool_use" else "end_turn"
+    assert message_blocks(message) == expected and message.stop_reason == stop
+
+
+def test_messages_take_back_thinking_blocks_and_thinking_disabled_turns_it_off(think):
+    server, _, http = think
+    client = anthropic_client(http)
+    server.will_say("<think>a</think>b", "<think>x</think>y")
+    first = client.messages.create(
+        model="scripted",
+        max_tokens=64,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert message_blocks(first) == [("thinking", "a"), ("text", "b")]
+    history = [*ASK, {"role": "assistant", "content": first.content}]
+    history.append({"role": "user", "content": "And?"})
+    second = client.messages.create(
+        model="scripted", max_tokens=64, messages=history, thinking={"type": "disabled"}
+    )
+    assert message_blocks(second) == [("text", "<think>x</think>y")]

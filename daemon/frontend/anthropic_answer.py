@@ -10,6 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from cpud.engine.outputs import CompletionOutput
 from cpud.frontend.errors import APIError
+from cpud.frontend.reasoning import ReasoningPlan
+from cpud.frontend.reasoning_stream import read_all
 from cpud.frontend.tool_calls import parse
 
 MESSAGES_PATH = "/v1/messages"
@@ -58,6 +60,11 @@ def text_block(text: str) -> dict:
     return {"type": "text", "text": text}
 
 
+def thinking_block(text: str) -> dict:
+    """The model's reasoning; cpud signs nothing (the signature is empty)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def tool_use_block(name: str, arguments: dict) -> dict:
     return {"type": "tool_use", "id": new_tool_use_id(), "name": name, "input": arguments}
 
@@ -102,6 +109,21 @@ def content_blocks(text: str, parser: str | None, parallel: bool) -> tuple[list[
             blocks += [tool_use_block(c.name, i) for c, i in zip(parsed.calls, inputs)]
             return blocks, True
     return ([text_block(text)] if text else []), False
+
+
+def answer_blocks(
+    text: str, plan: ReasoningPlan | None, parser: str | None, parallel: bool, cut: bool
+) -> tuple[list[dict], bool]:
+    """(content blocks, whether they hold tool_use) of a finished output: its reasoning as
+    a thinking block first, then the answer's blocks, then the format's own calls (harmony;
+    one whose arguments are not a JSON object comes with an empty input)."""
+    read = read_all(plan, text, cut)
+    blocks = [thinking_block(read.reasoning)] if read.reasoning else []
+    answer, called = content_blocks(read.content or "", parser, parallel)
+    blocks += answer
+    for call in read.calls:
+        blocks.append(tool_use_block(call.name, _arguments(call.arguments) or {}))
+    return blocks, called or bool(read.calls)
 
 
 def message_json(

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cpud.frontend.access_log import access_note
 from cpud.frontend.anthropic_answer import (
-    content_blocks,
+    answer_blocks,
     message_json,
     new_message_id,
     stop_reason,
@@ -31,8 +31,10 @@ from cpud.frontend.anthropic_schemas import (
     MessagesRequest,
     NamedChoice,
     NoneChoice,
+    RedactedThinkingBlock,
     Refused,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -62,8 +64,8 @@ REFUSED_WHY = {
     "image": "cpud serves text models",
     "document": "cpud serves text models",
     "search_result": "cpud serves text only",
-    "thinking": "cpud answers without thinking blocks",
-    "redacted_thinking": "cpud answers without thinking blocks",
+    "thinking": "thinking blocks belong in assistant messages",
+    "redacted_thinking": "thinking blocks belong in assistant messages",
 }
 
 
@@ -129,6 +131,8 @@ def _assistant_message(blocks: list[Block | Refused], where: str) -> ChatMessage
             arguments = json.dumps(block.input, ensure_ascii=False)
             function = FunctionCall(name=block.name, arguments=arguments)
             calls.append(ToolCall(id=block.id, function=function))
+        elif isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
+            continue  # earlier reasoning, sent back as the answer gave it: not replayed
         elif isinstance(block, Refused):
             _refuse(block, at)
         else:
@@ -207,15 +211,29 @@ def check_supported(body: MessagesFields | MessagesRequest) -> None:
     for name in NULL_ONLY:
         if getattr(body, name, None) is not None:
             raise bad_request(f"{name} is not supported by cpud; remove it", name)
-    thinking = body.thinking
-    if thinking is not None and thinking.get("type") != "disabled":
-        raise bad_request(
-            'thinking is not supported by cpud: leave it out or send {"type": "disabled"}',
-            "thinking",
-        )
+    thinking_kwargs(body.thinking)
     stops = getattr(body, "stop_sequences", None) or ()
     if any(not stop for stop in stops):
         raise bad_request("stop_sequences must not hold empty strings", "stop_sequences")
+
+
+def thinking_kwargs(thinking: dict | None) -> dict | None:
+    """The chat template's kwargs for `thinking`: disabled turns a think-block template's
+    reasoning off (enable_thinking false); enabled and adaptive leave the template as it is
+    (cpud does not hold reasoning to budget_tokens)."""
+    kind = None if thinking is None else thinking.get("type")
+    if kind not in (None, "disabled", "enabled", "adaptive"):
+        raise bad_request(
+            'thinking.type must be "enabled", "adaptive" or "disabled"', "thinking.type"
+        )
+    budget = (thinking or {}).get("budget_tokens")
+    if kind == "enabled" and (
+        not isinstance(budget, int) or isinstance(budget, bool) or budget < 1
+    ):
+        raise bad_request(
+            "thinking.budget_tokens must be a positive integer", "thinking.budget_tokens"
+        )
+    return {"enable_thinking": False} if kind == "disabled" else None
 
 
 def output_format(body: MessagesRequest) -> ResponseFormat | None:
@@ -245,6 +263,7 @@ def chat_request(body: MessagesFields | MessagesRequest) -> tuple[ChatCompletion
         tools=chat_tools(body),
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        chat_template_kwargs=thinking_kwargs(body.thinking),
     )
     if isinstance(body, MessagesRequest):
         sampling = {
@@ -295,7 +314,10 @@ async def respond_messages(state: ServerState, request: Request, body: MessagesR
     final = (await collect_or_abort(request, streams))[0]
     out = final.outputs[0]
     note.completion_tokens = len(out.token_ids)
-    blocks, called = content_blocks(out.text, job.tool_parser, job.parallel_tool_calls)
+    cut = out.finish_reason == "length"
+    blocks, called = answer_blocks(
+        out.text, job.reasoning, job.tool_parser, job.parallel_tool_calls, cut
+    )
     cached = final.num_cached_tokens if details else 0
     usage = usage_json(len(final.prompt_token_ids), cached, len(out.token_ids))
     answer = message_json(job.request_id, job.model, blocks, stop_reason(out, called), usage)

@@ -146,7 +146,14 @@ class MessagesFields(Strict, kw_only=True):
     tool_choice: AnthropicToolChoice | None = None
     cache_control: CacheControl | None = None
     thinking: (
-        Annotated[dict[str, Any], Meta(description='{"type": "disabled"} only: no thinking')] | None
+        Annotated[
+            dict[str, Any],
+            Meta(
+                description="disabled turns a think-block template's reasoning off; enabled "
+                "(budget_tokens not enforced) and adaptive leave it on"
+            ),
+        ]
+        | None
     ) = None
     mcp_servers: Annotated[Any, Meta(description="not supported: null only")] = None
     context_management: Annotated[Any, Meta(description="not supported: null only")] = None

@@ -1,7 +1,8 @@
 """A Messages answer streamed as Anthropic's server-sent events: message_start, ping, then
-per content block content_block_start / content_block_delta (text_delta, or input_json_delta
-for tool_use) / content_block_stop, message_delta with the stop reason and usage, and
-message_stop. An engine failure mid-stream is an `error` event."""
+per content block content_block_start / content_block_delta (thinking_delta for the model's
+reasoning, text_delta, or input_json_delta for tool_use) / content_block_stop, message_delta
+with the stop reason and usage, and message_stop. An engine failure mid-stream is an `error`
+event."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from cpud.frontend.anthropic_answer import (
     message_json,
     stop_reason,
     text_block,
+    thinking_block,
     tool_use_block,
     usage_json,
 )
 from cpud.frontend.jobs import Job
 from cpud.frontend.openai_api import ENGINE_ERRORS, engine_error
-from cpud.frontend.tool_calls import ToolCallStream
+from cpud.frontend.reasoning_stream import ChatTextStream
 
 
 def event(kind: str, **data: Any) -> str:
@@ -44,9 +46,8 @@ class MessageStream:
 
     async def events(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         job = self.job
-        tools = None
-        if job.tool_parser is not None:
-            tools = ToolCallStream(job.tool_parser, None if job.parallel_tool_calls else 1)
+        single = None if job.parallel_tool_calls else 1
+        reader = ChatTextStream(job.reasoning, job.tool_parser, single)
         final = out = None
         tokens = 0
         try:
@@ -55,10 +56,11 @@ class MessageStream:
                     yield self.start_event(final)
                     yield event("ping")
                 out = final.outputs[0]
-                if tools is not None:
-                    content, deltas = tools.feed_delta(out.text, out.finish_reason is not None)
-                else:
-                    content, deltas = out.text, []
+                done, cut = out.finish_reason is not None, out.finish_reason == "length"
+                news = reader.feed(out.text, done, cut)
+                for chunk in self.thinking(news.reasoning):
+                    yield chunk
+                content, deltas = news.content, news.calls
                 for chunk in self.text(content):
                     yield chunk
                 for delta in deltas:
@@ -116,6 +118,17 @@ class MessageStream:
             chunks += self.close()
             chunks.append(self.begin(text_block("")))
         delta = {"type": "text_delta", "text": content}
+        chunks.append(event("content_block_delta", index=self.started - 1, delta=delta))
+        return chunks
+
+    def thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        chunks = []
+        if self.open_kind != "thinking":
+            chunks += self.close()
+            chunks.append(self.begin(thinking_block("")))
+        delta = {"type": "thinking_delta", "thinking": text}
         chunks.append(event("content_block_delta", index=self.started - 1, delta=delta))
         return chunks
 
