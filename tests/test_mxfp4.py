@@ -29,6 +29,7 @@ from cpud.ranks.fused_decoder import FusedDecoder
 from cpud.ranks.gguf_blocks import slice_blocks
 from cpud.ranks.quant_plan import weight_formats
 from cpud.settings.errors import ConfigError
+from hf_reference import hf_logits
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels not built: {native.load_error()}"
@@ -177,8 +178,6 @@ def test_gguf_file_logits_close_to_transformers(arch, dtype, gguf_file, hf_gguf)
     test_gguf_quantized.test_logits_close_to_transformers."""
     from test_gguf_quantized import prefill_logits, runner
 
-    from hf_reference import hf_logits
-
     path = gguf_file(arch, T.MXFP4)
     run = runner(path, dtype)
     assert isinstance(run.decoder, FusedDecoder)
@@ -232,3 +231,16 @@ def test_tp2_and_weight_cache_equal_one_rank(mxfp4_llama, tmp_path):
                 break
             assert two.token_ids[step] == token, (step, one.token_ids, two.token_ids)
             assert abs(two.logprobs[step][token].logprob - top[token].logprob) < 0.05
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_torch_kernels_dequantize_to_transformers_weights(arch, gguf_file, hf_gguf):
+    """--kernels torch dequantizes MXFP4 blocks at load (gguf's dequantizer): the same fp32
+    weights as transformers', so only the summation order differs (test_gguf_model's bound)."""
+    from test_gguf_model import runner_logits
+
+    path = gguf_file(arch, T.MXFP4)
+    prompt = prompt_of(40, seed=1)
+    want = hf_logits(reference(hf_gguf, gguf_file, arch, T.MXFP4), prompt)
+    got = runner_logits(path, prompt)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.std()))
