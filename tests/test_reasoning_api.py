@@ -341,3 +341,41 @@ def test_messages_take_back_thinking_blocks_and_thinking_disabled_turns_it_off(t
         model="scripted", max_tokens=64, messages=history, thinking={"type": "disabled"}
     )
     assert message_blocks(second) == [("text", "<think>x</think>y")]
+
+
+def test_include_reasoning_false_drops_it_and_separate_reasoning_false_keeps_it_in_content(think):
+    server, client, _ = think
+    said = "<think>\nHm.\n</think>\n\nSunny."
+    server.will_say(said, said, said, said)
+    for answer in ANSWERS:
+        dropped = answer(client, messages=ASK, extra_body={"include_reasoning": False})
+        assert (dropped["reasoning"], dropped["content"]) == ("", "Sunny.")
+        kept = answer(client, messages=ASK, extra_body={"separate_reasoning": False})
+        assert (kept["reasoning"], kept["content"]) == ("", said)
+
+
+def rendered(http, model, path: str, body: dict) -> str:
+    from cpud.text.tokenizer import Tokenizer
+
+    answer = http.post(path, json={"model": "scripted", **body})
+    assert answer.status_code == 200, answer.text
+    return Tokenizer(model).decode(answer.json()["token_ids"], skip_special_tokens=False)
+
+
+def test_reasoning_effort_and_earlier_reasoning_reach_the_template(model):
+    template = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{%- endif %}"
+        "{{ m.content }}<|im_end|>\n{%- endfor %}effort={{ reasoning_effort }}"
+    )
+    with scripted_clients(model, template) as (server, client, http):
+        server.will_say("<think>one</think>first")
+        first = client.chat.completions.create(model="scripted", messages=ASK)
+        # the openai client sends the answer's message back as it came, reasoning included
+        history = [*ASK, first.choices[0].message, {"role": "user", "content": "And?"}]
+        history = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in history]
+        chat = {"messages": history, "reasoning_effort": "high"}
+        prompt = rendered(http, model, "/v1/chat/completions/render", chat)
+        assert "<think>one</think>first" in prompt and prompt.endswith("effort=high")
+        responses = {"input": "Hi", "reasoning": {"effort": "low"}}
+        assert rendered(http, model, "/v1/responses/render", responses).endswith("effort=low")

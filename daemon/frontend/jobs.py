@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cpud.engine.sampling_params import SamplingParams
 from cpud.frontend.constraints import requested_specs, single_spec
@@ -180,11 +180,16 @@ def chat_reasoning(
 ) -> ReasoningPlan | None:
     """How the output's reasoning is split off (--reasoning-parser, else the chat template's
     format); None when the output has none to split."""
+    if body.separate_reasoning is False:
+        return None
     parser = state.config.reasoning_parser or detect_reasoning_parser(state.tokenizer.chat_template)
-    return plan_reasoning(
+    plan = plan_reasoning(
         parser,
         prompt.text or "",
         body.chat_template_kwargs,
         constrained,
         None if body.parallel_tool_calls else 1,
     )
+    if plan is not None and body.include_reasoning is False:
+        plan = replace(plan, shown=False)
+    return plan

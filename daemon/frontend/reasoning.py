@@ -56,6 +56,7 @@ class ReasoningPlan:
     opened: bool = False
     header: str | None = None
     max_calls: int | None = None  # harmony: parallel_tool_calls false reads one call
+    shown: bool = True  # include_reasoning false: the reasoning is split off and dropped
 
     @property
     def reads_calls(self) -> bool:

@@ -14,6 +14,7 @@ from cpud.frontend.tool_calls import ParsedCall, ToolCallStream
 class ChatTextStream:
     def __init__(self, plan: ReasoningPlan | None, tool_parser: str | None, max_calls: int | None):
         self.reasoning: ReasoningParser | None = None if plan is None else new_parser(plan)
+        self.shown = plan is None or plan.shown
         self.tools: ToolCallStream | None = None
         if tool_parser is not None and (plan is None or not plan.reads_calls):
             self.tools = ToolCallStream(tool_parser, max_calls)
@@ -32,6 +33,8 @@ class ChatTextStream:
             news = self.reasoning.feed(delta)
             if finished:
                 news.extend(self.reasoning.finish(cut))
+            if not self.shown:
+                news.reasoning = ""
         if self.tools is None or not (news.content or finished):
             return news
         news.content, calls = self.tools.feed_delta(news.content, finished)
@@ -62,7 +65,8 @@ def read_all(plan: ReasoningPlan | None, text: str, cut: bool) -> ReadOutput:
             calls[delta["index"]] = [function["name"], ""]
         calls[delta["index"]][1] += function.get("arguments", "")
     parsed = [ParsedCall(name, arguments) for name, arguments in calls.values()]
-    return ReadOutput(split.reasoning or None, split.content or None, parsed)
+    reasoning = split.reasoning if plan.shown else ""
+    return ReadOutput(reasoning or None, split.content or None, parsed)
 
 
 def reasoning_fields(reasoning: str | None) -> dict:

@@ -149,6 +149,8 @@ def chat_prompt(
             "conversation as messages",
             param="chat_template_kwargs",
         )
+    if body.reasoning_effort is not None:
+        extra.setdefault("reasoning_effort", body.reasoning_effort)
     native = template_knows_tools(state.tokenizer.chat_templates.tool_template())
     messages = conversation(body.messages, native)
     if tools and native:

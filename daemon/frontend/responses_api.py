@@ -167,6 +167,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         extra["temperature"] = body.temperature
     if body.top_p is not None:
         extra["top_p"] = body.top_p
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        extra["reasoning_effort"] = body.reasoning.effort
     return ChatCompletionRequest(
         model=body.model,
         messages=input_messages(body),

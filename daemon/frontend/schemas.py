@@ -227,6 +227,9 @@ class ChatMessage(Strict, kw_only=True):
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Name | None = None
+    # An earlier answer's reasoning, as cpud (and vLLM) gave it: the template may replay it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(Strict, kw_only=True):
@@ -259,22 +262,24 @@ Metadata = Annotated[dict[str, Any], Meta(description="accepted and ignored")]
 Ignored = Annotated[str, Meta(max_length=MAX_NAME_CHARS, description="accepted and ignored")]
 
 
-REASONING_KEPT = Unsupported(
-    only(True), "cpud does not take reasoning out of the answer: send true or null"
+REASONING_STREAMED = Unsupported(
+    only(True), "cpud streams reasoning as it comes: send true or null"
+)
+EFFORTS = ("low", "medium", "high")
+EFFORT = Unsupported(
+    only(*EFFORTS), "send low, medium or high (the chat template reads it as reasoning_effort)"
 )
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     unsupported: ClassVar[Mapping[str, Unsupported]] = {
         **SamplingFields.unsupported,
-        "separate_reasoning": REASONING_KEPT,
-        "stream_reasoning": REASONING_KEPT,
-        "include_reasoning": REASONING_KEPT,
+        "stream_reasoning": REASONING_STREAMED,
         "service_tier": ONE_TIER,
         "modalities": TEXT_ONLY,
         "audio": NOT_SUPPORTED,
         "prediction": NOT_SUPPORTED,
-        "reasoning_effort": NOT_SUPPORTED,
+        "reasoning_effort": EFFORT,
         "web_search_options": NOT_SUPPORTED,
     }
 
@@ -304,9 +309,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         ]
         | None
     ) = False
-    separate_reasoning: Annotated[bool, Meta(description="vllm-router: true only")] | None = None
+    separate_reasoning: (
+        Annotated[bool, Meta(description="false: the reasoning stays in the content")] | None
+    ) = None
     stream_reasoning: Annotated[bool, Meta(description="vllm-router: true only")] | None = None
-    include_reasoning: Annotated[bool, Meta(description="vLLM: true only")] | None = None
+    include_reasoning: (
+        Annotated[bool, Meta(description="vLLM: false leaves the reasoning out")] | None
+    ) = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
@@ -321,7 +330,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     prediction: Annotated[dict[str, Any], Meta(description="not supported: null only")] | None = (
         None
     )
-    reasoning_effort: Annotated[str, Meta(description="not supported: null only")] | None = None
+    reasoning_effort: (
+        Annotated[str, Meta(description="low, medium or high: the template's reasoning_effort")]
+        | None
+    ) = None
     web_search_options: (
         Annotated[dict[str, Any], Meta(description="not supported: null only")] | None
     ) = None
@@ -376,10 +388,10 @@ class TextConfig(Strict, kw_only=True):
 
 
 class ResponsesReasoning(Strict, kw_only=True):
-    """cpud's output has no separate reasoning: every field null only."""
+    """effort reaches the chat template as reasoning_effort; cpud writes no summaries."""
 
     unsupported: ClassVar[Mapping[str, Unsupported]] = {
-        "effort": NOT_SUPPORTED,
+        "effort": EFFORT,
         "summary": NOT_SUPPORTED,
         "generate_summary": NOT_SUPPORTED,
     }
@@ -390,7 +402,7 @@ class ResponsesReasoning(Strict, kw_only=True):
 
 
 # include values cpud honours: the output text's logprobs, and encrypted reasoning, which
-# adds nothing (cpud's output has no separate reasoning).
+# adds nothing (reasoning items carry their text; cpud encrypts none).
 INCLUDES = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
 
 
@@ -402,7 +414,7 @@ class ResponsesRequest(Strict, kw_only=True):
         "include": Unsupported(
             lambda values: set(values) <= INCLUDES,
             "cpud can include message.output_text.logprobs and reasoning.encrypted_content "
-            "(there is none: it adds nothing); leave the others out",
+            "(cpud encrypts no reasoning: it adds nothing); leave the others out",
         ),
         "truncation": Unsupported(
             only("disabled"),

@@ -115,6 +115,9 @@ def conversation(messages: list[ChatMessage], native_tools: bool) -> list[dict]:
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning and message.role == "assistant":
+            entry["reasoning_content"] = reasoning  # as Qwen3's and gpt-oss's templates read it
         if message.tool_calls:
             if message.role != "assistant":
                 raise bad_request(
