@@ -50,4 +50,5 @@ def inputs_from_args(args: argparse.Namespace) -> DoctorInputs:
         sysfs_root=args.sysfs_root,
         proc_root=args.proc_root,
         cgroup_root=args.cgroup_root,
+        data_parallel_size=args.data_parallel_size,
     )

@@ -19,6 +19,8 @@ class DoctorInputs:
     # None: <sysfs_root>/fs/cgroup, where cpud's own discovery looks
     cgroup_root: Path | None = None
     syscalls: NumaSyscalls = field(default_factory=LibcNumaSyscalls)
+    # --data-parallel-size: replicas on this host, each with --tp ranks
+    data_parallel_size: int = 1
 
     @property
     def cgroup_dir(self) -> Path:

@@ -18,6 +18,7 @@ from cpud.model.sizes import kv_block_bytes
 from cpud.placement.binding import BindingPlan, BindingSpec, binding_spec, plan_binding
 from cpud.placement.cgroup import CgroupCpuset, read_cpuset
 from cpud.placement.memory_plan import FRONTEND_BYTES, MemoryPlan, overhead_bytes
+from cpud.placement.replicas import ReplicaPlacement, ReplicaPlan, plan_replicas
 from cpud.placement.start import (
     check_memory,
     config_memory,
@@ -62,8 +63,12 @@ class Planning:
     config: EngineConfig | Failed
     memory: MemoryPlan | Failed
     headroom: Headroom | None
-    # what the whole plan holds under one cgroup: every rank plus the frontend
+    # what the whole plan holds under one cgroup: every rank plus the frontend (of each replica)
     need_bytes: int | None
+    # --data-parallel-size above 1: every replica's place and memory plan (binding, memory and
+    # headroom above are then replica 0's)
+    replicas: ReplicaPlan | Failed | None = None
+    replica_memory: tuple[MemoryPlan | Failed, ...] = ()
 
 
 def _attempt(step: Callable[[], T]) -> T | Failed:
@@ -144,27 +149,66 @@ def plan(inputs: DoctorInputs) -> Planning:
         )
     )
     spec = _attempt(lambda: binding_spec(args.bind, args.reserved_cpus))
+    dp = inputs.data_parallel_size
+    replicas: ReplicaPlan | Failed | None = None
+    topology_view = topology  # what replica 0 may use, with several
     if isinstance(spec, Failed):
         binding: BindingPlan | Failed = spec
+    elif dp != 1:
+        replicas = _upstream(topology=topology) or _attempt(
+            lambda: plan_replicas(args.bind, args.reserved_cpus, args.tp, dp, topology)
+        )
+        if isinstance(replicas, Failed):
+            binding = replicas
+        else:
+            binding, topology_view = replicas.replicas[0].binding, replicas.replicas[0].topology
     else:
         binding = _upstream(topology=topology) or _attempt(
             lambda: plan_binding(spec, args.tp, topology)
         )
     fraction = kv_fraction(args)
-    config = _attempt(lambda: resolve_engine(args, resolve_model_dir(args.model), fraction))
+    unsized = _attempt(lambda: resolve_engine(args, resolve_model_dir(args.model), fraction))
+    config = unsized
     if fraction is not None and not isinstance(config, Failed):
         config = _upstream(binding=binding) or _attempt(
-            lambda: size_kv_cache(config, fraction, binding, topology)
+            lambda: size_kv_cache(unsized, fraction, binding, topology_view)
         )
 
     need = None
     if not isinstance(config, Failed):
         fixed, kv = _per_rank_bytes(config)
-        need = config.tp * (fixed + kv) + FRONTEND_BYTES
+        need = max(dp, 1) * (config.tp * (fixed + kv) + FRONTEND_BYTES)
     memory = _upstream(binding=binding, config=config) or _attempt(
-        lambda: check_memory(config, binding, topology)
+        lambda: check_memory(config, binding, topology_view)
     )
     fits = None
     if not isinstance(memory, Failed) or not memory.upstream:
-        fits = headroom(config, binding, topology)
-    return Planning(affinity, cpuset, topology, spec, binding, config, memory, fits, need)
+        fits = headroom(config, binding, topology_view)
+    replica_memory: tuple[MemoryPlan | Failed, ...] = ()
+    if replicas is not None and not isinstance(replicas, Failed):
+        replica_memory = tuple(
+            _upstream(config=unsized) or _attempt(lambda r=r: _replica_memory(unsized, fraction, r))
+            for r in replicas.replicas
+        )
+    return Planning(
+        affinity,
+        cpuset,
+        topology,
+        spec,
+        binding,
+        config,
+        memory,
+        fits,
+        need,
+        replicas,
+        replica_memory,
+    )
+
+
+def _replica_memory(
+    config: EngineConfig, fraction: float | None, replica: ReplicaPlacement
+) -> MemoryPlan:
+    """One replica's memory plan, its KV cache sized on its own share as the replica does."""
+    if fraction is not None:
+        config = size_kv_cache(config, fraction, replica.binding, replica.topology)
+    return check_memory(config, replica.binding, replica.topology)

@@ -20,6 +20,7 @@ from cpud.doctor.machine import (
 from cpud.doctor.memory_check import memory_check
 from cpud.doctor.model_check import model_check
 from cpud.doctor.planning import plan
+from cpud.doctor.replicas_check import replicas_check
 from cpud.doctor.report import Check, exit_code, render, report
 from cpud.doctor.runtime import openmp_check, threads_check
 from cpud.doctor.syscalls import numa_syscalls_check
@@ -70,6 +71,8 @@ def collect(inputs: DoctorInputs) -> list[Check]:
         ("threads", lambda: threads_check(planning)),
         ("numa syscalls", lambda: numa_syscalls_check(inputs.syscalls)),
     ]
+    if inputs.data_parallel_size != 1:  # after the memory plan
+        builders.insert(11, ("replicas", lambda: replicas_check(planning)))
     return [_guarded(name, build) for name, build in builders]
 
 
