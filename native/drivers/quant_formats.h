@@ -13,10 +13,12 @@
  *     (cpud_native.h; 0, 1, ... with no gap).  qbytes, sbytes: packed quants and scales per block
  *     of CPUD_QROWS rows (cpud.native.quant.pack_quantized).  family: the block kernel that
  *     reads them (quant_kernels.h blk_<family>: b32 one scale per 32, k45 the 4/5-bit K-quants,
- *     q6k, e2m1 4-bit E2M1 codes through their value table with one E8M0 scale per 32).  scale_values: k one weight scale covers (the AMX tiles' KT).  mins: 1 where a weight
+ *     q6k, e2m1 MXFP4's 4-bit E2M1 codes through their value table, one E8M0 scale per 32).
+ *     scale_values: k one weight scale covers (the AMX tiles' KT).  mins: 1 where a weight
  *     is scale * q - min.  bf16_min_m: rows of x from which the amx tier runs AMX-BF16 tiles on
  *     dequantized groups (measured: a group's dequantization costs about what 30-60 rows of
- *     int8 tile products and their fp32 rescaling cost; Q6_K's rescaling, per 16 k, twice that).
+ *     int8 tile products and their fp32 rescaling cost; Q6_K's rescaling, per 16 k, twice that;
+ *     MXFP4's 64 is Q4_0's, not measured on its own).
  */
 #ifndef CPUD_FLOAT_FORMAT
 #define CPUD_FLOAT_FORMAT(name, ggml_type, bytes)
