@@ -124,6 +124,14 @@ HARMONY_CASES = [
         "Checking.",
         [("lookup", '{"q": 1}')],
     ),
+    # the recipient right after the prompt's `<|start|>assistant`
+    (
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}',
+        False,
+        "",
+        "",
+        [("get_weather", '{"city": "Oslo"}')],
+    ),
     # a reasoning-only answer cut by max_tokens, in the body and in the next header
     (ANALYSIS[:-5], True, "The user wants the wea", "", []),
     (harmony(ANALYSIS, "<|chan"), True, "The user wants the weather.", "", []),

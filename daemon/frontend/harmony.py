@@ -138,9 +138,12 @@ class HarmonyParser:
             out.calls.append({"index": self.calls - 1, "function": {"arguments": text}})
 
 
+HEADER_OPENINGS = (START, CHANNEL, "to=")  # the last: a recipient after the prompt's role
+
+
 def _header_may_be(header: str) -> bool:
     """Whether header text (complete or still arriving) can begin a harmony header."""
     if len(header) > MAX_HEADER or any(m in header for m in (END, CALL, RETURN)):
         return False
-    lead = header[: max(len(START), len(CHANNEL))]
-    return any(lead.startswith(m) or m.startswith(lead) for m in (START, CHANNEL))
+    lead = header.lstrip(" ")[: max(len(START), len(CHANNEL))]
+    return any(lead.startswith(m) or m.startswith(lead) for m in HEADER_OPENINGS)
