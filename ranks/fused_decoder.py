@@ -55,6 +55,15 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
         return f"{type(model).__name__} is not a recipe decoder"
     if model.cfg.shared_expert_intermediate_size:
         return "shared experts (Qwen2-MoE) run op by op"
+    moe = model.cfg.moe_recipe
+    # The fused decoder's MoE call runs bias-free SiLU experts behind the softmax router only
+    if model.cfg.is_moe and (
+        moe.router != "softmax_topk"
+        or moe.router_bias
+        or moe.expert_bias
+        or moe.activation != "silu"
+    ):
+        return f"the MoE recipe ({moe.router} router, {moe.activation} experts) runs op by op"
     for layer in model.decoder_weights().layers:
         if layer.experts is not None:
             if layer.experts.packed is None or layer.router.packed is None:

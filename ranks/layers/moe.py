@@ -198,9 +198,17 @@ class MoEExperts(Layer):
             self._store(1, param, e, 0, expert_rows(source, e, slice(None), columns))
 
     def load_gate_up_bias(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
-        """The whole [E, 2 I] bias (gate, then up); this rank keeps its slice of each half."""
-        full = source[:]
+        """The whole [E, 2 I] bias (gate, then up); this rank keeps its slice of each half.
+        shard_id (ALL, part): one half [E, I] (GGUF's ffn_gate_exps.bias / ffn_up_exps.bias)."""
         rows = self._local()
+        if shard_id is not None:
+            part = shard_id[1]
+            mine = source[:][:, rows]
+            dest = param.data[:, part * self.inter : (part + 1) * self.inter]
+            check_shape(tuple(dest.shape), mine, "experts.gate_up_proj_bias")
+            dest.copy_(mine)
+            return
+        full = source[:]
         half = full.shape[-1] // 2
         mine = torch.cat([full[:, rows], full[:, half + rows.start : half + rows.stop]], dim=1)
         check_shape(tuple(param.shape), mine, "experts.gate_up_proj_bias")

@@ -82,12 +82,20 @@ class MoeForCausalLM(DecoderForCausalLM):
         return f"{prefix}.{param}", (expert, part)
 
     def loaded_shards(self, loaded: set[tuple[str, object]]) -> set[tuple[str, object]]:
-        """`loaded` with each stack of every expert counted as each expert's part."""
+        """`loaded` with each stack of every expert counted as each expert's part, and a
+        whole stack in cpud's layout (shard None: gpt-oss's views) as all of them."""
         experts = range(self.cfg.num_experts)
         out = set(loaded)
         for name, shard in loaded:
             if isinstance(shard, tuple) and shard[0] == ALL:
                 out.update((name, (e, shard[1])) for e in experts)
+            elif shard is None and name.endswith(".experts.gate_up_proj"):
+                out.update((name, (e, part)) for e in experts for part in (0, 1))
+            elif shard is None and name.endswith(".experts.down_proj"):
+                out.update((name, (e, 0)) for e in experts)
+        # a bias loaded in halves (GGUF) is whole once both are
+        halves = {name for name, shard in loaded if shard == (ALL, 0)}
+        out.update((name, None) for name, shard in loaded if shard == (ALL, 1) and name in halves)
         return out
 
     def param_shards(self, name: str) -> list[object] | None:
