@@ -23,6 +23,7 @@ from torch import nn
 from cpud.native.hugepages import HugeArena
 from cpud.native.quant import QTYPES, ROWS, QuantWeight, pack_quantized
 from cpud.ranks.gguf_blocks import Blocks
+from cpud.ranks.gguf_experts import ExpertsQuant, expert_bytes, expert_layers, finish_experts
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, PackableLinear, RowParallelLinear
 from cpud.settings.errors import ConfigError
@@ -89,6 +90,9 @@ def cache_shapes(plan: dict[str, list[QuantPart]]) -> dict[str, tuple[int, ...]]
     """Weight-cache entries (uint8) of the packed parts, by name."""
     out: dict[str, tuple[int, ...]] = {}
     for name, parts in plan.items():
+        if isinstance(parts, ExpertsQuant):
+            out.update((f"{name}.{suffix}", shape) for suffix, shape in parts.shapes().items())
+            continue
         for i, part in enumerate(parts):
             out[f"{name}.q{i}.qs"], out[f"{name}.q{i}.sc"] = part.shapes()
     return out
@@ -124,6 +128,8 @@ def begin_quant(
     for name, parts in plan.items():
         layer = modules[name]
         layer.quant_plan = parts
+        if isinstance(parts, ExpertsQuant):
+            continue  # its loaders keep the GGUF sources (ranks/gguf_experts.py)
         layer.quant_blocks = {}
         layer.weight.weight_loader = functools.partial(_store_blocks, layer, not cached)
     if embedding_blocks:
@@ -157,6 +163,9 @@ def finish_quant(
     """After loading: pack each planned layer's blocks (or take them from `cached`), drop the
     dense parameters; returns the packed tensors for the weight cache."""
     out: dict[str, torch.Tensor] = {}
+    for name, experts in expert_layers(model).items():
+        if experts.quant_plan is not None and experts.quant is None:
+            out.update(finish_experts(name, experts, cached))
     layers = quantizable_layers(model)
     shapes = [s for lay in layers.values() for p in lay.quant_plan or () for s in p.shapes()]
     arena = HugeArena(HugeArena.size_of(shapes)) if cached is None and shapes else None
@@ -212,7 +221,7 @@ def release_file_pages(view: np.ndarray) -> None:
 
 def quant_bytes(model: nn.Module) -> int:
     """Bytes of the packed quantized weights the model holds."""
-    return sum(
+    return expert_bytes(model) + sum(
         w.weight_bytes
         for m in model.modules()
         if isinstance(m, PackableLinear) and m.quant is not None

@@ -14,6 +14,7 @@ from cpud.model.model_config import ModelConfig
 from cpud.model.quant_check import DENSE_TYPES, HEAD_TYPE
 from cpud.native.quant_formats import FLOAT_TYPES, KERNEL_FORMATS
 from cpud.ranks.checkpoint_targets import targets
+from cpud.ranks.gguf_experts import expert_layers, expert_plans
 from cpud.ranks.layers.embedding import ParallelLMHead
 from cpud.ranks.layers.linear import PackableLinear
 from cpud.ranks.models import registry
@@ -44,6 +45,7 @@ def gguf_quant_plan(model: nn.Module, path: str | Path) -> tuple[dict[str, list[
         parts = plan_layer(layers[name], qtypes)
         if parts is not None:
             plan[name] = parts
+    plan.update(expert_plans(model, checked))
     embedding = checked.tensors[EMBEDDING].type
     return plan, not model.cfg.tie_word_embeddings and embedding not in FLOAT_TYPES
 
@@ -83,6 +85,10 @@ def describe_weights(model: nn.Module, isa: str | None = None) -> str:
         f"{q}: {_kernel(isa, q)}, {_plural(n, 'linear')}" + (" (lm_head)" if q in head else "")
         for q, n in counts.most_common()
     ]
+    experts: Counter[str] = Counter()
+    for layer in expert_layers(model).values():
+        experts.update(s.qtype for s in layer.quant or ())
+    parts += [f"{q}: {_plural(n, 'expert stack')}" for q, n in experts.most_common()]
     table = getattr(getattr(model, "model", None), "embed_tokens", None)
     blocks = getattr(table, "row_blocks", None)
     embedding = blocks.qtype.name + " rows dequantized per token" if blocks is not None else "dense"

@@ -32,11 +32,16 @@ _EXPERT = re.compile(
 )
 _STACK = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down"}
 _STACK["w2"] = "down"
+_PARTS = ("gate", "up", "down")
 
 
-def write_moe_gguf(model_dir: Path, path: Path, expert_type: T) -> dict[str, np.ndarray]:
-    """The fixture as a GGUF, expert stacks in expert_type, the rest F32; returns each expert
-    tensor as the file holds it (dequantized), by Hugging Face name."""
+def write_moe_gguf(
+    model_dir: Path, path: Path, expert_type: T | dict[str, T]
+) -> dict[str, np.ndarray]:
+    """The fixture as a GGUF, expert stacks in expert_type (or per stack: {"gate", "up",
+    "down": type}), the rest F32; returns each expert tensor as the file holds it
+    (dequantized), by Hugging Face name."""
+    types = expert_type if isinstance(expert_type, dict) else dict.fromkeys(_PARTS, expert_type)
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCH[config["model_type"]]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -56,8 +61,10 @@ def write_moe_gguf(model_dir: Path, path: Path, expert_type: T) -> dict[str, np.
         if match is not None:
             layer, expert, proj = match.groups()
             stacks.setdefault((int(layer), _STACK[proj]), {})[int(expert)] = values
-            encoded = encode(values, expert_type)
-            file_values[hf] = gguf.quants.dequantize(encoded, expert_type).reshape(values.shape)
+            encoded = encode(values, types[_STACK[proj]])
+            file_values[hf] = gguf.quants.dequantize(encoded, types[_STACK[proj]]).reshape(
+                values.shape
+            )
             continue
         if ".gate.weight" in hf:
             name = f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"
@@ -70,8 +77,8 @@ def write_moe_gguf(model_dir: Path, path: Path, expert_type: T) -> dict[str, np.
         writer.add_tensor(name, values, raw_dtype=T.F32)
     for (layer, proj), by_expert in sorted(stacks.items()):
         stack = np.stack([by_expert[e] for e in range(experts)])
-        data = np.stack([encode(w, expert_type) for w in stack])
-        writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data, raw_dtype=expert_type)
+        data = np.stack([encode(w, types[proj]) for w in stack])
+        writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data, raw_dtype=types[proj])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
