@@ -1,0 +1,171 @@
+"""Serving throughput of three layouts of the same model on the same cores, 32 concurrent
+clients (closed loop, perf/loadgen.py's built-in generator, streaming /v1/completions):
+
+    dp2     cpud -dp 2: two replicas of one core each (16 clients on each replica's port, or all
+            32 through vllm-router with --via router)
+    1x2     cpud --tp 1: one replica, one rank of two cores
+    tp2     cpud --tp 2: one replica, two ranks of one core each (shared-memory all-reduce)
+
+    python perf/bench_dp.py --rounds 3
+
+Rounds are interleaved (dp2 1x2 tp2 dp2 1x2 tp2 ...), one server alive at a time; each round
+reports every layout's output tok/s and its ratio to 1x2 measured in the same round. Results:
+perf/results/dp.json. Run it on a quiet machine: it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+import loadgen  # noqa: E402
+from bench_engine import model_dir  # noqa: E402
+from serving_server import Server, Target, base_env, free_port  # noqa: E402
+
+RESULTS = HERE / "results"
+LAYOUTS = ("dp2", "1x2", "tp2")
+BASELINE = "1x2"
+
+
+def command(layout: str, model: Path, port: int, via: str) -> list[str]:
+    cmd = ["cpud", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--dtype", "bfloat16", "--kv-cache-space", "1", "--max-num-seqs", "32"]
+    cmd += ["--served-model-name", "bench", "--no-kv-cache-pretouch"]
+    if layout == "dp2":
+        cmd += ["--data-parallel-size", "2"]
+        if via == "router":
+            cmd += ["--router", "--router-args", "--policy round_robin"]
+    elif layout == "tp2":
+        cmd += ["--tp", "2"]
+    return cmd
+
+
+def client_urls(layout: str, port: int, via: str) -> list[str]:
+    """Where the clients send: each replica's port (clients split evenly) or the one port."""
+    if layout == "dp2" and via == "split":
+        return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    return [f"http://127.0.0.1:{port}"]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def wait_ready(urls: list[str], server: Server, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(healthy(u) for u in urls):
+        server.check_alive("the start")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not ready after {timeout:.0f} s: {server.tail()}")
+        time.sleep(0.2)
+
+
+def load(urls: list[str], clients: int, requests: int, isl: int, osl: int) -> dict[str, Any]:
+    """Closed-loop load over `urls` at once, clients and requests split evenly; one figure:
+    every stream's tokens over the longest wall time."""
+    share = clients // len(urls)
+    with ThreadPoolExecutor(len(urls)) as pool:
+        parts = list(
+            pool.map(
+                lambda url: loadgen.run_builtin(
+                    url, "bench", share, requests // len(urls), isl, osl, warmup=2
+                ),
+                urls,
+            )
+        )
+    wall = max(p["duration_s"] for p in parts)
+    tokens = sum(p["output_tok_s"] * p["duration_s"] for p in parts)
+    ttft = [p["ttft_p50_s"] for p in parts]
+    return {
+        "output_tok_s": tokens / wall,
+        "request_s": sum(p["completed"] for p in parts) / wall,
+        "ttft_p50_s": statistics.mean(ttft),
+        "ttft_p99_s": max(p["ttft_p99_s"] for p in parts),
+        "itl_p50_s": statistics.mean(p["itl_p50_s"] for p in parts),
+        "per_url": parts,
+    }
+
+
+def run_layout(layout: str, model: Path, args: argparse.Namespace, log_dir: Path) -> dict:
+    port = free_port()
+    target = Target(layout, command(layout, model, port, args.via), base_env(), port, "bench")
+    server = Server(target, log_dir)
+    try:
+        server.start()
+        urls = client_urls(layout, port, args.via)
+        wait_ready(urls, server)
+        result = load(urls, args.clients, args.requests, args.isl, args.osl)
+        server.check_alive("the load")
+        result["command"] = " ".join(target.cmd)
+        return result
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="qwen3")
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--model", help="a model directory instead of the fixture")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--via", choices=("split", "router"), default="split")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--isl", type=int, default=256)
+    parser.add_argument("--osl", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=RESULTS / "dp.json")
+    args = parser.parse_args(argv)
+    model = model_dir(args.arch, args.preset, args.model)
+    log_dir = Path("/tmp") / "cpud-bench-dp"
+    rounds: list[dict[str, dict]] = []
+    for index in range(args.rounds):
+        results = {layout: run_layout(layout, model, args, log_dir) for layout in args.layouts}
+        base = results.get(BASELINE, {}).get("output_tok_s")
+        for layout, result in results.items():
+            ratio = result["output_tok_s"] / base if base else None
+            result["ratio_to_1x2"] = ratio
+            shown = f" ({ratio:.2f}x 1x2)" if ratio else ""
+            print(
+                f"round {index + 1} {layout}: {result['output_tok_s']:.1f} tok/s{shown}, "
+                f"TTFT p50 {result['ttft_p50_s']:.2f} s",
+                flush=True,
+            )
+        rounds.append(results)
+    summary = {
+        layout: {
+            "output_tok_s_median": statistics.median(r[layout]["output_tok_s"] for r in rounds),
+            "ratio_to_1x2_median": (
+                statistics.median(r[layout]["ratio_to_1x2"] for r in rounds)
+                if BASELINE in args.layouts
+                else None
+            ),
+        }
+        for layout in args.layouts
+    }
+    report = {"model": str(model), "args": {**vars(args), "json": str(args.json)}}
+    report |= {"summary": summary, "rounds": rounds}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print("| layout | output tok/s (median) | vs 1x2 |\n|---|---|---|")
+    for layout, row in summary.items():
+        ratio = row["ratio_to_1x2_median"]
+        print(f"| {layout} | {row['output_tok_s_median']:.1f} | {ratio and f'{ratio:.2f}x'} |")
+
+
+if __name__ == "__main__":
+    main()
