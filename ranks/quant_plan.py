@@ -127,9 +127,12 @@ def weight_formats(
         ]
     checked = read_gguf_model(path)
     counts: Counter[str] = Counter()
+    stacks: Counter[str] = Counter()
     for name, info in checked.tensors.items():
         if len(info.shape) == 2 and name != EMBEDDING:
             counts[info.type] += 1
+        elif len(info.shape) == 3:
+            stacks[info.type] += 1
     if checked.config.tie_word_embeddings:
         counts[checked.tensors[EMBEDDING].type] += 1
     blocks_run = fast and quantization == "auto"
@@ -139,6 +142,12 @@ def weight_formats(
         if kernel == "dense GEMM" and qtype not in FLOAT_TYPES:
             kernel += " (dequantized at load)"
         rows.append((qtype, count, kernel))
+    for qtype, count in stacks.most_common():
+        kept = blocks_run and qtype in KERNEL_FORMATS
+        kernel = _kernel(None, qtype) if kept else "dense GEMM"
+        if not kept and qtype not in FLOAT_TYPES:
+            kernel += " (dequantized at load)"
+        rows.append((f"{qtype} expert stacks", count, kernel))
     embedding = checked.tensors[EMBEDDING].type
     tied_dense = checked.config.tie_word_embeddings and embedding not in KERNEL_FORMATS
     blocks = blocks_run and embedding not in FLOAT_TYPES and not tied_dense

@@ -167,3 +167,27 @@ def test_resident_expert_bytes_near_file_size(mix, quant_moe, tmp_path, monkeypa
     again = runner(path, torch.bfloat16, weight_cache=tmp_path)
     assert expert_bytes(again.model) == packed
     torch.testing.assert_close(prefill_logits(again, prompt), want, rtol=0, atol=0)
+
+
+def test_memory_plan_and_doctor_count_expert_blocks(quant_moe):
+    """The memory plan sizes a GGUF file's expert stacks at their bytes in the file (dense,
+    Q4_K experts would count 3.6 times that), and the doctor's weight table lists them with
+    the int8 kernel that runs them."""
+    import math
+
+    from cpud.model.gguf_model import read_gguf_model
+    from cpud.placement.memory_plan import quantized_weight_bytes, weight_bytes
+    from cpud.ranks.quant_plan import weight_formats
+
+    path, _ = quant_moe("qwen3_moe", "qwen3-moe-256", "Q4_K_M")
+    cfg = load_model_config(path)
+    checked = read_gguf_model(path)
+    stacks = [i for i in checked.tensors.values() if len(i.shape) == 3]
+    file_bytes = sum(i.n_bytes for i in stacks)
+    dense_bytes = sum(math.prod(i.shape) * 2 for i in stacks)
+    estimate = quantized_weight_bytes(cfg, "bfloat16", 1, path, "auto")
+    assert estimate == weight_bytes(cfg, "bfloat16", 1) - dense_bytes + file_bytes
+    rows = {fmt: (count, kernel) for fmt, count, kernel in weight_formats(path)}
+    assert rows["Q4_K expert stacks"][0] == 2 * cfg.num_layers
+    assert rows["Q6_K expert stacks"][0] == cfg.num_layers
+    assert "int8 dot" in rows["Q4_K expert stacks"][1]

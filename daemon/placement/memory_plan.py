@@ -146,8 +146,8 @@ def quantized_weight_bytes(
     checked = read_gguf_model(model_dir)
     total = dense
     for name, info in checked.tensors.items():
-        if len(info.shape) != 2 or info.type not in BLOCKS:
-            continue
+        if len(info.shape) not in (2, 3) or info.type not in BLOCKS:
+            continue  # 3-D: expert stacks, kept in blocks too (ranks/gguf_experts.py)
         total += -(-info.n_bytes // tp) - math.prod(info.shape) // tp * size
         if name == "token_embd.weight" and model.tie_word_embeddings:
             total += -(-info.n_bytes // tp)
