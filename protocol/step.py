@@ -1,6 +1,12 @@
 """Frontend -> ranks step plans and rank 0 -> frontend step results.
 
-A plan is self-contained: a rank needs nothing from earlier steps but its KV cache contents.
+Plans are deltas, as vLLM v1's NewRequestData / CachedRequestData: what stays the same for a
+sequence's life (its sampling settings, logit bias, the token history penalties need) goes to
+the ranks once, in a NewSeq, when it is first scheduled (and again after a preemption); each
+step then carries per sequence only its new tokens and new KV blocks (SeqWork), and the ids of
+the sequences the ranks stop holding (finished, aborted, preempted). The ranks keep each
+sequence's block table, position and history, so what a decode step sends does not grow with
+the sequence's length.
 """
 
 from __future__ import annotations
@@ -41,32 +47,46 @@ class PromptScoring(msgspec.Struct, frozen=True, array_like=True):
     next_token: TokenId | None = None
 
 
-class SeqWork(msgspec.Struct, frozen=True, array_like=True):
+class NewSeq(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A sequence the ranks start holding: what stays the same for its life, sent once."""
+
+    seq_id: int
+    sampling: SamplingSpec | None = None  # None: greedy, no logprobs
+    # OpenAI logit_bias as parallel lists: bias_values[i] is added to token bias_token_ids[i].
+    bias_token_ids: list[TokenId] = []
+    bias_values: list[Finite] = []
+    # Only when penalties need the history: the tokens before its first work's token_ids
+    # (prompt and output so far), and how many tokens of the whole sequence are its prompt's.
+    history: list[TokenId] = []
+    num_prompt_tokens: int = 0
+
+
+class SeqWork(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One sequence's part of a step. With start_pos, its tokens start there and block_ids is
+    its whole block table (a sequence the ranks do not hold yet starts so); without, it goes
+    on where its last step ended and block_ids are blocks appended to its table."""
+
     seq_id: int
     token_ids: list[int]  # tokens computed this step
-    start_pos: int  # position of token_ids[0]
-    block_table: list[int]  # KV blocks covering positions [0, start_pos + len(token_ids))
+    start_pos: int | None  # position of token_ids[0]; None: where the last step ended
+    block_ids: list[int]  # the whole table (start_pos given) or new blocks (None)
     sample: bool  # the last token completes the sequence so far: sample the next one
-    sampling: SamplingSpec | None = None
     seed: Int64 | None = None  # per-step seed derived by the frontend; None: engine randomness
     banned_token_ids: list[TokenId] = []  # e.g. EOS while min_tokens is not reached
-    prompt_token_ids: list[int] = []  # only sent when penalties need the history
-    output_token_ids: list[int] = []
     prompt_scoring: PromptScoring | None = None
     # Output grammar: bit t (LSB first, byte t // 8) set when token t may be sampled; tokens
     # past the mask (the model's padded vocabulary) may not. Empty: unconstrained.
     allowed_mask: bytes = b""
-    # OpenAI logit_bias as parallel lists: bias_values[i] is added to token bias_token_ids[i].
-    bias_token_ids: list[TokenId] = []
-    bias_values: list[Finite] = []
     # Return this sequence's pooled embedding (StepResult.embeddings) instead of sampling a
     # token; its whole prompt is in this step.
     embed: bool = False
 
 
-class StepPlan(msgspec.Struct, frozen=True, tag="step"):
+class StepPlan(msgspec.Struct, frozen=True, tag="step", omit_defaults=True):
     step_id: int
     seqs: list[SeqWork]
+    new_seqs: list[NewSeq] = []  # taken before seqs; a held sequence named again is replaced
+    dropped: list[int] = []  # sequences the ranks stop holding, before new_seqs are taken
 
 
 class SampledToken(msgspec.Struct, frozen=True, array_like=True):
@@ -107,16 +127,16 @@ class StepResult(msgspec.Struct, frozen=True, tag="result", omit_defaults=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_work_decoder = msgspec.msgpack.Decoder(SeqWork)
+_decoders = {kind: msgspec.msgpack.Decoder(kind) for kind in (SeqWork, NewSeq)}
 
 
-def wire_error(work: SeqWork, check_ranges: bool = True) -> str | None:
-    """Why `work` would not reach a rank as sent, or None when it would: a value msgpack cannot
+def wire_error(item: SeqWork | NewSeq, check_ranges: bool = True) -> str | None:
+    """Why `item` would not reach a rank as sent, or None when it would: a value msgpack cannot
     encode, or (with check_ranges) one the rank's decoder refuses."""
     try:
-        data = _encoder.encode(work)
+        data = _encoder.encode(item)
         if check_ranges:
-            _work_decoder.decode(data)
+            _decoders[type(item)].decode(data)
     except (msgspec.MsgspecError, OverflowError, TypeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

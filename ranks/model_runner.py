@@ -29,6 +29,7 @@ from cpud.ranks.paged_kv import kv_cache_dtype, kv_cache_shape
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.pooling import embeddings, pool
 from cpud.ranks.sampler import sample, score_prompts
+from cpud.ranks.seq_states import SeqStates
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 from cpud.settings import ENGINE, defaults
 
@@ -113,6 +114,7 @@ class ModelRunner:
             KVPretouch(self.kv_caches, self.idle_seconds).start() if pretouch else None
         )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
+        self.seqs = SeqStates()  # what the plans said about each sequence the rank holds
 
     def _quant_plan(self) -> tuple[dict, bool]:
         """The linears kept quantized (native kernels, bf16 or fp32): a GGUF file's blocks, or
@@ -238,10 +240,10 @@ class ModelRunner:
         started = time.perf_counter()
         inputs, hidden = self._forward(plan)
         tokens = []
-        if inputs.sampling_works:
+        if inputs.sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if logits is not None:
-                tokens = sample(logits, inputs.sampling_works, self.generator, self.ops.argmax)
+                tokens = sample(logits, inputs.sampling_rows, self.generator, self.ops.argmax)
         scored = []
         if inputs.scoring_works:
             scored = score_prompts(
@@ -268,7 +270,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
         """Hidden states of every token of the plan; writes their KV."""
-        inputs = build_step_inputs(plan, self.config.block_size, kv=self.uses_kv)
+        held = self.seqs.apply(plan)
+        inputs = build_step_inputs(plan, held, self.config.block_size, kv=self.uses_kv)
         if not self.uses_kv and len(inputs.embed_works) != len(plan.seqs):
             raise ValueError(
                 f"{self.model_cfg.architecture} is an embedding model: every sequence of a step "

@@ -11,29 +11,46 @@ what else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from cpud.protocol.step import PromptLogprobs, SampledToken, SeqWork
+from cpud.protocol.step import PromptLogprobs, SampledToken, SamplingSpec, SeqWork
 from cpud.ranks.ops import TorchOps
 
 
-def apply_penalties(logits: torch.Tensor, works: list[SeqWork]) -> None:
+@dataclass(frozen=True)
+class SamplingRow:
+    """What sampling one sequence's next token needs: its settings (held by the rank since
+    its NewSeq), this step's seed, bans and grammar mask, and its token history."""
+
+    seq_id: int
+    sampling: SamplingSpec | None = None
+    seed: int | None = None
+    banned_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] = ()  # the history, only when penalties need it
+    output_token_ids: Sequence[int] = ()
+    allowed_mask: bytes = b""
+    bias_token_ids: Sequence[int] = field(default=())
+    bias_values: Sequence[float] = field(default=())
+
+
+def apply_penalties(logits: torch.Tensor, works: list[SamplingRow]) -> None:
     vocab = logits.shape[-1]
     for row, work in enumerate(works):
         spec = work.sampling
         if spec is None:
             continue
         if spec.repetition_penalty != 1.0:
-            seen = torch.tensor(work.prompt_token_ids + work.output_token_ids, dtype=torch.long)
+            seen = torch.tensor([*work.prompt_token_ids, *work.output_token_ids], dtype=torch.long)
             seen = seen[seen < vocab].unique()
             values = logits[row, seen]
             penalty = spec.repetition_penalty
             logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
         if (spec.presence_penalty or spec.frequency_penalty) and work.output_token_ids:
-            ids = torch.tensor(work.output_token_ids, dtype=torch.long)
+            ids = torch.tensor(list(work.output_token_ids), dtype=torch.long)
             counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
             logits[row] -= spec.frequency_penalty * counts
             logits[row] -= spec.presence_penalty * (counts > 0).to(logits.dtype)
@@ -45,7 +62,7 @@ def allowed_tokens(mask: bytes, vocab: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), count=vocab, bitorder="little")
 
 
-def apply_constraints(logits: torch.Tensor, works: list[SeqWork]) -> None:
+def apply_constraints(logits: torch.Tensor, works: list[SamplingRow]) -> None:
     """Add each row's logit_bias, then set the tokens its grammar forbids to -inf. In numpy on
     logits' memory: one pass per row, none of torch's per-op thread fan-out."""
     rows = [row for row, w in enumerate(works) if w.allowed_mask or w.bias_token_ids]
@@ -67,7 +84,7 @@ def apply_constraints(logits: torch.Tensor, works: list[SeqWork]) -> None:
 NUCLEUS_CANDIDATES = 1024  # top logits per row searched for the top-k / top-p set first
 
 
-def restrict_support(logits: torch.Tensor, works: list[SeqWork]) -> torch.Tensor:
+def restrict_support(logits: torch.Tensor, works: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for rows that sample; returns probabilities, computed
     in logits' storage where it can (a fresh [32, 152k] fp32 tensor costs ~10 ms of page
     faults here, more than the arithmetic)."""
@@ -146,7 +163,7 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
     return values.shape[-1] - 1 - positive.argmax(dim=-1)
 
 
-def draw(probs: torch.Tensor, works: list[SeqWork], generator: torch.Generator) -> torch.Tensor:
+def draw(probs: torch.Tensor, works: list[SamplingRow], generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs [S, V] (need not sum to 1), by inverse CDF on one uniform
     draw per row: the block of CDF_BLOCK tokens whose cumulative mass passes u * total (block
     masses accumulated in fp64), then the token inside that block the same way. A token is chosen
@@ -188,7 +205,7 @@ def draw(probs: torch.Tensor, works: list[SeqWork], generator: torch.Generator) 
 
 def sample(
     logits: torch.Tensor,
-    works: list[SeqWork],
+    works: list[SamplingRow],
     generator: torch.Generator,
     argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax,
 ) -> list[SampledToken]:
@@ -226,7 +243,7 @@ def sample(
     return sampled
 
 
-def _plain_greedy(work: SeqWork) -> bool:
+def _plain_greedy(work: SamplingRow) -> bool:
     spec = work.sampling
     if work.banned_token_ids or work.allowed_mask or work.bias_token_ids:
         return False
@@ -240,7 +257,7 @@ def _plain_greedy(work: SeqWork) -> bool:
 
 
 def _logprobs(
-    logprobs: torch.Tensor, tokens: torch.Tensor, works: list[SeqWork], rows: list[int]
+    logprobs: torch.Tensor, tokens: torch.Tensor, works: list[SamplingRow], rows: list[int]
 ) -> list[SampledToken]:
     """The sampled tokens of `rows` with their raw logprobs [R, V]: each token's logprob and
     1-based rank, and each row's num_logprobs best alternatives; a few tensor operations for

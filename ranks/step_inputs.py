@@ -1,4 +1,5 @@
-"""Flatten a StepPlan into the tensors one forward pass needs."""
+"""Flatten a StepPlan, with what the rank holds per sequence, into the tensors one forward pass
+needs and the rows the sampler reads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.paged_kv import AttentionMetadata
+from cpud.ranks.sampler import SamplingRow
+from cpud.ranks.seq_states import HeldSeq
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S_sample] last token of each sampling sequence
-    sampling_works: list[SeqWork]
+    sampling_rows: list[SamplingRow]  # of the sampling sequences, in order
     prompt_rows: torch.Tensor  # [R] rows scored for prompt logprobs, by work in scoring_works
     prompt_targets: torch.Tensor  # [R] the token each of those rows is scored on
     scoring_works: list[SeqWork]
@@ -25,8 +28,27 @@ class StepInputs:
     embed_lens: list[int]
 
 
-def build_step_inputs(plan: StepPlan, block_size: int, kv: bool = True) -> StepInputs:
-    """The step's tensors; `kv` False (a model without KV cache): no slots, block tables unread."""
+def sampling_row(work: SeqWork, held: HeldSeq) -> SamplingRow:
+    history = held.history
+    split = min(held.num_prompt_tokens, len(history)) if history is not None else 0
+    return SamplingRow(
+        work.seq_id,
+        held.sampling,
+        work.seed,
+        work.banned_token_ids,
+        history[:split] if history is not None else (),
+        history[split:] if history is not None else (),
+        work.allowed_mask,
+        held.bias_token_ids,
+        held.bias_values,
+    )
+
+
+def build_step_inputs(
+    plan: StepPlan, held: list[HeldSeq], block_size: int, kv: bool = True
+) -> StepInputs:
+    """The step's tensors; `held`: the rank's state of each of plan.seqs after taking the plan
+    (SeqStates.apply). `kv` False (a model without KV cache): no slots, block tables unread."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -37,11 +59,13 @@ def build_step_inputs(plan: StepPlan, block_size: int, kv: bool = True) -> StepI
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     embed_starts: list[int] = []
-    for work in plan.seqs:
+    rows: list[SamplingRow] = []
+    for work, state in zip(plan.seqs, held):
         count = len(work.token_ids)
+        start_pos = state.step_start
         starts.append(len(input_ids))
         lens.append(count)
-        seq_lens.append(work.start_pos + count)
+        seq_lens.append(start_pos + count)
         scoring = work.prompt_scoring
         if scoring is not None:
             if scoring.first < 0 or scoring.count < 1 or scoring.first + scoring.count > count:
@@ -55,24 +79,25 @@ def build_step_inputs(plan: StepPlan, block_size: int, kv: bool = True) -> StepI
                 raise ValueError(f"seq {work.seq_id}: prompt scoring runs past its tokens")
             prompt_targets.extend(targets)
         if work.embed:
-            if work.start_pos != 0 or not count:
+            if start_pos != 0 or not count:
                 raise ValueError(
                     f"seq {work.seq_id}: an embedding sequence must come whole in one step "
-                    f"(start_pos {work.start_pos}, {count} tokens)"
+                    f"(start_pos {start_pos}, {count} tokens)"
                 )
             embed_starts.append(len(input_ids))
         input_ids.extend(work.token_ids)
-        positions.extend(range(work.start_pos, work.start_pos + count))
+        positions.extend(range(start_pos, start_pos + count))
         if kv:
-            table = work.block_table
-            for pos in range(work.start_pos, work.start_pos + count):
+            table = state.block_table
+            for pos in range(start_pos, start_pos + count):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         if work.sample and not work.embed:
             logits_indices.append(len(input_ids) - 1)
-    width = max((len(w.block_table) for w in plan.seqs), default=0) if kv else 0
+            rows.append(sampling_row(work, state))
+    width = max((len(h.block_table) for h in held), default=0) if kv else 0
     tables = torch.zeros((len(plan.seqs), max(width, 1)), dtype=torch.long)
-    for row, work in enumerate(plan.seqs if kv else ()):
-        tables[row, : len(work.block_table)] = torch.tensor(work.block_table, dtype=torch.long)
+    for row, state in enumerate(held if kv else ()):
+        tables[row, : len(state.block_table)] = torch.tensor(state.block_table, dtype=torch.long)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         block_tables=tables,
@@ -89,7 +114,7 @@ def build_step_inputs(plan: StepPlan, block_size: int, kv: bool = True) -> StepI
         positions=torch.tensor(positions, dtype=torch.long),
         meta=meta,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-        sampling_works=[w for w in plan.seqs if w.sample and not w.embed],
+        sampling_rows=rows,
         prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
         prompt_targets=torch.tensor(prompt_targets, dtype=torch.long),
         scoring_works=[w for w in plan.seqs if w.prompt_scoring is not None],

@@ -13,6 +13,7 @@ from cpud import LLM, SamplingParams
 from cpud.engine.block_manager import BlockManager
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.embedding import shortened, truncated, vector_bytes, vector_from_bytes
+from cpud.engine.outputs import OutputAccumulator, RequestOutput
 from cpud.engine.scheduler import Scheduler
 from cpud.engine.sequence import SeqStatus, Sequence
 from cpud.protocol.step import StepResult
@@ -171,11 +172,15 @@ def test_embeddings_beside_generations_leave_their_tokens_unchanged(llm):
     for i, prompt in enumerate(prompts):
         engine.add_request(f"g{i}", prompt, params)
     finals = {}
+    folds: dict[str, OutputAccumulator] = {}
     for step in range(200):
         if step == 2:  # generations decoding, the long prompt still in its chunks
             for i, tokens in enumerate(inputs):
                 engine.admit(f"e{i}", engine.validate_embedding(tokens))
         for out in engine.step():
+            if isinstance(out, RequestOutput):
+                folds.setdefault(out.request_id, OutputAccumulator()).add(out)
+                out = folds[out.request_id].result() if out.finished else out
             if out.finished:
                 finals[out.request_id] = out
         if not engine.has_unfinished():

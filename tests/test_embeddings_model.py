@@ -290,7 +290,7 @@ def test_embedding_beside_generation_leaves_tokens_unchanged(kernels, fixtures, 
             extra = embed_at.get(step, [])
             plan = embed_plan(extra, step, first_seq=100)
             moved = [
-                SeqWork(w.seq_id, w.token_ids, 0, [b + 16 for b in w.block_table], True, embed=True)
+                SeqWork(w.seq_id, w.token_ids, 0, [b + 16 for b in w.block_ids], True, embed=True)
                 for w in plan.seqs
             ]
             result = run.execute(StepPlan(step, works[:1] + moved + works[1:]))

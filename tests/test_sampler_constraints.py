@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from cpud import SamplingParams
 from cpud.engine.llm_engine import sampling_spec
-from cpud.protocol.step import SeqWork, wire_error
-from cpud.ranks.sampler import allowed_tokens, sample
+from cpud.protocol.step import NewSeq, wire_error
+from cpud.ranks.sampler import SamplingRow, allowed_tokens, sample
 
 VOCAB = 70  # logits width: the model's vocabulary, padded past the tokenizer's 64
 
@@ -20,13 +22,9 @@ def pack(allowed: list[int], size: int = 64) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def work(params: SamplingParams, mask: bytes = b"", bias=(), seed=None) -> SeqWork:
-    return SeqWork(
+def work(params: SamplingParams, mask: bytes = b"", bias=(), seed=None) -> SamplingRow:
+    return SamplingRow(
         0,
-        [1],
-        0,
-        [0],
-        True,
         sampling_spec(params),
         seed,
         allowed_mask=mask,
@@ -61,9 +59,7 @@ def test_penalties_cannot_revive_a_masked_token():
     logits[0, 7] = -5.0
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
     row = work(params, pack([7]))
-    row = SeqWork(
-        **{**{f: getattr(row, f) for f in row.__struct_fields__}, "output_token_ids": [3]}
-    )
+    row = dataclasses.replace(row, output_token_ids=[3])
     assert sample(logits, [row], None)[0].token_id == 7
 
 
@@ -108,6 +104,10 @@ def test_constraints_touch_only_their_rows():
 
 
 def test_wire_checks_bias_values():
-    assert wire_error(work(SamplingParams(), bias=[(1, 2.0)])) is None
-    assert wire_error(work(SamplingParams(), bias=[(1, float("inf"))])) is not None
-    assert wire_error(work(SamplingParams(), bias=[(-1, 1.0)])) is not None
+    def new_seq(bias):
+        ids, values = [t for t, _ in bias], [b for _, b in bias]
+        return NewSeq(0, sampling_spec(SamplingParams()), ids, values)
+
+    assert wire_error(new_seq([(1, 2.0)])) is None
+    assert wire_error(new_seq([(1, float("inf"))])) is not None
+    assert wire_error(new_seq([(-1, 1.0)])) is not None

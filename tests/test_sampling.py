@@ -10,27 +10,15 @@ import torch
 from cpud import LLM, SamplingParams
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.llm_engine import sampling_spec
-from cpud.protocol.step import SeqWork
-from cpud.ranks.sampler import sample
+from cpud.ranks.sampler import SamplingRow, sample
 from cpud.settings.errors import RequestError
 from cpud.text.tokenizer import Tokenizer
 
 VOCAB = 50
 
 
-def work(params: SamplingParams, seed=None, banned=(), prompt=(), output=()) -> SeqWork:
-    return SeqWork(
-        0,
-        [1],
-        0,
-        [0],
-        True,
-        sampling_spec(params),
-        seed,
-        list(banned),
-        list(prompt),
-        list(output),
-    )
+def work(params: SamplingParams, seed=None, banned=(), prompt=(), output=()) -> SamplingRow:
+    return SamplingRow(0, sampling_spec(params), seed, list(banned), list(prompt), list(output))
 
 
 def draws(logits: torch.Tensor, params: SamplingParams, count: int = 400) -> set[int]:

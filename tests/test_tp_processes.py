@@ -128,7 +128,7 @@ def test_rank_that_raises_during_a_step_is_named(model_factory):
 
     def execute_a_broken_plan(plan):
         seqs = [
-            msgspec.structs.replace(s, block_table=[10_000] * len(s.block_table)) for s in plan.seqs
+            msgspec.structs.replace(s, block_ids=[10_000] * len(s.block_ids)) for s in plan.seqs
         ]
         return execute(msgspec.structs.replace(plan, seqs=seqs))
 

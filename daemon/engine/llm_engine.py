@@ -28,6 +28,7 @@ from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence
 from cpud.protocol.step import (
     Embedding,
+    NewSeq,
     PromptScoring,
     SampledToken,
     SamplingSpec,
@@ -113,6 +114,9 @@ class LLMEngine:
         self.grammars = grammars
         self.outputs = OutputBuilder(tokenizer)
         self._seq_ids = itertools.count()
+        # Sequences the ranks hold and should drop (finished, aborted, preempted): sent with
+        # the next plan that reaches them.
+        self._to_drop: set[int] = set()
         self._step_ids = itertools.count()
         # False (the offline API): step() raises a request's failure once it is cleaned up.
         # True (the server): failures are filed in `failures` and the step goes on.
@@ -224,7 +228,7 @@ class LLMEngine:
             )
             if admission.grammar is not None:
                 seq.constraint = admission.grammar.constraint()
-            why = wire_error(self._work(seq, 0, 0, True))
+            why = wire_error(self._new_seq(seq, 0)) or wire_error(self._work(seq, 0, 0, True))
             if why is not None:
                 raise RequestError(
                     f"the request's sampling settings cannot be sent to the model ranks ({why}): "
@@ -263,7 +267,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._release(seq)
             self.seqs.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
@@ -297,10 +301,13 @@ class LLMEngine:
                 # Validation guarantees a lone request fits; reaching here is a bug, not load.
                 raise RuntimeError("scheduler made no progress with an idle engine")
             return []
+        for seq in sched.preempted:  # recomputed later as a sequence the ranks start again
+            self._forget_on_ranks(seq)
         plan = self._plan(sched)
         result = self._execute(plan) if plan.seqs else None
         if result is None:
             return self._end_step([])
+        self._sent(plan)
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = item.seq
@@ -367,7 +374,7 @@ class LLMEngine:
                 self._fail(seq.request_id, exc, "reading its embedding")
                 continue
             seq.finish_reason = "stop"
-            self.scheduler.finish(seq)
+            self._release(seq)
             request = self.requests.pop(seq.request_id)
             self.seqs.pop(seq.seq_id, None)
             output = EmbeddingOutput(seq.embedding)
@@ -384,15 +391,22 @@ class LLMEngine:
     def _execute(self, plan: StepPlan) -> StepResult | None:
         """The executor's result; None when the plan could not be encoded because of requests
         of its own, which are failed. Encoding precedes sending, so no rank has the plan and
-        the others are simply planned again next step."""
+        the others are simply planned again next step (as sequences the ranks start again:
+        an in-process rank may have taken part of the plan)."""
         try:
             return self.executor.execute(plan)
         except CpudError:
             raise
         except Exception as exc:
-            culprits = [w.seq_id for w in plan.seqs if wire_error(w, check_ranges=False)]
+            items = [*plan.new_seqs, *plan.seqs]
+            culprits = {w.seq_id for w in items if wire_error(w, check_ranges=False)}
             if not culprits:
                 raise
+            for work in plan.seqs:
+                self._to_drop.add(work.seq_id)
+                seq = self.seqs.get(work.seq_id)
+                if seq is not None:
+                    seq.on_ranks, seq.blocks_on_ranks = False, 0
             for seq_id in culprits:
                 seq = self.seqs.get(seq_id)
                 if seq is not None:
@@ -400,26 +414,67 @@ class LLMEngine:
             return None
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
-        works = []
+        """The step's plan: a NewSeq for each sequence the ranks do not hold, each sequence's
+        new tokens and blocks, the sequences to drop."""
+        works, news = [], []
         for item in sched.scheduled:
             seq = item.seq
             try:
-                work = self._work(seq, seq.num_computed_tokens, item.num_tokens, item.samples)
+                start = seq.num_computed_tokens
+                if not seq.on_ranks:
+                    news.append(self._new_seq(seq, start))
+                work = self._work(seq, start, item.num_tokens, item.samples)
             except Exception as exc:
                 self._fail(seq.request_id, exc, "planning its step")
                 continue
             works.append(work)
         works = [w for w in works if w.seq_id in self.seqs]  # drop choices of failed requests
-        return StepPlan(next(self._step_ids), works)
+        news = [n for n in news if n.seq_id in self.seqs]
+        dropped = sorted(self._to_drop)
+        return StepPlan(next(self._step_ids), works, news, dropped)
+
+    def _sent(self, plan: StepPlan) -> None:
+        """The ranks have the plan: they hold its sequences with all their blocks, and have
+        dropped what it dropped."""
+        self._to_drop.difference_update(plan.dropped)
+        for work in plan.seqs:
+            seq = self.seqs.get(work.seq_id)
+            if seq is not None and not seq.finished:
+                seq.on_ranks = True
+                seq.blocks_on_ranks = len(seq.blocks.block_ids)
+            else:
+                self._to_drop.add(work.seq_id)  # it ended while the step was planned
+
+    def _new_seq(self, seq: Sequence, start: int) -> NewSeq:
+        """What the ranks keep of a sequence they start holding at position `start`."""
+        if seq.embed:
+            return NewSeq(seq.seq_id)
+        params = seq.params
+        history = seq.token_ids[:start] if params.needs_penalties else []
+        return NewSeq(
+            seq.seq_id,
+            sampling_spec(params),
+            [token for token, _ in params.logit_bias],
+            [bias for _, bias in params.logit_bias],
+            history,
+            seq.num_prompt_tokens,
+        )
 
     def _work(self, seq: Sequence, start: int, num_tokens: int, samples: bool) -> SeqWork:
+        """The sequence's part of the step: its new tokens, and its new blocks (all of them,
+        from an explicit position, when the ranks start holding it)."""
         tokens = seq.token_ids[start : start + num_tokens]
-        blocks = list(seq.blocks.block_ids)
+        table = seq.blocks.block_ids
+        if seq.on_ranks:
+            at: int | None = None
+            blocks = table[seq.blocks_on_ranks :]
+        else:
+            at, blocks = start, list(table)
         if seq.embed:
-            return SeqWork(seq.seq_id, tokens, start, blocks, False, embed=True)
+            return SeqWork(seq.seq_id, tokens, at, blocks, False, embed=True)
         scoring = prompt_scoring(seq, start, num_tokens)
         if not samples:
-            return SeqWork(seq.seq_id, tokens, start, blocks, False, prompt_scoring=scoring)
+            return SeqWork(seq.seq_id, tokens, at, blocks, False, prompt_scoring=scoring)
         params = seq.params
         seed = None
         if seq.seed is not None:
@@ -427,24 +482,8 @@ class LLMEngine:
         banned: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
-        needs_history = params.needs_penalties
         mask = seq.constraint.allowed_mask() if seq.constraint is not None else b""
-        return SeqWork(
-            seq.seq_id,
-            tokens,
-            start,
-            blocks,
-            True,
-            sampling_spec(params),
-            seed,
-            banned,
-            seq.prompt_token_ids if needs_history else [],
-            seq.output_token_ids if needs_history else [],
-            scoring,
-            mask,
-            [token for token, _ in params.logit_bias],
-            [bias for _, bias in params.logit_bias],
-        )
+        return SeqWork(seq.seq_id, tokens, at, blocks, True, seed, banned, scoring, mask)
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         return frozenset() if params.ignore_eos else self.eos_token_ids
@@ -478,7 +517,18 @@ class LLMEngine:
             seq.detokenizer.flush()
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Finish a sequence in the scheduler (its blocks freed); the ranks drop it next step."""
         self.scheduler.finish(seq)
+        self._forget_on_ranks(seq)
+
+    def _forget_on_ranks(self, seq: Sequence) -> None:
+        if seq.on_ranks:
+            self._to_drop.add(seq.seq_id)
+        seq.on_ranks = False
+        seq.blocks_on_ranks = 0
 
 
 def prompt_scoring(seq: Sequence, start: int, num_tokens: int) -> PromptScoring | None:

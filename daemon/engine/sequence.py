@@ -44,6 +44,10 @@ class Sequence:
     # Logprob entries of output tokens not yet handed out in an output (then cleared).
     new_logprobs: list[LogprobEntry] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens handed out in outputs so far
+    # What the ranks hold of it (plans are deltas): whether they hold it since its NewSeq,
+    # and how many of its blocks they have.
+    on_ranks: bool = False
+    blocks_on_ranks: int = 0
     emitted_finish: bool = False  # the output with its finish reason went out
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)  # of prompt tokens 1..
     cumulative_logprob: float = 0.0

@@ -1,0 +1,76 @@
+"""An LLMEngine over a stub forward pass: the engine loop (scheduler, plans, outputs) runs at
+full speed with no model, so tests can count what a step costs as sequences grow.
+
+The stub encodes each plan as the multi-process executor sends it (its size is recorded) and
+answers each sampling sequence with the next token of a fixed cycle, with made-up logprobs
+when the sequence asks for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from cpud.engine.llm_engine import LLMEngine
+from cpud.protocol.control import encoder
+from cpud.protocol.step import SampledToken, StepPlan, StepResult
+from cpud.settings.config import EngineConfig
+from cpud.text.tokenizer import Tokenizer
+
+
+class StubExecutor:
+    def __init__(self, cycle: list[int]):
+        self.cycle = cycle
+        self.plan_bytes: list[int] = []  # encoded size of each plan
+        self.forward_ns: list[int] = []  # thread CPU time inside the stub forward, per step
+        self._counts: dict[int, int] = {}
+        self._num_logprobs: dict[int, int] = {}  # per sequence, from its sampling settings
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plan_bytes.append(len(encoder.encode(plan)))
+        started = time.thread_time_ns()
+        for new in getattr(plan, "new_seqs", ()):
+            self._num_logprobs[new.seq_id] = new.sampling.num_logprobs if new.sampling else -1
+        tokens = []
+        for work in plan.seqs:
+            spec = getattr(work, "sampling", None)
+            if spec is not None:
+                self._num_logprobs[work.seq_id] = spec.num_logprobs
+            if not work.sample:
+                continue
+            k = self._counts.get(work.seq_id, work.seq_id)
+            self._counts[work.seq_id] = k + 1
+            token = self.cycle[k % len(self.cycle)]
+            num = self._num_logprobs.get(work.seq_id, -1)
+            if num < 0:
+                tokens.append(SampledToken(work.seq_id, token))
+                continue
+            tops = [self.cycle[(k + j) % len(self.cycle)] for j in range(1, num + 1)]
+            values = [-1.0 - j for j in range(num)]
+            tokens.append(SampledToken(work.seq_id, token, -0.5, 1, tops, values))
+        self.forward_ns.append(time.thread_time_ns() - started)
+        return StepResult(plan.step_id, tokens)
+
+    def check_health(self) -> None:
+        return None
+
+    def rank_stats(self) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        return None
+
+
+def stub_engine(
+    config: EngineConfig, tokenizer: Tokenizer, text: str, max_len: int, seqs: int
+) -> tuple[LLMEngine, StubExecutor]:
+    """An engine of `config`'s model with room for `seqs` sequences of max_len tokens, whose
+    forward pass samples the tokens of `text` over and over."""
+    config = dataclasses.replace(
+        config,
+        max_model_len=max_len,
+        num_kv_blocks=seqs * (-(-max_len // config.block_size)) + 8,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(config.max_num_batched_tokens, 4 * seqs),
+    )
+    stub = StubExecutor(tokenizer.encode(text))
+    return LLMEngine(config, tokenizer, stub), stub
