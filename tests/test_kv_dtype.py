@@ -148,3 +148,45 @@ def test_default_model_nll_with_a_quantized_cache():
     assert math.isfinite(base) and 0.5 < base < 6.0
     drift = {kv: abs(mean_nll(kv) - base) / base for kv in NLL_BOUND}
     assert all(drift[kv] < bound for kv, bound in NLL_BOUND.items()), (drift, base)
+
+
+def test_doctor_memory_plan_names_the_kv_element_type(tmp_path):
+    from test_doctor import TWO_SOCKETS, run_doctor
+
+    engine = dict(tp=2, kv_cache_space_gib=0.05, max_num_seqs=8192)
+    plain = run_doctor(tmp_path / "a", TWO_SOCKETS, **engine)["memory plan"]
+    int8 = run_doctor(tmp_path / "b", TWO_SOCKETS, kv_cache_dtype="int8", **engine)
+    int8 = int8["memory plan"]
+    assert plain.value["kv_cache_dtype"] == "auto"
+    assert int8.value["kv_cache_dtype"] == "int8"
+    assert int8.value["kv_block_bytes"] < plain.value["kv_block_bytes"]
+    assert int8.value["kv_tokens"] > plain.value["kv_tokens"]
+    assert any("KV cache:" in line and "int8" in line for line in int8.details)
+
+
+def test_tp2_on_an_int8_cache_fused_equals_per_op(model_factory, tmp_path):
+    from test_fused_decoder import PROMPT_A, blocks_for, run_ranks
+
+    from cpud.native import ShmGroup
+    from cpud.protocol.step import SeqWork, StepPlan
+    from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+    from cpud.ranks.stats import TimedGroup
+
+    model_dir = model_factory("qwen3")
+    path = str(tmp_path / "ar.shm")
+    owner = ShmGroup.create(path, 2)
+    groups = [TimedGroup(ShmGroup.attach(path, rank, 2, timeout=20.0)) for rank in range(2)]
+    cfg = load_model_config(model_dir)
+    config = RunnerConfig(
+        model_dir, torch.bfloat16, 256, 16, 32, kernels="native", kv_cache_dtype="int8"
+    )
+    runners = [ModelRunner(config, cfg, g) for g in groups]
+    assert all(isinstance(r.decoder, FusedDecoder) for r in runners)
+    assert runners[0].kv_caches[0][0].dtype == torch.int8
+    plan = StepPlan(0, [SeqWork(0, PROMPT_A, 0, blocks_for(len(PROMPT_A), 0), False)])
+    fused = run_ranks(runners, plan)
+    for r in runners:
+        r.decoder = None
+    per_op = run_ranks(runners, plan)
+    assert isinstance(fused[0], torch.Tensor) and torch.equal(fused[0], per_op[0])
+    owner.abort(-1)
