@@ -4,6 +4,7 @@ router's command line, the replica label on metrics."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 import sys
 
 import pytest
@@ -13,6 +14,8 @@ from cpud.cli import build_parser
 from cpud.frontend.metrics import FrontendMetrics
 from cpud.placement.replicas import plan_replicas
 from cpud.placement.topology import discover_topology
+from cpud.process.sd_notify import Notifier
+from cpud.replicas import ReplicaSupervisor
 from cpud.replicas_child import read_spec, replica_spec, write_spec
 from cpud.replicas_router import check_router_installed, router_command
 from cpud.settings.config import EngineArgs, ServeArgs
@@ -84,3 +87,34 @@ def test_replica_metrics_carry_the_replica_label():
     assert all('replica="1"' in line for line in text.splitlines() if line and line[0] != "#")
     plain = generate_latest(FrontendMetrics().exposed).decode()
     assert "replica=" not in plain
+
+
+def supervisor(model, **serve) -> ReplicaSupervisor:
+    engine = EngineArgs(model=model, dtype="float32", bind="nobind")
+    return ReplicaSupervisor(engine, ServeArgs(**serve), Notifier({}))
+
+
+def test_the_host_plan_refuses_before_anything_starts(model_factory, monkeypatch):
+    model = model_factory("qwen3")
+    with pytest.raises(ConfigError, match="--data-parallel-size must be a positive"):
+        supervisor(model, data_parallel_size=0).plan()
+    too_many = ReplicaSupervisor(
+        EngineArgs(model=model, dtype="float32"), ServeArgs(data_parallel_size=3), Notifier({})
+    )
+    with pytest.raises(ConfigError, match="needs one physical core per rank"):
+        too_many.plan()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            supervisor(model, data_parallel_size=2, port=port).plan()
+    monkeypatch.setattr("cpud.replicas_router.ROUTER_MODULE", "no_such_router_module")
+    with pytest.raises(ConfigError, match="--router needs vLLM's router"):
+        supervisor(model, data_parallel_size=2, router=True).plan()
+
+
+def test_the_host_plan_checks_every_replica_and_the_router_port(model_factory):
+    plan = supervisor(model_factory("qwen3"), data_parallel_size=2, router=True, port=9200).plan()
+    assert [r.port for r in plan.replicas] == [9201, 9202]
+    assert plan.router_port == 9200
