@@ -70,12 +70,25 @@ def served(url: str, replica: int) -> float:
     return 0.0
 
 
+def runtime_dirs(pids: list[int]) -> set[Path]:
+    """The folders of the spec files on the processes' command lines (runtime directories)."""
+    found = set()
+    for pid in pids:
+        for word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+            if word.endswith(b".json"):
+                found.add(Path(word.decode()).parent)
+    return found
+
+
 def stop_and_check_nothing_left(server, top: int) -> None:
     left = descendants(top)
+    folders = runtime_dirs(left)
+    assert len(folders) >= 3  # ours, and each replica's
     assert server.stop(timeout=90) == 0, server.log()[-3000:]
     time.sleep(0.5)
     alive = [pid for pid in left if Path(f"/proc/{pid}").exists()]
     assert not alive, f"processes left behind: {alive}"
+    assert not [f for f in folders if f.exists()], "runtime directories left behind"
 
 
 def test_killed_rank_fails_its_replica_fast_the_other_serves_it_restarts(model_factory, tmp_path):
