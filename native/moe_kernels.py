@@ -118,7 +118,7 @@ def _f32(t: torch.Tensor | None, shape: tuple[int, ...], name: str) -> torch.Ten
     return t
 
 
-class _Layer:
+class MoeLayer:
     """A cpud_moe struct and the tensors it points into (kept alive with it)."""
 
     def __init__(
@@ -162,6 +162,11 @@ class _Layer:
         m.down_bias = 0 if self.keep[1] is None else self.keep[1].data_ptr()
         self.struct = m
 
+    @property
+    def address(self) -> int:
+        """The cpud_moe's address (cpud_decoder_layer.moe); valid while this object lives."""
+        return int(_loader.ffi.cast("intptr_t", self.struct))
+
 
 def moe_routed(
     kernels: Kernels,
@@ -179,7 +184,7 @@ def moe_routed(
     as the recipe's activation and biases say (the router parts of the recipe unused)."""
     tokens, hidden = x.shape
     k = ids.shape[-1]
-    layer = _Layer(gate_up, down, k, recipe, gate_up_bias, down_bias, quant_flags=quant_flags)
+    layer = MoeLayer(gate_up, down, k, recipe, gate_up_bias, down_bias, quant_flags=quant_flags)
     _contig(x, "x", x.dtype, (None, hidden))
     _contig(ids, "ids", torch.int32, (tokens, k))
     weights = weights.to(torch.float32).contiguous()
@@ -207,8 +212,13 @@ def moe_layer(
 ) -> torch.Tensor:
     """The expert layer on x [T, H]: router logits (+ the router's bias), routing and
     ``moe_routed`` in one native call."""
-    layer = _Layer(gate_up, down, top_k, recipe, gate_up_bias, down_bias, router, quant_flags)
-    _contig(x, "x", x.dtype, (None, gate_up.k))
+    layer = MoeLayer(gate_up, down, top_k, recipe, gate_up_bias, down_bias, router, quant_flags)
+    return run_layer(kernels, layer, x)
+
+
+def run_layer(kernels: Kernels, layer: MoeLayer, x: torch.Tensor) -> torch.Tensor:
+    """``moe_layer`` on a MoeLayer made once (x [T, H] contiguous)."""
+    _contig(x, "x", x.dtype, (None, int(layer.struct.H)))
     out = torch.empty_like(x)
     rc = _loader.lib.cpud_moe_layer(
         kernels._code, _dtype(x, "x"), layer.struct, x.data_ptr(), x.shape[0], out.data_ptr()
@@ -219,9 +229,11 @@ def moe_layer(
 
 __all__ = [
     "ExpertStack",
+    "MoeLayer",
     "expert_weight",
     "moe_layer",
     "moe_routed",
     "quant_stack",
     "quant_stack_shapes",
+    "run_layer",
 ]

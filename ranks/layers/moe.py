@@ -286,6 +286,7 @@ class SparseMoeBlock(Layer):
             ops,
             self.recipe,
         )
+        self._native: Any = None  # native_moe's, once made
         self.shared_expert: Layer | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if cfg.shared_expert_intermediate_size:
@@ -295,26 +296,32 @@ class SparseMoeBlock(Layer):
             self.shared_expert = GatedMLP(shared, dtype, group, ops)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, dtype)
 
+    def native_moe(self) -> Any:
+        """The whole layer as one cpud_moe (native/moe_kernels.py MoeLayer: router, recipe,
+        bf16 or quantized stacks, this rank's biases), made once; None off the native
+        kernels or before the router is packed."""
+        stacks = self.experts.stacks()
+        if stacks is None or self.gate.packed is None:
+            return None
+        if self._native is None:
+            from cpud.native.moe_kernels import MoeLayer
+
+            self._native = MoeLayer(
+                *stacks, self.top_k, self.recipe, *self.experts.biases(), self.gate.packed
+            )
+        return self._native
+
     @property
     def flags(self) -> int:
         """The routing as cpud_moe_flags."""
         return RENORMALIZE * self.renormalize + WEIGHTS_IN_DTYPE * self.weights_in_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts = self.experts
-        stacks = experts.stacks()
-        if stacks is not None and self.gate.packed is not None:
-            from cpud.native.moe_kernels import moe_layer
+        native = self.native_moe()
+        if native is not None:
+            from cpud.native.moe_kernels import run_layer
 
-            out = moe_layer(
-                experts.ops.k,
-                x.contiguous(),
-                self.gate.packed,
-                *stacks,
-                self.top_k,
-                self.recipe,
-                *experts.biases(),
-            )
+            out = run_layer(self.experts.ops.k, native, x.contiguous())
         else:
             logits = self.gate(x)
             dtype = x.dtype if self.weights_in_dtype else torch.float32
