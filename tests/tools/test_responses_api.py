@@ -126,11 +126,11 @@ def test_streamed_text_and_json_format(smol):
     [
         ({"store": True}, "store"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "summary": [], "extra": 1}]}, "input[0].extra"),
         ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "input[0].extra"),
     ],
 )
