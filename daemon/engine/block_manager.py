@@ -64,6 +64,7 @@ class BlockTable:
 class PrefixHit:
     block_ids: list[int]
     hashes: list[bytes]
+    token_ids: list[int] = field(default_factory=list)  # the tokens of those blocks
 
     @property
     def num_blocks(self) -> int:
@@ -121,7 +122,7 @@ class BlockManager:
             hashes.append(parent)
         self.prefix_queries += usable
         self.prefix_hits += len(block_ids)
-        return PrefixHit(block_ids, hashes)
+        return PrefixHit(block_ids, hashes, list(token_ids[: len(block_ids) * self.block_size]))
 
     def can_allocate(
         self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None
@@ -134,6 +135,10 @@ class BlockManager:
 
     def allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Grow `table` to cover num_tokens; the caller checked can_allocate."""
+        if hit and hit.num_blocks and self.events is not None:
+            # Announced again: a router that missed their first store (it started later, or
+            # lost the batch) learns them, and can anchor the blocks this request adds.
+            self.events.stored(None, list(hit.hashes), hit.token_ids, self.block_size)
         if hit:
             for block_id, digest in zip(hit.block_ids, hit.hashes):
                 block = self.blocks[block_id]
