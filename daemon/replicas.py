@@ -33,6 +33,7 @@ from pathlib import Path
 
 from cpud.engine.multiproc import make_runtime_dir
 from cpud.frontend.server import EXIT_CHILD_LOST, EXIT_CONFIG, send_secrets
+from cpud.model.default_model import DEFAULT_MODEL_NAME
 from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.replicas import ReplicaPlacement, ReplicaPlan, check_dp, plan_replicas
 from cpud.placement.start import plan_start
@@ -41,7 +42,12 @@ from cpud.process.child_process import module_command
 from cpud.process.parent_death import die_with_parent
 from cpud.process.sd_notify import Notifier
 from cpud.replicas_child import replica_spec, write_spec
-from cpud.replicas_router import check_router_installed, extra_args, router_command
+from cpud.replicas_router import (
+    check_router_installed,
+    extra_args,
+    kv_event_args,
+    router_command,
+)
 from cpud.settings import envs
 from cpud.settings.config import EngineArgs, ServeArgs
 from cpud.supervisor import check_listen_address
@@ -258,7 +264,7 @@ class ReplicaSupervisor:
             if time.monotonic() >= router.start_at and serving:
                 env = envs.without_secrets(os.environ)
                 env.pop("NOTIFY_SOCKET", None)
-                command = router_command(plan, self.serve_args.router_args)
+                command = router_command(plan, self.serve_args.router_args, self._kv_sources(plan))
                 parent = os.getpid()
                 router.proc = subprocess.Popen(
                     command, env=env, preexec_fn=lambda: die_with_parent(parent)
@@ -269,6 +275,12 @@ class ReplicaSupervisor:
             router.mark_ready()
             log.info("router: serving on %s:%d", plan.router_host, plan.router_port)
         return self._check_exit(router)
+
+    def _kv_sources(self, plan: ReplicaPlan) -> list[str]:
+        names = self.serve_args.served_model_names
+        model = names[0] if names else str(self.engine_args.model or DEFAULT_MODEL_NAME)
+        kv_events = self.serve_args.kv_events
+        return kv_event_args(plan, kv_events, model, self.engine_args.block_size)
 
     def _announce(self, plan: ReplicaPlan) -> None:
         self.announced = True

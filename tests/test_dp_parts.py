@@ -11,13 +11,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from cpud.cli import build_parser
+from cpud.engine.kv_events import KVEventsConfig
 from cpud.frontend.metrics import FrontendMetrics
 from cpud.placement.replicas import plan_replicas
 from cpud.placement.topology import discover_topology
 from cpud.process.sd_notify import Notifier
 from cpud.replicas import ReplicaSupervisor
 from cpud.replicas_child import read_spec, replica_spec, write_spec
-from cpud.replicas_router import check_router_installed, router_command
+from cpud.replicas_router import check_router_installed, kv_event_args, router_command
 from cpud.settings.config import EngineArgs, ServeArgs
 from cpud.settings.errors import ConfigError
 from cpud.settings.serve_flags import serve_args
@@ -118,3 +119,21 @@ def test_the_host_plan_checks_every_replica_and_the_router_port(model_factory):
     plan = supervisor(model_factory("qwen3"), data_parallel_size=2, router=True, port=9200).plan()
     assert [r.port for r in plan.replicas] == [9201, 9202]
     assert plan.router_port == 9200
+
+
+def test_router_reads_each_replicas_kv_events_when_they_are_published():
+    from vllm_router.launch_router import parse_router_args
+
+    plan = host_plan(router=True, port=9300)
+    assert kv_event_args(plan, KVEventsConfig(), "tiny", 16) == []
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:5557")
+    sources = kv_event_args(plan, events, "tiny", 32)
+    command = router_command(plan, "--policy kv_aware", sources)
+    parsed = parse_router_args(command[command.index("vllm_router.launch_router") + 1 :])
+    assert parsed.policy == "kv_aware"
+    assert parsed.kv_event_source == [
+        "http://127.0.0.1:9301=tcp://127.0.0.1:5557",
+        "http://127.0.0.1:9302=tcp://127.0.0.1:5558",
+    ]
+    assert (parsed.kv_event_block_size, parsed.kv_event_model) == (32, "tiny")
+    assert parsed.worker_urls == ["http://127.0.0.1:9301", "http://127.0.0.1:9302"]

@@ -240,7 +240,8 @@ SERVE_SETTINGS = (
         details="start vLLM's router (`vllm-router`, an optional dependency) on --host:--port "
         "in front of the --data-parallel-size replicas, supervised like the replicas (restarted "
         "when it exits); its policy defaults to cache_aware, its metrics go to 127.0.0.1 on "
-        "--port + N + 1",
+        "--port + N + 1. With --kv-events-config, every replica's publisher is one of the "
+        "router's KV event sources (for `--router-args '--policy kv_aware'`)",
     ),
     _serve(
         "router_args",
