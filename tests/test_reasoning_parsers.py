@@ -81,6 +81,10 @@ THINK_CASES = [
     (QWEN3, "a</think>b", False, "", "a</think>b"),
     (QWEN3, "<thi", False, "", "<thi"),
     (ReasoningPlan("deepseek_r1", opened=True), "r</think>c", False, "r", "c"),
+    # a model that writes the opening tag the prompt already wrote (DeepSeek-R1-0528)
+    (ReasoningPlan("deepseek_r1", opened=True), "<think>\nr</think>c", False, "r", "c"),
+    (OPENED, "<th", True, "", ""),
+    (OPENED, "<th", False, "<th", ""),
 ]
 
 

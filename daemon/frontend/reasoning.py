@@ -122,14 +122,15 @@ def new_parser(plan: ReasoningPlan) -> ReasoningParser:
 
 class ThinkParser:
     """`<think>reasoning</think>answer`. The block opens the output, or the prompt opened
-    it (`opened`); an output that begins otherwise is all answer. Whitespace around the
-    reasoning and before the answer is left out. A block that never closes (max_tokens cut
-    it) is all reasoning."""
+    it (`opened`: an opening tag the model writes anyway is left out); an output that
+    begins otherwise is all answer. Whitespace around the reasoning and before the answer is
+    left out. A block that never closes (max_tokens cut it) is all reasoning."""
 
     called = False
 
     def __init__(self, opened: bool):
-        self.state = "reasoning" if opened else "start"
+        self.opened = opened
+        self.state = "start"
         self.pending = ""  # held back: a marker that may be arriving, trailing whitespace
         self.reasoning_began = False
         self.content_began = False
@@ -145,7 +146,7 @@ class ThinkParser:
                 elif not lead or THINK_OPEN.startswith(lead):
                     return out
                 else:
-                    self.state = "content"
+                    self.state = "reasoning" if self.opened else "content"
             elif self.state == "reasoning":
                 at = self.pending.find(THINK_CLOSE)
                 if at == -1:
@@ -163,6 +164,11 @@ class ThinkParser:
 
     def finish(self, cut: bool) -> Split:
         rest, self.pending = self.pending, ""
+        if self.state == "start":
+            lead = rest.lstrip()
+            if cut and lead and THINK_OPEN.startswith(lead):
+                rest = ""  # an opening tag max_tokens cut
+            self.state = "reasoning" if self.opened else "content"
         if self.state == "reasoning":
             if cut and held_suffix(rest, THINK_CLOSE):
                 rest = rest[: len(rest) - held_suffix(rest, THINK_CLOSE)]
