@@ -379,3 +379,13 @@ def test_reasoning_effort_and_earlier_reasoning_reach_the_template(model):
         assert "<think>one</think>first" in prompt and prompt.endswith("effort=high")
         responses = {"input": "Hi", "reasoning": {"effort": "low"}}
         assert rendered(http, model, "/v1/responses/render", responses).endswith("effort=low")
+
+
+def test_harmony_calls_without_tools_to_call_are_left_out(gpt_oss):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_CALL, HARMONY_CALL)
+    for tool_choice in (None, "none"):
+        tools = {"tools": WEATHER, "tool_choice": tool_choice} if tool_choice else {}
+        got = whole(client, messages=ASK, **tools)
+        assert (got["reasoning"], got["content"], got["calls"]) == ("Need the tool.", "", [])
+        assert got["finish"] == "stop"

@@ -143,7 +143,7 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     prompt = chat_prompt(state, body, plan.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    reasoning = chat_reasoning(state, body, prompt, plan.spec is not None)
+    reasoning = chat_reasoning(state, body, prompt, plan)
     tool_parser = None if reasoning is not None and reasoning.reads_calls else plan.parser
     # Mistral's [TOOL_CALLS] and harmony's markers are special tokens: the parser reads them.
     harmony = reasoning is not None and reasoning.parser == HARMONY
@@ -176,19 +176,21 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
 
 
 def chat_reasoning(
-    state: ServerState, body: ChatCompletionRequest, prompt: Prompt, constrained: bool
+    state: ServerState, body: ChatCompletionRequest, prompt: Prompt, tools: ToolPlan
 ) -> ReasoningPlan | None:
     """How the output's reasoning is split off (--reasoning-parser, else the chat template's
-    format); None when the output has none to split."""
+    format); None when the output has none to split. Calls a format writes with no tools to
+    call (none given, tool_choice none) are left out."""
     if body.separate_reasoning is False:
         return None
     parser = state.config.reasoning_parser or detect_reasoning_parser(state.tokenizer.chat_template)
+    max_calls = None if body.parallel_tool_calls else 1
     plan = plan_reasoning(
         parser,
         prompt.text or "",
         body.chat_template_kwargs,
-        constrained,
-        None if body.parallel_tool_calls else 1,
+        tools.spec is not None,
+        max_calls if tools.parser is not None else 0,
     )
     if plan is not None and body.include_reasoning is False:
         plan = replace(plan, shown=False)
