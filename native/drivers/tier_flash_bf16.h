@@ -36,8 +36,9 @@ static ALWAYS_INLINE int fa_usable(int dt, int64_t hd, int64_t bs) {
 }
 
 /* The caches an item reads: rows of rb bytes of kvt (kv_formats.h).  bf16 rows are read in
- * place; quantized rows are converted, 16 keys at a time, into bf16 rows of the workspace
- * (fa_ws.kst, .vst), after which every step is the bf16 one. */
+ * place; quantized keys are converted, 16 at a time, into bf16 rows of the workspace
+ * (fa_ws.kst) and quantized values straight into the value pairs, after which every step is
+ * the bf16 one. */
 typedef struct fa_cache {
     const void *k, *v; /* [nb][nkv][bs] rows */
     int64_t rb;
@@ -57,7 +58,6 @@ typedef struct fa_ws {
     uint32_t *vp; /* [FA_CHUNK/2][hd] bf16 value pairs of one chunk */
     float *alpha; /* [16] output rescale factors of one group and chunk */
     uint16_t *kst; /* [2][16][hd] bf16 keys of one chunk read from a quantized cache */
-    uint16_t *vst; /* [2][16][hd] bf16 values, likewise */
     void *mem;
 } fa_ws;
 
@@ -68,7 +68,7 @@ static fa_ws fa_ws_alloc(int64_t ng, int64_t hd) {
         (size_t)(ng * hd / 2) * v, (size_t)(ng * 16 * hd) * 4, (size_t)ng * v,
         (size_t)ng * v,            (size_t)ng * v,        (size_t)ng * v,
         (size_t)(ng * FA_CHUNK) * v, FA_CHUNK / 2 * v,      (size_t)(FA_CHUNK / 2 * hd) * 4,
-        v,                           (size_t)(FA_CHUNK * hd) * 2, (size_t)(FA_CHUNK * hd) * 2,
+        v,                           (size_t)(FA_CHUNK * hd) * 2,
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++) total += (sz[i] + 63) & ~(size_t)63;
@@ -90,7 +90,6 @@ static fa_ws fa_ws_alloc(int64_t ng, int64_t hd) {
     w.vp = ptr[8];
     w.alpha = ptr[9];
     w.kst = ptr[10];
-    w.vst = ptr[11];
     return w;
 }
 
@@ -393,6 +392,41 @@ typedef struct fa_stream {
     int warm; /* the previous item prefetched this item's first FA_PF_DIST chunks */
 } fa_stream;
 
+/* Values [d, d + 16) of a quantized row (kvt) as f32, or zeros for no row. */
+static ALWAYS_INLINE TGT __m512 fa_qvals(const char *row, int64_t d, int kvt, float scale) {
+    if (!row) return _mm512_setzero_ps();
+    if (kvt == CPUD_KV_INT8)
+        return _mm512_mul_ps(kv_ld_i8((const int8_t *)row + d), _mm512_set1_ps(scale));
+    return kv_ld_e5m2((const uint8_t *)row + d);
+}
+
+/* fa_value_pairs straight from quantized rows (vr[u]: row 0 of sub-chunk u, rows rb bytes
+ * apart): each value rounded to bf16 as fa_dequant_rows rounds it, so the pairs are those
+ * fa_value_pairs makes of its rows. */
+static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *vr, int64_t rb,
+                                               int kvt, int64_t j0, int nk, int64_t jlo,
+                                               int64_t jhi, int64_t hd, fa_pf *pf) {
+    /* (a[i], b[i]) bf16 pairs from cvtne2ps(b, a) = [a 0..15 | b 0..15] */
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    for (int kp = 0; kp < nk / 2; kp++) {
+        const int64_t ja = j0 + 2 * kp, jb = ja + 1;
+        const char *row = vr[kp / 8] + (2 * kp % 16) * rb;
+        const char *row_a = (ja >= jlo && ja <= jhi) ? row : NULL;
+        const char *row_b = (jb >= jlo && jb <= jhi) ? row + rb : NULL;
+        const float da = row_a && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_a, hd) : 1.0f;
+        const float db = row_b && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_b, hd) : 1.0f;
+        uint32_t *dst = vp + kp * hd;
+        fa_pf_step(pf);
+        for (int64_t d = 0; d < hd; d += 16) {
+            const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(fa_qvals(row_b, d, kvt, db),
+                                                           fa_qvals(row_a, d, kvt, da));
+            _mm512_storeu_si512(dst + d, _mm512_permutexvar_epi16(ilv, ab));
+        }
+    }
+}
+
 /* Rows [a, b] of 16 quantized rows (row j at row0 + j * rb, of kvt) -> the same rows of dst:
  * [16][hd] bf16 (hd % 16 == 0), each value rounded to bf16 (kv_ldq). */
 static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, int64_t rb,
@@ -421,7 +455,8 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
                                       int64_t jhi, const uint16_t **kb, fa_pf *pf, int steps,
                                       const fa_stream *st) {
     const int nsub = j0 + 16 <= jhi ? 2 : 1;
-    const uint16_t *vb[2];
+    const uint16_t *vb[2] = {NULL, NULL};
+    const char *vq[2] = {NULL, NULL}; /* quantized caches: the sub-chunks' value rows */
     for (int u = 0; u < nsub; u++) {
         const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
         const char *kr = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, c->rb);
@@ -431,13 +466,12 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
             vb[u] = (const uint16_t *)vr;
             continue;
         }
-        /* only the rows the item attends: the others' scores and values are masked */
+        /* only the rows the item attends: the others' scores are masked */
         const int64_t a = jlo > j ? jlo - j : 0, b = jhi < j + 15 ? jhi - j : 15;
-        uint16_t *ks = w->kst + u * 16 * hd, *vs = w->vst + u * 16 * hd;
+        uint16_t *ks = w->kst + u * 16 * hd;
         fa_dequant_rows(ks, kr, c->rb, c->kvt, a, b, hd);
-        fa_dequant_rows(vs, vr, c->rb, c->kvt, a, b, hd);
         kb[u] = ks;
-        vb[u] = vs;
+        vq[u] = vr;
     }
     const int64_t first = jlo & ~(int64_t)15, i = (j0 - first) / FA_CHUNK;
     const int64_t n = (jhi - first) / FA_CHUNK + 1; /* chunks of this item */
@@ -460,7 +494,10 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
                       st->next_hi);
     }
     fa_pf_spread(pf, steps);
-    fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd, pf);
+    if (c->kvt == CPUD_BF16)
+        fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd, pf);
+    else
+        fa_value_pairs_q(w->vp, vq, c->rb, c->kvt, j0, 16 * nsub, jlo, jhi, hd, pf);
     return nsub;
 }
 
