@@ -198,6 +198,12 @@ def test_a_prompt_that_opens_a_harmony_message_starts_in_its_body():
     assert run(plan_reasoning(HARMONY, analysis), "hmm", "whole")[0] == Split(reasoning="hmm")
 
 
+def test_a_prompt_that_opens_a_harmony_call_streams_it_from_its_name():
+    prompt = "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    split, called = run(plan_reasoning(HARMONY, prompt), '{"city": "Rome"}<|call|>', "chars")
+    assert calls_of(split) == [("get_weather", '{"city": "Rome"}')] and called
+
+
 QWEN3_TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined "

@@ -37,9 +37,10 @@ class HarmonyParser:
         self.pending = ""
         self.kind = "content"  # the open body's destination: reasoning | content | call | skip
         self.calls = 0
+        self._opened = Split()  # news of the header the prompt opened, sent with the first feed
         if header is not None:
             self.state = "body"
-            self.kind = self._open(header, Split())
+            self.kind = self._open(header, self._opened)
 
     @property
     def called(self) -> bool:
@@ -47,7 +48,7 @@ class HarmonyParser:
 
     def feed(self, delta: str) -> Split:
         self.pending += delta
-        out = Split()
+        out, self._opened = self._opened, Split()
         while self.pending:
             if self.state == "plain":
                 out.content += self.pending
@@ -67,7 +68,7 @@ class HarmonyParser:
         return out
 
     def finish(self, cut: bool) -> Split:
-        out = Split()
+        out, self._opened = self._opened, Split()
         rest, self.pending = self.pending, ""
         if self.state == "body":
             if cut:
