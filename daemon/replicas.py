@@ -39,18 +39,18 @@ from cpud.placement.replicas import ReplicaPlacement, ReplicaPlan, check_dp, pla
 from cpud.placement.start import plan_start
 from cpud.placement.topology import discover_topology
 from cpud.process.child_process import module_command
+from cpud.process.listen_address import check_listen_address
 from cpud.process.parent_death import die_with_parent
 from cpud.process.sd_notify import Notifier
-from cpud.replicas_child import replica_spec, write_spec
 from cpud.replicas_router import (
     check_router_installed,
     extra_args,
     kv_event_args,
     router_command,
 )
+from cpud.replicas_spec import replica_spec, write_spec
 from cpud.settings import envs
 from cpud.settings.config import EngineArgs, ServeArgs
-from cpud.supervisor import check_listen_address
 
 log = logging.getLogger("cpud.replicas")
 LOOP_S = 0.1

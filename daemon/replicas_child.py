@@ -11,52 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
-from typing import Any
 
 import msgspec
 
-from cpud.placement.replicas import ReplicaPlacement
 from cpud.process.parent_death import die_with_parent
 from cpud.protocol.launch import FrontendSecrets
-from cpud.settings.config import EngineArgs, ServeArgs
+from cpud.replicas_spec import read_spec
+from cpud.settings.config import EngineArgs
 
 EXIT_CONFIG = 2
-
-
-class ReplicaSpec(msgspec.Struct, frozen=True):
-    """What a replica's supervisor needs: nothing secret (the API key comes on its stdin)."""
-
-    engine_args: dict[str, Any]  # EngineArgs' fields
-    serve_args: ServeArgs  # without the API key
-    placement: ReplicaPlacement
-
-
-def replica_spec(
-    engine_args: EngineArgs, serve_args: ServeArgs, placement: ReplicaPlacement
-) -> ReplicaSpec:
-    fields = dataclasses.asdict(engine_args)
-    if fields["model"] is not None:
-        fields["model"] = str(fields["model"])
-    public = dataclasses.replace(
-        serve_args,
-        api_key=None,
-        host=placement.host,
-        port=placement.port,
-        replica=placement.index,
-        data_parallel_size=1,
-        router=False,
-        router_args=None,
-    )
-    return ReplicaSpec(fields, public, placement)
-
-
-def write_spec(path: Path, spec: ReplicaSpec) -> None:
-    path.write_bytes(msgspec.json.encode(spec))
-
-
-def read_spec(path: str) -> ReplicaSpec:
-    return msgspec.json.decode(Path(path).read_bytes(), type=ReplicaSpec)
 
 
 def main(argv: list[str] | None = None) -> int:

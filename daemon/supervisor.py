@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from cpud.model.model_dir import resolve_model_dir
 from cpud.placement.replicas import ReplicaPlacement
 from cpud.placement.start import plan_start
 from cpud.process.child_process import module_command
+from cpud.process.listen_address import check_listen_address
 from cpud.process.sd_notify import Notifier
 from cpud.protocol.launch import frontend_spec_file
 from cpud.protocol.supervision import (
@@ -60,25 +60,6 @@ from cpud.text.tokenizer import Tokenizer
 log = logging.getLogger("cpud.supervisor")
 LOOP_S = 0.1
 FRONTEND_EXIT_GRACE_S = 10.0
-
-
-def check_listen_address(host: str, port: int) -> None:
-    """Fail before anything loads when the HTTP address cannot be bound (the frontend binds it
-    for real a moment later)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}: fix --host") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot listen on {host}:{port}: {exc.strerror}: choose another --port "
-                "(CPUD_PORT) or stop the process that holds it"
-            ) from None
 
 
 class Supervisor:

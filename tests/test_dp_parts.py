@@ -17,8 +17,8 @@ from cpud.placement.replicas import plan_replicas
 from cpud.placement.topology import discover_topology
 from cpud.process.sd_notify import Notifier
 from cpud.replicas import ReplicaSupervisor
-from cpud.replicas_child import read_spec, replica_spec, write_spec
 from cpud.replicas_router import check_router_installed, kv_event_args, router_command
+from cpud.replicas_spec import read_spec, replica_spec, write_spec
 from cpud.settings.config import EngineArgs, ServeArgs
 from cpud.settings.errors import ConfigError
 from cpud.settings.serve_flags import serve_args
