@@ -35,12 +35,31 @@ _STACK["w2"] = "down"
 _PARTS = ("gate", "up", "down")
 
 
+def _dense_type(wanted: T | None, name: str, shape: tuple[int, ...]) -> T:
+    """`wanted` for a 2-D weight whose rows are whole blocks of it, else Q8_0 where they are
+    whole blocks of 32 (llama.cpp's fallback), else F32; the router and vectors F32."""
+    if wanted is None or len(shape) != 2 or "ffn_gate_inp" in name:
+        return T.F32
+    for qtype in (wanted, T.Q8_0):
+        if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            return qtype
+    return T.F32
+
+
 def write_moe_gguf(
-    model_dir: Path, path: Path, expert_type: T | dict[str, T]
+    model_dir: Path,
+    path: Path,
+    expert_type: T | dict[str, T],
+    dense_type: T | None = None,
+    keep_values: bool = True,
 ) -> dict[str, np.ndarray]:
     """The fixture as a GGUF, expert stacks in expert_type (or per stack: {"gate", "up",
-    "down": type}), the rest F32; returns each expert tensor as the file holds it
-    (dequantized), by Hugging Face name."""
+    "down": type}), the other matrices in dense_type where their rows are whole blocks of it
+    (default: F32); returns each expert tensor as the file holds it (dequantized), by Hugging
+    Face name, unless not keep_values.  Reads the checkpoint's shards one tensor at a time."""
+    import torch
+    from safetensors import safe_open
+
     types = expert_type if isinstance(expert_type, dict) else dict.fromkeys(_PARTS, expert_type)
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCH[config["model_type"]]
@@ -55,30 +74,34 @@ def write_moe_gguf(
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     file_values: dict[str, np.ndarray] = {}
-    for hf, values in load_file(str(model_dir / "model.safetensors")).items():
-        values = values.astype(np.float32)
-        match = _EXPERT.fullmatch(hf)
-        if match is not None:
-            layer, expert, proj = match.groups()
-            stacks.setdefault((int(layer), _STACK[proj]), {})[int(expert)] = values
-            encoded = encode(values, types[_STACK[proj]])
-            file_values[hf] = gguf.quants.dequantize(encoded, types[_STACK[proj]]).reshape(
-                values.shape
-            )
-            continue
-        if ".gate.weight" in hf:
-            name = f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"
-        else:
-            name = gguf_name(hf)
-        if arch == "llama" and ".attn_q." in name:
-            values = permute(values, heads, heads)
-        elif arch == "llama" and ".attn_k." in name:
-            values = permute(values, heads, kv_heads)
-        writer.add_tensor(name, values, raw_dtype=T.F32)
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for hf in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                values = f.get_tensor(hf).to(torch.float32).numpy()
+                match = _EXPERT.fullmatch(hf)
+                if match is not None:
+                    layer, expert, proj = match.groups()
+                    qtype = types[_STACK[proj]]
+                    encoded = encode(values, qtype)
+                    stacks.setdefault((int(layer), _STACK[proj]), {})[int(expert)] = encoded
+                    if keep_values:
+                        dense = gguf.quants.dequantize(encoded, qtype)
+                        file_values[hf] = dense.reshape(values.shape)
+                    continue
+                if ".gate.weight" in hf:
+                    name = f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"
+                else:
+                    name = gguf_name(hf)
+                if arch == "llama" and ".attn_q." in name:
+                    values = permute(values, heads, heads)
+                elif arch == "llama" and ".attn_k." in name:
+                    values = permute(values, heads, kv_heads)
+                qtype = _dense_type(dense_type, name, values.shape)
+                writer.add_tensor(name, encode(values, qtype), raw_dtype=qtype)
     for (layer, proj), by_expert in sorted(stacks.items()):
-        stack = np.stack([by_expert[e] for e in range(experts)])
-        data = np.stack([encode(w, types[proj]) for w in stack])
+        data = np.stack([by_expert[e] for e in range(experts)])
         writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data, raw_dtype=types[proj])
+        by_expert.clear()
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
