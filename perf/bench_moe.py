@@ -1,5 +1,7 @@
 """Mixture-of-experts decode and prefill on the qwen3-30b-a3b-6l fixture (Qwen3-30B-A3B's
-shape with 6 of its 48 layers), bf16, native kernels, one rank, straight on ModelRunner steps.
+shape with 6 of its 48 layers), bf16, native kernels, one rank, straight on ModelRunner steps;
+with --quant, the fixture as a GGUF file whose experts (and other matrices) stay in their
+blocks: Q4_K_M (Q4_K gate/up, Q6_K down, Q4_K elsewhere, as llama.cpp's mix) or Q8_0.
 
 Reports prefill of 512 tokens and decode of 1 and 32 streams (tok/s, the LM head included),
 and for each decode the bytes a step reads: the weights outside the experts plus the experts
@@ -9,6 +11,8 @@ bandwidth on this machine.
     python perf/bench_moe.py [--workdir /tmp/moe-bench] [--rounds 2] [--steps 16]
     python perf/bench_moe.py --model DIR          # any MoE model directory
     python perf/bench_moe.py --tiny               # the tiny test fixture: checks the script
+    python perf/bench_moe.py --quant Q4_K_M       # the preset as a Q4_K_M GGUF file
+    python perf/bench_moe.py --tiny --quant Q8_0 --rounds 1 --steps 2
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,11 @@ BLOCK = 16
 PREFILL = 512
 STREAMS = 32
 PRESET = "qwen3-30b-a3b-6l"
+# --quant: (expert stacks by projection, the other matrices)
+QUANT = {
+    "Q4_K_M": ({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, "Q4_K"),
+    "Q8_0": ({"gate": "Q8_0", "up": "Q8_0", "down": "Q8_0"}, "Q8_0"),
+}
 
 
 class ExpertCounter:
@@ -56,18 +66,42 @@ class ExpertCounter:
             block.forward = counted
 
     def expert_bytes(self) -> int:
-        """Bytes of one expert's packed gate/up and down on this rank."""
-        gate_up, down = self.blocks[0].experts.packed
-        return (gate_up[0].numel() + down[0].numel()) * 2
+        """Bytes of one expert's packed gate/up and down on this rank (bf16 or in blocks)."""
+        experts = self.blocks[0].experts
+        return sum(s.weight_bytes for s in experts.stacks()) // experts.num_experts
 
 
 def other_weight_bytes(model: torch.nn.Module) -> int:
-    """Packed bytes of every matmul weight outside the experts (read every step)."""
-    return sum(
+    """Packed bytes of every matmul weight outside the experts (read every step): bf16 packed
+    or kept in blocks."""
+    from cpud.ranks.gguf_experts import expert_bytes
+    from cpud.ranks.quant_linear import quant_bytes
+
+    packed = sum(
         m.packed.data.numel() * 2
         for m in model.modules()
         if getattr(m, "packed", None) is not None and hasattr(m.packed, "data")
     )
+    return packed + quant_bytes(model) - expert_bytes(model)
+
+
+def make_gguf(source: Path, quant: str, workdir: Path) -> Path:
+    """The fixture directory as a GGUF file of the --quant mix (tests/test_moe_gguf.py's
+    writer, K-quants by tests/gguf_kquants.py)."""
+    out = workdir / f"{source.name}-{quant}.gguf"
+    if out.exists():
+        return out
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from gguf import GGMLQuantizationType as T
+    from test_moe_gguf import write_moe_gguf
+
+    experts, dense = QUANT[quant]
+    partial = out.with_suffix(".partial")
+    write_moe_gguf(
+        source, partial, {p: T[t] for p, t in experts.items()}, T[dense], keep_values=False
+    )
+    partial.rename(out)
+    return out
 
 
 def runner(path: Path, steps: int) -> ModelRunner:
@@ -137,6 +171,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--quant", choices=list(QUANT), help="run the fixture as a GGUF file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model
@@ -147,6 +182,8 @@ def main() -> None:
         path = args.workdir / f"{arch}-{preset}"
         if not (path / "config.json").exists():
             make_model(arch, preset, path, dtype="bfloat16")
+    if args.quant:
+        path = make_gguf(path, args.quant, args.workdir)
     run = runner(path, args.steps)
     counter = ExpertCounter(run.model)
     results: dict[str, list] = {"prefill_512": [], "decode_1": [], "decode_32": []}
@@ -164,6 +201,8 @@ def main() -> None:
     probe = read_probe_gbs(64 if args.tiny else 1024)
     summary = {
         "model": str(path),
+        "quant": args.quant,
+        "fused_decoder": run.decoder is not None,
         "threads": args.threads,
         "isa": native.isa(),
         "rounds": args.rounds,
