@@ -27,6 +27,7 @@ from cpud.settings import (
 from cpud.settings.cors_policy import CorsPolicy
 from cpud.settings.errors import ConfigError
 from cpud.settings.flags import engine_kwargs as engine_kwargs  # parsed flags -> EngineArgs
+from cpud.settings.speculative import parse_speculative_config
 from cpud.structured.limits import GrammarLimits
 
 GiB = 1 << 30
@@ -65,6 +66,7 @@ class EngineArgs:
     chat_template: str | None = _ENGINE["chat_template"]
     tool_call_parser: str | None = _ENGINE["tool_call_parser"]
     reasoning_parser: str | None = _ENGINE["reasoning_parser"]
+    speculative_config: str | dict | None = _ENGINE["speculative_config"]  # JSON text or dict
 
 
 def _grammar_limits() -> GrammarLimits:
@@ -134,6 +136,7 @@ class EngineConfig:
     kv_pretouch: bool = _ENGINE["kv_pretouch"]
     quantization: str = _ENGINE["quantization"]
     kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
+    speculative_config: str | None = None  # checked JSON (cpud.settings.speculative); None: off
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -225,6 +228,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         )
     batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     check_kv_cache_dtype(args.kv_cache_dtype)
+    speculative = parse_speculative_config(args.speculative_config)
     block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype, args.kv_cache_dtype)
     blocks_per_seq = -(-max_model_len // args.block_size)
     if args.num_kv_blocks is not None:
@@ -258,6 +262,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         kv_pretouch=args.kv_pretouch,
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=speculative.to_json() if speculative is not None else None,
     )
 
 

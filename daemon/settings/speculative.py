@@ -1,0 +1,107 @@
+"""--speculative-config: vLLM's JSON shape, read once into a frozen config.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+     "prompt_lookup_max": 5, "disable_by_batch_size": 8}
+
+Only n-gram prompt lookup is built; "draft_model" is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cpud.settings.errors import ConfigError
+
+METHODS = ("ngram",)
+NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+DEFAULT_LOOKUP_MIN = 2
+DEFAULT_LOOKUP_MAX = 5
+# Running sequences above which no sequence speculates: past it a step is no longer bound by
+# reading the weights, so verifying proposals costs compute that plain decoding does not.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+FLAG = "--speculative-config"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def describe(self) -> str:
+        """One line for the startup log and doctor."""
+        return (
+            f"{self.method}, {self.num_speculative_tokens} proposed tokens per step, n-grams of "
+            f"{self.prompt_lookup_min}..{self.prompt_lookup_max} tokens, off above "
+            f"{self.disable_by_batch_size} running sequences"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def _whole(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            f"{FLAG}: {name} must be a whole number of at least {minimum}, got {value!r}"
+        )
+    return value
+
+
+def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
+    """The config from a JSON object (text from the command line, or a dict from LLM(...));
+    None for none. ConfigError naming what to change for anything else."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{FLAG} is not valid JSON ({exc.msg} at character {exc.pos}): give an object "
+                'such as {"method": "ngram", "num_speculative_tokens": 4}'
+            ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{FLAG} must be a JSON object, got {type(value).__name__}")
+    fields = dict(value)
+    method = fields.pop("method", None)
+    if method is None and "model" in fields:
+        method = "draft_model"
+    if method in NOT_BUILT:
+        raise ConfigError(
+            f'{FLAG}: method {method!r} is not supported by cpud yet; use "ngram" (prompt lookup)'
+        )
+    if method not in METHODS:
+        raise ConfigError(f'{FLAG}: method must be "ngram", got {method!r}')
+    fields.pop("model", None)  # vLLM spells n-gram as {"model": "[ngram]"} too
+    if "num_speculative_tokens" not in fields:
+        raise ConfigError(f"{FLAG}: num_speculative_tokens is required (try 4)")
+    k = _whole("num_speculative_tokens", fields.pop("num_speculative_tokens"), 1)
+    lookup_min = fields.pop("prompt_lookup_min", None)
+    lookup_max = fields.pop("prompt_lookup_max", None)
+    if lookup_min is None and lookup_max is None:
+        lookup_min, lookup_max = DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX
+    elif lookup_min is None:
+        lookup_min = min(DEFAULT_LOOKUP_MIN, _whole("prompt_lookup_max", lookup_max, 1))
+    elif lookup_max is None:
+        lookup_max = max(DEFAULT_LOOKUP_MAX, _whole("prompt_lookup_min", lookup_min, 1))
+    lookup_min = _whole("prompt_lookup_min", lookup_min, 1)
+    lookup_max = _whole("prompt_lookup_max", lookup_max, 1)
+    if lookup_min > lookup_max:
+        raise ConfigError(
+            f"{FLAG}: prompt_lookup_min {lookup_min} is above prompt_lookup_max {lookup_max}"
+        )
+    batch = fields.pop("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    batch = _whole("disable_by_batch_size", batch, 1)
+    if fields:
+        raise ConfigError(
+            f"{FLAG}: unknown key(s) {', '.join(sorted(map(str, fields)))}; known: method, "
+            "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size"
+        )
+    return SpeculativeConfig(method, k, lookup_min, lookup_max, batch)
