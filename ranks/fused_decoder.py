@@ -45,6 +45,16 @@ def _inner_group(group: TPGroup) -> TPGroup:
     return getattr(group, "group", group)
 
 
+def _plain_experts(experts: Any) -> bool:
+    """bf16 packed SiLU experts behind the softmax router, without biases: what the layer
+    table's router / experts run (cpud_moe_ffn); others run through a cpud_moe struct."""
+    recipe = experts.recipe
+    plain = recipe.router == "softmax_topk" and recipe.activation == "silu"
+    return (
+        plain and experts.packed is not None and not recipe.router_bias and not recipe.expert_bias
+    )
+
+
 def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
     """Why `model` cannot run fused under these ops and group; None when it can."""
     from cpud.native import ShmGroup
@@ -55,19 +65,10 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
         return f"{type(model).__name__} is not a recipe decoder"
     if model.cfg.shared_expert_intermediate_size:
         return "shared experts (Qwen2-MoE) run op by op"
-    moe = model.cfg.moe_recipe
-    # The fused decoder's MoE call runs bias-free SiLU experts behind the softmax router only
-    if model.cfg.is_moe and (
-        moe.router != "softmax_topk"
-        or moe.router_bias
-        or moe.expert_bias
-        or moe.activation != "silu"
-    ):
-        return f"the MoE recipe ({moe.router} router, {moe.activation} experts) runs op by op"
     for layer in model.decoder_weights().layers:
         if layer.experts is not None:
-            if layer.experts.packed is None or layer.router.packed is None:
-                return "experts are not packed for the native GEMM (bf16)"
+            if layer.experts.stacks() is None or layer.router.packed is None:
+                return "experts are neither packed for the native GEMM (bf16) nor kept quantized"
             linears = (layer.qkv, layer.o)
         else:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -179,11 +180,13 @@ class FusedDecoder:
             self._linear(entry, "qkv", layer.qkv)
             entry.o_bias = self._addr(layer.o_bias, self.dtype)
             self._linear(entry, "o", layer.o)
-            if layer.experts is not None:
+            if layer.experts is not None and _plain_experts(layer.experts):
                 entry.router = self._addr(layer.router.packed.data)
                 gate_up, down = layer.experts.packed
                 entry.experts_gate_up = self._addr(gate_up)
                 entry.experts_down = self._addr(down)
+            elif layer.experts is not None:
+                entry.moe = self._moe(layer)
             else:
                 self._linear(entry, "gate_up", layer.gate_up)
                 self._linear(entry, "down", layer.down)
@@ -193,6 +196,19 @@ class FusedDecoder:
                 None if layer_sinks is None else layer_sinks.data, torch.float32
             )
         return table
+
+    def _moe(self, layer: Any) -> int:
+        """The address of a cpud_moe struct for an expert layer cpud_moe_layer runs (kept
+        alive with the tensors it points into)."""
+        from cpud.native.moe_kernels import MoeLayer
+
+        experts = layer.experts
+        top_k = self.table.experts_per_tok
+        moe = MoeLayer(
+            *experts.stacks(), top_k, experts.recipe, *experts.biases(), layer.router.packed
+        )
+        self._keep.append(moe)
+        return moe.address
 
     def _linear(self, entry: Any, name: str, layer: Any) -> None:
         """The layer's weight in `entry`: packed bf16 address, or its quantized parts."""

@@ -11,8 +11,7 @@ import types
 
 import pytest
 import torch
-from family_checks import KERNELS, TransformersChecks, assert_bf16_close, greedy, prompt_of
-from test_parity import engine_logits
+from family_checks import KERNELS, TransformersChecks, check_bf16_logits, greedy, prompt_of
 
 from cpud import LLM
 from cpud.model.hf_config import parse_model_config
@@ -22,7 +21,7 @@ from cpud.ranks.layers.attention import sink_attention
 from cpud.ranks.models.expert_views import StackView
 from cpud.ranks.paged_kv import causal_mask
 from cpud.settings.errors import ConfigError
-from hf_reference import hf_greedy, hf_logits
+from hf_reference import hf_greedy
 
 ARCH = "gpt_oss"
 
@@ -143,14 +142,8 @@ class TestAgainstTransformers(TransformersChecks):
 
     @pytest.mark.parametrize("kernels", KERNELS)
     def test_bf16_logits_close_to_transformers(self, kernels, model_dir, hf_models):
-        """Op by op on the native kernels too: the fused decoder's MoE call runs SiLU experts
-        behind the softmax router only, so it declines gpt-oss's layers."""
-        prompt = self.prompt(self.bf16_length, seed=5)
-        reference = hf_logits(hf_models(model_dir, torch.float32), prompt)
-        hf_bf16 = hf_logits(hf_models(model_dir, torch.bfloat16), prompt)
-        llm = LLM(model_dir, dtype="bfloat16", kernels=kernels)
-        assert llm.engine.executor.runner.decoder is None
-        assert_bf16_close(engine_logits(llm, prompt), reference, hf_bf16)
+        """On the native kernels through the fused decoder (its layers' cpud_moe)."""
+        check_bf16_logits(model_dir, hf_models, kernels, self.prompt(self.bf16_length, seed=5))
 
 
 def test_preemption_keeps_tokens(model_dir, hf_models):

@@ -281,6 +281,10 @@ typedef struct cpud_decoder_layer {
      * before their residual add (Gemma's post_attention_layernorm / post_feedforward_layernorm),
      * or 0 */
     intptr_t attn_out_norm, ffn_out_norm;
+    /* An expert layer with a recipe beyond router / experts above (biases, other routers or
+     * activations: gpt-oss) or with quantized experts: a cpud_moe * that cpud_moe_layer runs
+     * instead of them, or 0. */
+    intptr_t moe;
 } cpud_decoder_layer;
 
 typedef struct cpud_decoder_dims {

@@ -43,11 +43,15 @@ static int qlinear_ok(const cpud_qlinear *q, intptr_t packed, int64_t N) {
 
 static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
     const int64_t qn = (d->heads + 2 * d->kv_heads) * d->head_dim;
-    const int ffn_ok = l->router ? d->activation == 0 && d->experts > 0 &&
-                                       d->experts_per_tok > 0 && d->expert_inter > 0 &&
-                                       l->experts_gate_up && l->experts_down
-                                 : qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
-                                       qlinear_ok(&l->q_down, l->down, d->hidden);
+    int ffn_ok;
+    if (l->moe)
+        ffn_ok = 1; /* cpud_moe_layer checks its own struct */
+    else if (l->router)
+        ffn_ok = d->activation == 0 && d->experts > 0 && d->experts_per_tok > 0 &&
+                 d->expert_inter > 0 && l->experts_gate_up && l->experts_down;
+    else
+        ffn_ok = qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
+                 qlinear_ok(&l->q_down, l->down, d->hidden);
     return l->input_norm && l->post_norm && !l->q_norm == !l->k_norm &&
            qlinear_ok(&l->q_qkv, l->qkv, qn) && qlinear_ok(&l->q_o, l->o, d->hidden) && ffn_ok &&
            l->key_cache && l->value_cache && l->window >= 0;
@@ -181,7 +185,9 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         if (l->o_bias) add_bias(dt, x, (const void *)l->o_bias, T, H);
         block_out(ops, d, x, l->attn_out_norm, T);
         ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, wdt, T, H, d->eps);
-        if (l->router) {
+        if (l->moe) {
+            rc = cpud_moe_layer_ops(ops, isa, dt, (const cpud_moe *)l->moe, x, x, T);
+        } else if (l->router) {
             rc = cpud_moe_ffn_ops(ops, dt, x, x, T, H, d->expert_inter, d->experts,
                                   d->experts_per_tok, d->moe_flags, (const uint16_t *)l->router,
                                   (const uint16_t *)l->experts_gate_up,
