@@ -8,7 +8,7 @@ import statistics
 import time
 
 import pytest
-from stub_engine import stub_engine
+from stub_engine import StubExecutor, stub_engine
 
 from cpud import LLM, SamplingParams
 from cpud.frontend.logprobs import chat_logprobs
@@ -24,13 +24,17 @@ def base(model_factory):
     return llm.config, llm.tokenizer
 
 
-def step_costs(base, seqs: int, logprobs: int | None, tools: bool) -> tuple[list[int], list]:
+def step_costs(
+    base, seqs: int, logprobs: int | None, tools: bool, **params
+) -> tuple[list[int], StubExecutor]:
     """Thread CPU time of each step outside the stub forward (the consumer included), and the
     stub's record."""
     config, tokenizer = base
     length = LATE + WINDOW
     engine, stub = stub_engine(config, tokenizer, TEXT, length + 64, seqs)
-    params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True, logprobs=logprobs)
+    params = SamplingParams(
+        temperature=0, max_tokens=length, ignore_eos=True, logprobs=logprobs, **params
+    )
     prompt = tokenizer.encode("Tell me about the weather")
     streams = {}
     for i in range(seqs):
@@ -69,4 +73,15 @@ def assert_flat(costs: list[int]) -> None:
 )
 def test_one_stream_costs_the_same_per_step_at_8000_tokens_as_at_500(base, logprobs, tools):
     costs, _ = step_costs(base, 1, logprobs, tools)
+    assert_flat(costs)
+
+
+def test_one_stream_with_penalties_costs_the_same_per_step(base):
+    costs, _ = step_costs(base, 1, None, False, repetition_penalty=1.1)
+    assert_flat(costs)
+
+
+@pytest.mark.slow
+def test_a_batch_of_64_costs_the_same_per_step_at_8000_tokens_as_at_500(base):
+    costs, _ = step_costs(base, 64, 5, True)
     assert_flat(costs)
