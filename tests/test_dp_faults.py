@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from cpud_server_helpers import child_pids, free_port, launch, wait_healthy
+from fake_notify import FakeNotifySocket
 
 pytestmark = pytest.mark.slow
 
@@ -93,9 +94,15 @@ def stop_and_check_nothing_left(server, top: int) -> None:
 
 def test_killed_rank_fails_its_replica_fast_the_other_serves_it_restarts(model_factory, tmp_path):
     port = free_port()
-    server = launch(model_factory("qwen3"), tmp_path / "log", "-dp", "2", port=port)
+    notify = FakeNotifySocket(tmp_path / "notify.sock")
+    env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "15000000"}
+    server = launch(model_factory("qwen3"), tmp_path / "log", "-dp", "2", port=port, env=env)
     first, second = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     try:
+        # systemd hears READY=1 from the top process once both replicas serve
+        ready = notify.wait_for("READY=1", 180)
+        assert healthy(first) and healthy(second)
+        assert f"MAINPID={server.proc.pid}" in [line for _, line in notify.fields()]
         wait_healthy(server, timeout=180)
         wait_until(lambda: healthy(second), 120, "replica 1 serving")
         top = server.proc.pid
@@ -127,8 +134,15 @@ def test_killed_rank_fails_its_replica_fast_the_other_serves_it_restarts(model_f
         assert complete(second) == 200
         assert served(second, 1) >= 1 and served(first, 0) >= 1
         assert "replica 1 exited with code 3" in server.log()
+        # one READY=1 for the whole run; the watchdog kept being fed while replica 1 restarted
+        assert notify.times("READY=1") == [ready]
+        pings = notify.times("WATCHDOG=1")
+        assert any(killed < t < killed + 10 for t in pings), pings
+        assert any("replica 1 lost" in line for _, line in notify.fields())
         stop_and_check_nothing_left(server, top)
+        assert notify.times("STOPPING=1")
     finally:
+        notify.close()
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
