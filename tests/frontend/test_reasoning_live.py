@@ -1,13 +1,17 @@
-"""A live `cpud serve` on the qwen3 fixture with --reasoning-parser qwen3 and a template that
+"""Live `cpud serve` runs. The qwen3 fixture with --reasoning-parser qwen3 and a template that
 opens the think block in the prompt (as Qwen3-Thinking's does): the model's greedy output is
 reasoning until it writes `</think>`, whole and streamed alike, and the same output with
-separate_reasoning false is the raw text the split was made from."""
+separate_reasoning false is the raw text the split was made from. The gpt-oss fixture (its
+harmony template detected): the greedy answer is what the harmony parser reads in the raw
+output, special tokens included, whatever the random weights write."""
 
 from __future__ import annotations
 
 import pytest
 from scripted_engine import OPEN_THINK_TEMPLATE
 
+from cpud.frontend.reasoning import HARMONY, ReasoningPlan
+from cpud.frontend.reasoning_stream import read_all
 from cpud_server_helpers import start_server
 
 pytestmark = pytest.mark.slow
@@ -65,3 +69,34 @@ def test_enable_thinking_false_reads_the_output_as_the_answer(client):
     body = {**GREEDY, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
     message = client.chat.completions.create(**body).choices[0].message.model_dump()
     assert message["content"] and message.get("reasoning_content") is None
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(model_factory, tmp_path_factory):
+    from openai import OpenAI
+
+    folder = tmp_path_factory.mktemp("harmony-live")
+    server = start_server(
+        model_factory("gpt_oss"),
+        folder / "serve.log",
+        "--served-model-name",
+        "gpt-oss",
+        "--max-model-len",
+        "512",
+    )
+    yield OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    server.stop()
+
+
+def test_the_gpt_oss_answer_is_the_harmony_reading_of_its_raw_output(gpt_oss):
+    """Random weights write no harmony: this checks the plumbing (template detection, the
+    special tokens kept for the parser) and the plain fallback on a real output."""
+    greedy = {**GREEDY, "model": "gpt-oss"}
+    raw_body = {"separate_reasoning": False, "skip_special_tokens": False}
+    raw = gpt_oss.chat.completions.create(**greedy, extra_body=raw_body).choices[0]
+    cut = raw.finish_reason == "length"
+    expected = read_all(ReasoningPlan(HARMONY, max_calls=0), raw.message.content, cut)
+    message = gpt_oss.chat.completions.create(**greedy).choices[0].message.model_dump()
+    assert message["content"] == expected.content
+    assert message["reasoning_content"] == expected.reasoning
+    assert not message.get("tool_calls")
