@@ -118,7 +118,22 @@ def plan_replicas(
 ) -> ReplicaPlan:
     """Place `dp` replicas of `tp` ranks, or raise ConfigError saying what to change."""
     check_dp(dp)
-    binding = plan_binding(binding_spec(bind, reserved_cpus), tp * dp, topology)
+    spec = binding_spec(bind, reserved_cpus)
+    if spec.mode == "explicit" and len(spec.cpu_lists) != tp * dp:
+        raise ConfigError(
+            f"{spec.bind_source} gives {len(spec.cpu_lists)} CPU list(s) but "
+            f"--data-parallel-size {dp} x --tp {tp} runs {tp * dp} ranks: give one list per "
+            f"rank, replica by replica, separated by '|' (replica 0's ranks first)"
+        )
+    try:
+        binding = plan_binding(spec, tp * dp, topology)
+    except ConfigError as exc:
+        if dp == 1:
+            raise
+        raise ConfigError(
+            f"--data-parallel-size {dp} x --tp {tp} = {tp * dp} ranks, planned as --tp "
+            f"{tp * dp} would be: {exc}"
+        ) from None
     replica_host, ports = replica_ports(host, port, dp, router)
     frontends = _frontend_shares(binding, tp, dp, topology)
     replicas = []

@@ -96,7 +96,7 @@ def test_one_node_split_evenly_with_a_warning(tmp_path):
 
 def test_more_replicas_than_cores_is_refused(tmp_path):
     topo = discover(tmp_path, SMALL)
-    with pytest.raises(ConfigError, match="needs one physical core per rank"):
+    with pytest.raises(ConfigError, match=r"x --tp 2 = 4 ranks.*needs one physical core per rank"):
         plan_replicas(None, None, 2, 2, topo)
 
 
@@ -104,7 +104,7 @@ def test_explicit_lists_one_per_rank_replica_by_replica(tmp_path):
     topo = discover(tmp_path, TWO_NODES)
     plan = plan_replicas("0-3|4-7|16-19|20-23", None, 2, 2, topo)
     assert rank_cpus(plan.replicas[1]) == [(16, 17, 18, 19), (20, 21, 22, 23)]
-    with pytest.raises(ConfigError, match="gives 2 CPU list"):
+    with pytest.raises(ConfigError, match="gives 2 CPU list.* x --tp 2 runs 4"):
         plan_replicas("0-3|16-19", None, 2, 2, topo)
 
 
