@@ -35,6 +35,9 @@ class Heard:
     def removed(self, hashes):
         self.events.append(("removed", list(hashes)))
 
+    def cleared(self):
+        self.events.append(("cleared",))
+
 
 def run(manager: BlockManager, tokens: list[int], root: bytes = b"") -> BlockTable:
     table = BlockTable(root=root)
@@ -119,6 +122,19 @@ def test_a_salted_chain_starts_without_a_parent():
     assert heard.events == [("stored", None, chain(list(range(5)), root), list(range(4)), SIZE)]
 
 
+def test_a_reset_forgets_every_block_and_clears_subscribers():
+    manager = BlockManager(8, SIZE, enable_prefix_caching=True)
+    heard = Heard()
+    manager.publish_to(heard)
+    held = run(manager, list(range(8)))
+    assert not manager.reset_prefix_cache()  # a sequence holds blocks: nothing changes
+    assert manager.cached and heard.events[-1][0] == "stored"
+    manager.release(held)
+    assert manager.reset_prefix_cache()
+    assert not manager.cached and heard.events[-1] == ("cleared",)
+    assert manager.find_prefix(list(range(9))).num_blocks == 0
+
+
 def subscriber(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socket:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
@@ -148,6 +164,8 @@ def test_batches_on_the_wire_are_vllms_layout():
         publisher.start()
         digest = block_hash(b"", [1, 2, 3, 4])
         topic, seq, payload = until_received(sub, lambda: recorder.removed([digest]))
+        while msgspec.msgpack.decode(payload)[1] == [{"type": "AllBlocksCleared"}]:
+            topic, seq, payload = sub.recv_multipart()  # the start's batch, caught in time
         assert topic == b"kv" and len(seq) == 8
         ts, events, rank = msgspec.msgpack.decode(payload)
         assert abs(ts - time.time()) < 60 and rank == 3

@@ -42,6 +42,8 @@ class KVEventSink(Protocol):
 
     def removed(self, hashes: list[bytes]) -> None: ...
 
+    def cleared(self) -> None: ...
+
 
 @dataclass
 class KVBlock:
@@ -200,6 +202,18 @@ class BlockManager:
                 list(token_ids[first * size : (last + 1) * size]),
                 size,
             )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's reset: only while no sequence holds a block
+        (False, and nothing changed, otherwise)."""
+        if any(block.ref_count for block in self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def release(self, table: BlockTable) -> None:
         """Drop the sequence's references; the tail is freed first so it is reused first."""

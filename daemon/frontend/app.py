@@ -51,6 +51,7 @@ from cpud.frontend.schemas import (
 )
 from cpud.frontend.state import Phase, ServerState
 from cpud.frontend.vllm_render import rendered_chat, rendered_completions, rendered_responses
+from cpud.frontend.vllm_worker import flush_prefix_cache, model_info, server_info, worker_load
 from cpud.settings.cors_policy import CorsPolicy
 from cpud.settings.errors import RequestError, one_line
 
@@ -69,6 +70,10 @@ NEED_ENGINE = frozenset(
         "/tokenize",
         "/detokenize",
         "/tokenizer_info",
+        "/get_model_info",
+        "/get_server_info",
+        "/flush_cache",
+        "/reset_prefix_cache",
         "/v1/messages",
         "/v1/messages/count_tokens",
     }
@@ -380,6 +385,22 @@ async def health(request: Request, state: ServerState) -> Response:
     return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "5"})
 
 
+async def get_load(request: Request, state: ServerState) -> Response:
+    return JSONResponse(worker_load(state))
+
+
+async def get_model_info(request: Request, state: ServerState) -> Response:
+    return JSONResponse(model_info(state))
+
+
+async def get_server_info(request: Request, state: ServerState) -> Response:
+    return JSONResponse(server_info(state))
+
+
+async def flush_cache(request: Request, state: ServerState) -> Response:
+    return JSONResponse(await flush_prefix_cache(state))
+
+
 async def version(request: Request, state: ServerState) -> Response:
     return JSONResponse({"version": __version__})
 
@@ -451,6 +472,12 @@ def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
         ("/detokenize", detokenize, ["POST"]),
         ("/tokenizer_info", tokenizer_info, ["GET"]),
         ("/health", health, ["GET"]),
+        ("/health_generate", health, ["GET"]),
+        ("/get_load", get_load, ["GET"]),
+        ("/get_model_info", get_model_info, ["GET"]),
+        ("/get_server_info", get_server_info, ["GET"]),
+        ("/flush_cache", flush_cache, ["POST"]),
+        ("/reset_prefix_cache", flush_cache, ["POST"]),
         ("/version", version, ["GET"]),
         ("/metrics", metrics, ["GET"]),
         ("/openapi.json", openapi, ["GET"]),

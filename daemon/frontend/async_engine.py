@@ -15,7 +15,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cpud.engine.admission import Admission
@@ -57,6 +58,14 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run fn on the engine thread, between steps; its result or exception goes to future."""
+
+    fn: Callable[[LLMEngine], object]
+    future: Future
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,17 @@ class AsyncEngine:
         if entry is not None and not self._post(*entry, item):
             self._sinks.pop(request_id, None)
 
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """fn(engine) run on the engine thread between steps (nothing else touches the engine
+        meanwhile); EngineDeadError once the engine has failed."""
+        future: Future = Future()
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine failed: {describe(self.error)}")
+            self._commands.put(_Call(fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
     def _add(self, command: _Add) -> None:
         try:
             self.engine.admit(command.request_id, command.admission, command.prompt)
@@ -257,6 +277,11 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
                 self._sinks.pop(command.request_id, None)
+            elif isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as exc:
+                    command.future.set_exception(exc)
             else:
                 self._add(command)
 
@@ -308,3 +333,5 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 self._post(command.sink, command.loop, error)
+            elif isinstance(command, _Call):
+                command.future.set_exception(error)

@@ -210,3 +210,52 @@ def test_tokenize_token_strs(server):
     answer = post(server, "/tokenize", {"prompt": "hi there", "return_token_strs": True}).json()
     assert len(answer["token_strs"]) == answer["count"] == len(answer["tokens"])
     assert all(isinstance(piece, str) for piece in answer["token_strs"])
+
+
+def test_worker_info_endpoints(server):
+    assert httpx.get(server.base_url + "/health_generate").json() == {"status": "ok"}
+    info = httpx.get(server.base_url + "/get_model_info").json()
+    assert info["served_model_names"] == ["tiny"] and info["is_generation"] is True
+    assert info["max_model_len"] == 256
+    settings = httpx.get(server.base_url + "/get_server_info").json()
+    assert settings["block_size"] == 16 and settings["num_kv_blocks"] > 0
+    assert settings["served_model_names"] == ["tiny"]
+
+
+def stream_open(server, max_tokens: int = 64):
+    """A streamed completion holding KV blocks until it is closed (its first event read)."""
+    body = {"prompt": "hello " * 40, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    stream = httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60)
+    response = stream.__enter__()
+    lines = response.iter_lines()
+    next(line for line in lines if line.startswith("data: {"))
+    return stream, lines
+
+
+def test_get_load_counts_requests_in_flight(server):
+    assert httpx.get(server.base_url + "/get_load").json() == {"load": 0}
+    stream, lines = stream_open(server)
+    try:
+        assert httpx.get(server.base_url + "/get_load").json()["load"] >= 1
+        flush = httpx.post(server.base_url + "/flush_cache")
+        assert flush.status_code == 409
+        assert flush.json()["error"]["code"] == "requests_running"
+    finally:
+        for _ in lines:
+            pass
+        stream.__exit__(None, None, None)
+
+
+def test_flush_cache_empties_the_prefix_cache(server):
+    body = {"prompt": "a long shared prefix " * 20, "max_tokens": 1}
+
+    def cached() -> int:
+        answer = post(server, "/v1/completions", body).json()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        flushed = httpx.post(server.base_url + path)
+        assert flushed.status_code == 200 and flushed.json() == {"flushed": True}
+        assert cached() == 0
