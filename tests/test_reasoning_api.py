@@ -379,6 +379,9 @@ def test_reasoning_effort_and_earlier_reasoning_reach_the_template(model):
         assert "<think>one</think>first" in prompt and prompt.endswith("effort=high")
         responses = {"input": "Hi", "reasoning": {"effort": "low"}}
         assert rendered(http, model, "/v1/responses/render", responses).endswith("effort=low")
+        server.will_say("<think>r</think>a")
+        answer = client.responses.create(model="scripted", **responses)
+        assert answer.reasoning.effort == "low"
 
 
 def test_harmony_calls_without_tools_to_call_are_left_out(gpt_oss):

@@ -220,7 +220,7 @@ class Answer:
             "output": self.output,
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": None,
+            "reasoning": _reasoning_json(body),
             "store": False,
             "temperature": body.temperature if body.temperature is not None else 1.0,
             "text": {"format": _format_json(fmt)},
@@ -247,6 +247,11 @@ class Answer:
         self.output_tokens = output_tokens
         self.note.prompt_tokens = self.input_tokens
         self.note.completion_tokens = self.output_tokens
+
+
+def _reasoning_json(body: ResponsesRequest) -> dict | None:
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    return None if effort is None else {"effort": effort, "summary": None}
 
 
 def _format_json(fmt: Any) -> dict:
