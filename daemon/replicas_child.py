@@ -10,6 +10,7 @@ what to do: 0 drained, 2 a configuration refused (stop everything), 3 a child lo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 
 import msgspec
@@ -20,6 +21,19 @@ from cpud.replicas_spec import read_spec
 from cpud.settings.config import EngineArgs
 
 EXIT_CONFIG = 2
+
+
+class ReplicaName(logging.Filter):
+    """Logger names carry the replica ("cpud.supervisor[replica 1]"): replicas share a journal."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.suffix = f"[replica {index}]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.endswith(self.suffix):
+            record.name += self.suffix
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
         spec = read_spec(args[0])
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(ReplicaName(spec.placement.index))
         engine_args = EngineArgs(**spec.engine_args)
         serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
         return Supervisor(engine_args, serve_args, Notifier(), spec.placement).run()
