@@ -7,15 +7,24 @@ clients (closed loop, perf/loadgen.py's built-in generator, streaming /v1/comple
     tp2     cpud --tp 2: one replica, two ranks of one core each (shared-memory all-reduce)
 
     python perf/bench_dp.py --rounds 3
+    python perf/bench_dp.py --prefix --policies cache_aware round_robin kv_aware
 
 Rounds are interleaved (dp2 1x2 tp2 dp2 1x2 tp2 ...), one server alive at a time; each round
 reports every layout's output tok/s and its ratio to 1x2 measured in the same round. Results:
 perf/results/dp.json. Run it on a quiet machine: it measures.
+
+--prefix: `cpud -dp 2 --router` under each vllm-router policy (kv_aware with cpud's KV-cache
+events), a multi-turn chat workload whose conversations each carry a long prompt of their own
+(turn after turn the prefix grows): the prefix-cache hit rate from the replicas' metrics
+(cpud_prefix_cache_hits / cpud_prefix_cache_queries, summed over the `replica` label) and
+output tok/s per policy, and each policy's ratio to round_robin.
+Results: perf/results/dp_prefix.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -116,6 +125,113 @@ def run_layout(layout: str, model: Path, args: argparse.Namespace, log_dir: Path
         server.stop()
 
 
+def router_command(model: Path, port: int, policy: str, kv_port: int) -> list[str]:
+    cmd = command("dp2", model, port, "router")
+    cmd[cmd.index("--router-args") + 1] = f"--policy {policy}"
+    if policy == "kv_aware":
+        config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{kv_port}"}
+        cmd += ["--kv-events-config", json.dumps(config)]
+    return cmd
+
+
+def counter(text: str, name: str) -> float:
+    """A counter summed over its labels (every replica's) in a Prometheus exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "_total ", name + "_total{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def prefix_figures(urls: list[str]) -> dict[str, float]:
+    hits = queries = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        hits += counter(text, "cpud_prefix_cache_hits")
+        queries += counter(text, "cpud_prefix_cache_queries")
+    return {"prefix_hits": hits, "prefix_queries": queries, "hit_rate": hits / max(queries, 1)}
+
+
+async def conversations(url: str, count: int, turns: int, words: int, osl: int) -> dict:
+    """`count` conversations at once, each `turns` chat turns over its own long system prompt;
+    every turn resends the whole history (as chat clients and agents do)."""
+    import httpx
+
+    salt = int(time.time()) % 100_000
+    tokens = 0
+
+    async def one(index: int, client: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        system = f"Conversation {salt}-{index}. " + " ".join(
+            f"w{(index * 7919 + i * 104729) % 5000}" for i in range(words)
+        )
+        messages = [{"role": "system", "content": system}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Question {turn} of {index}?"})
+            body = {"model": "bench", "messages": messages, "max_tokens": osl}
+            reply = await client.post(url + "/v1/chat/completions", json=body)
+            reply.raise_for_status()
+            data = reply.json()
+            tokens += data["usage"]["completion_tokens"]
+            messages.append(
+                {"role": "assistant", "content": data["choices"][0]["message"]["content"]}
+            )
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(one(i, client) for i in range(count)))
+    wall = time.perf_counter() - started
+    return {"output_tok_s": tokens / wall, "duration_s": wall, "completion_tokens": tokens}
+
+
+def run_policy(policy: str, model: Path, args: argparse.Namespace, log_dir: Path) -> dict:
+    port = free_port()
+    cmd = router_command(model, port, policy, free_port())
+    server = Server(Target(f"router-{policy}", cmd, base_env(), port, "bench"), log_dir)
+    replicas = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+    try:
+        server.start()
+        wait_ready([server.target.url, *replicas], server)
+        before = prefix_figures(replicas)
+        load = asyncio.run(
+            conversations(server.target.url, args.clients, args.turns, args.words, args.osl)
+        )
+        server.check_alive("the load")
+        after = prefix_figures(replicas)
+        hits = after["prefix_hits"] - before["prefix_hits"]
+        queries = after["prefix_queries"] - before["prefix_queries"]
+        return {**load, "hit_rate": hits / max(queries, 1), "prefix_queries": queries}
+    finally:
+        server.stop()
+
+
+def prefix_main(args: argparse.Namespace, model: Path, log_dir: Path) -> None:
+    rounds = []
+    for index in range(args.rounds):
+        results = {p: run_policy(p, model, args, log_dir) for p in args.policies}
+        base = results.get("round_robin")
+        for policy, result in results.items():
+            if base:
+                result["hit_rate_vs_round_robin"] = result["hit_rate"] / max(base["hit_rate"], 1e-9)
+                result["tok_s_vs_round_robin"] = result["output_tok_s"] / base["output_tok_s"]
+            print(
+                f"round {index + 1} {policy}: prefix hit rate {result['hit_rate']:.1%}, "
+                f"{result['output_tok_s']:.1f} tok/s",
+                flush=True,
+            )
+        rounds.append(results)
+    out = args.json if args.json != RESULTS / "dp.json" else RESULTS / "dp_prefix.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"model": str(model), "args": {**vars(args), "json": str(out)}, "rounds": rounds}
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print("| policy | prefix hit rate (median) | output tok/s (median) |\n|---|---|---|")
+    for policy in args.policies:
+        rate = statistics.median(r[policy]["hit_rate"] for r in rounds)
+        tok_s = statistics.median(r[policy]["output_tok_s"] for r in rounds)
+        print(f"| {policy} | {rate:.1%} | {tok_s:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3")
@@ -129,9 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--osl", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=RESULTS / "dp.json")
+    parser.add_argument("--prefix", action="store_true", help="router policies, multi-turn chat")
+    parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin", "kv_aware"])
+    parser.add_argument("--turns", type=int, default=4, help="--prefix: turns per conversation")
+    parser.add_argument("--words", type=int, default=300, help="--prefix: system prompt words")
     args = parser.parse_args(argv)
     model = model_dir(args.arch, args.preset, args.model)
     log_dir = Path("/tmp") / "cpud-bench-dp"
+    if args.prefix:
+        prefix_main(args, model, log_dir)
+        return
     rounds: list[dict[str, dict]] = []
     for index in range(args.rounds):
         results = {layout: run_layout(layout, model, args, log_dir) for layout in args.layouts}
