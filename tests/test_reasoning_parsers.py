@@ -11,11 +11,11 @@ import pytest
 from cpud.frontend.reasoning import (
     HARMONY,
     ReasoningPlan,
-    Split,
     detect_reasoning_parser,
     new_parser,
     plan_reasoning,
 )
+from cpud.frontend.reasoning_split import Split
 from cpud.frontend.reasoning_stream import ChatTextStream, read_all
 
 

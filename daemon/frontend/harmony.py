@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from cpud.frontend.reasoning import Split
+from cpud.frontend.reasoning_split import Split
 from cpud.frontend.tool_call_scan import held_suffix
 from cpud.frontend.tool_calls import new_call_id
 

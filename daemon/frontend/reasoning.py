@@ -10,40 +10,16 @@ explain is answer text: a malformed or truncated marker never fails a request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
-from cpud.frontend.tool_call_scan import held_suffix
+from cpud.frontend.harmony import MESSAGE, START, HarmonyParser
+from cpud.frontend.reasoning_split import ReasoningParser
+from cpud.frontend.reasoning_think import THINK_CLOSE, THINK_OPEN, ThinkParser
 from cpud.settings import choices
 
 PARSERS = choices("reasoning_parser")
 HARMONY = "openai_gptoss"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 OFF = "none"
-
-
-@dataclass
-class Split:
-    """What one step of output adds: reasoning, answer text, tool-call deltas."""
-
-    reasoning: str = ""
-    content: str = ""
-    calls: list[dict] = field(default_factory=list)
-
-    def extend(self, other: Split) -> Split:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.calls += other.calls
-        return self
-
-
-class ReasoningParser(Protocol):
-    @property
-    def called(self) -> bool: ...  # a tool call has begun
-
-    def feed(self, delta: str) -> Split: ...
-
-    def finish(self, cut: bool) -> Split: ...  # cut: max_tokens ended the output
 
 
 @dataclass(frozen=True)
@@ -55,7 +31,7 @@ class ReasoningPlan:
     parser: str
     opened: bool = False
     header: str | None = None
-    max_calls: int | None = None  # harmony: parallel_tool_calls false reads one call
+    max_calls: int | None = None  # harmony: calls read (1: parallel_tool_calls false, 0: no tools)
     shown: bool = True  # include_reasoning false: the reasoning is split off and dropped
 
     @property
@@ -104,8 +80,6 @@ def plan_reasoning(
 
 
 def _open_harmony_header(prompt: str) -> str | None:
-    from cpud.frontend.harmony import MESSAGE, START
-
     if not prompt.endswith(MESSAGE):
         return None
     start = prompt.rfind(START)
@@ -114,75 +88,5 @@ def _open_harmony_header(prompt: str) -> str | None:
 
 def new_parser(plan: ReasoningPlan) -> ReasoningParser:
     if plan.parser == HARMONY:
-        from cpud.frontend.harmony import HarmonyParser
-
         return HarmonyParser(plan.header, plan.max_calls)
     return ThinkParser(plan.opened)
-
-
-class ThinkParser:
-    """`<think>reasoning</think>answer`. The block opens the output, or the prompt opened
-    it (`opened`: an opening tag the model writes anyway is left out); an output that
-    begins otherwise is all answer. Whitespace around the reasoning and before the answer is
-    left out. A block that never closes (max_tokens cut it) is all reasoning."""
-
-    called = False
-
-    def __init__(self, opened: bool):
-        self.opened = opened
-        self.state = "start"
-        self.pending = ""  # held back: a marker that may be arriving, trailing whitespace
-        self.reasoning_began = False
-        self.content_began = False
-
-    def feed(self, delta: str) -> Split:
-        self.pending += delta
-        out = Split()
-        while True:
-            if self.state == "start":
-                lead = self.pending.lstrip()
-                if lead.startswith(THINK_OPEN):
-                    self.pending, self.state = lead[len(THINK_OPEN) :], "reasoning"
-                elif not lead or THINK_OPEN.startswith(lead):
-                    return out
-                else:
-                    self.state = "reasoning" if self.opened else "content"
-            elif self.state == "reasoning":
-                at = self.pending.find(THINK_CLOSE)
-                if at == -1:
-                    keep = held_suffix(self.pending, THINK_CLOSE)
-                    shown = self.pending[: len(self.pending) - keep].rstrip()
-                    out.reasoning += self._reasoning(shown)
-                    self.pending = self.pending[len(shown) :]
-                    return out
-                out.reasoning += self._reasoning(self.pending[:at].rstrip())
-                self.pending, self.state = self.pending[at + len(THINK_CLOSE) :], "content"
-            else:
-                out.content += self._content(self.pending)
-                self.pending = ""
-                return out
-
-    def finish(self, cut: bool) -> Split:
-        rest, self.pending = self.pending, ""
-        if self.state == "start":
-            lead = rest.lstrip()
-            if cut and lead and THINK_OPEN.startswith(lead):
-                rest = ""  # an opening tag max_tokens cut
-            self.state = "reasoning" if self.opened else "content"
-        if self.state == "reasoning":
-            if cut and held_suffix(rest, THINK_CLOSE):
-                rest = rest[: len(rest) - held_suffix(rest, THINK_CLOSE)]
-            return Split(reasoning=self._reasoning(rest.rstrip()))
-        return Split(content=self._content(rest))
-
-    def _reasoning(self, text: str) -> str:
-        if not self.reasoning_began:
-            text = text.lstrip()
-            self.reasoning_began = bool(text)
-        return text
-
-    def _content(self, text: str) -> str:
-        if not self.content_began:
-            text = text.lstrip()
-            self.content_began = bool(text)
-        return text

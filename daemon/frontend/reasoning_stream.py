@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cpud.frontend.reasoning import ReasoningParser, ReasoningPlan, Split, new_parser
+from cpud.frontend.reasoning import ReasoningPlan, new_parser
+from cpud.frontend.reasoning_split import ReasoningParser, Split
 from cpud.frontend.tool_calls import ParsedCall, ToolCallStream
 
 
