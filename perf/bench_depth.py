@@ -8,7 +8,7 @@ filled with random rows up to the depth (a decode step's cost does not depend on
 values, so no prefill is timed or waited for), then --steps decode steps at positions depth,
 depth + 1, ... through the fused decoder, the LM head and the argmax.
 
-    python perf/bench_depth.py --make Q4_K [--workdir /tmp/gguf-bench] [--depths 512,4096,16384]
+    python perf/bench_depth.py --make Q4_K_M [--workdir /tmp/gguf-bench] [--depths 512,4096,16384]
     python perf/bench_depth.py --gguf FILE [--no-llamacpp] [--kv bf16,int8,fp8_e5m2]
 
 Do not run it beside other work: it is a timing.
@@ -108,11 +108,28 @@ def llamacpp_decode(gguf: Path, kv: str, depth: int, steps: int, threads: int) -
     return float(record["avg_ts"])
 
 
+def make_gguf(qtype: str, workdir: Path) -> Path:
+    """The qwen3-0.6b-shaped fixture as a GGUF of qtype: written directly (tests/gguf_writer.py),
+    or for Q4_K_M by llama.cpp's llama-quantize from the F32 file, as users make theirs."""
+    from bench_gguf_decode import make_file
+
+    if qtype != "Q4_K_M":
+        return make_file(qtype, workdir)
+    import llamacpp
+
+    f32 = make_file("F32", workdir)
+    return llamacpp.quantize(f32, workdir / "qwen3-0.6b-Q4_K_M.gguf", "Q4_K_M")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--gguf", type=Path)
-    src.add_argument("--make", choices=("Q4_K", "Q8_0", "Q4_0"))
+    src.add_argument(
+        "--make",
+        choices=("Q4_K_M", "Q4_K", "Q8_0", "Q4_0"),
+        help="the qwen3-0.6b-shaped fixture as that type (Q4_K_M: llama-quantize of its F32 file)",
+    )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gguf-bench"))
     ap.add_argument("--depths", default="512,4096,16384")
     ap.add_argument("--kv", default="bf16,int8", help="cpud KV cache dtypes, the first the base")
@@ -127,9 +144,7 @@ def main() -> None:
     if args.gguf:
         path = args.gguf
     else:
-        from bench_gguf_decode import make_file
-
-        path = make_file(args.make, args.workdir)
+        path = make_gguf(args.make, args.workdir)
     depths = [int(d) for d in args.depths.split(",")]
     kvs = args.kv.split(",")
     peers = [] if args.no_llamacpp else [k for k in kvs if LLAMACPP_KV.get(k)]
