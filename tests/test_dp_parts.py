@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import sys
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -137,3 +138,36 @@ def test_router_reads_each_replicas_kv_events_when_they_are_published():
     ]
     assert (parsed.kv_event_block_size, parsed.kv_event_model) == (32, "tiny")
     assert parsed.worker_urls == ["http://127.0.0.1:9301", "http://127.0.0.1:9302"]
+
+
+class ExitedProcess:
+    def __init__(self, code: int):
+        self.code = code
+
+    def poll(self) -> int:
+        return self.code
+
+
+def test_a_lost_replica_restarts_with_backoff_until_it_gives_up(model_factory):
+    from cpud.replicas import FIRST_BACKOFF_S, MAX_BACKOFF_S, MAX_FAILED_STARTS, Child
+
+    top = supervisor(model_factory("qwen3"), data_parallel_size=2)
+    child = Child("replica 1")
+    backoffs = []
+    for _ in range(MAX_FAILED_STARTS):
+        child.proc = ExitedProcess(3)
+        assert top._check_exit(child) is None  # restarted, the daemon goes on
+        assert child.proc is None and not child.ready
+        backoffs.append(child.start_at - time.monotonic())
+    assert backoffs[0] == pytest.approx(FIRST_BACKOFF_S, abs=0.5)
+    assert backoffs[1] == pytest.approx(2 * FIRST_BACKOFF_S, abs=0.5)
+    assert max(backoffs) <= MAX_BACKOFF_S
+    child.proc = ExitedProcess(3)
+    assert top._check_exit(child) == 3  # too many starts in a row that never served
+    # serving resets the count and the backoff
+    child.failed_starts, child.backoff = 2, MAX_BACKOFF_S
+    child.mark_ready()
+    assert (child.failed_starts, child.backoff) == (0, FIRST_BACKOFF_S)
+    # a replica that refuses its configuration stops every replica
+    child.proc = ExitedProcess(2)
+    assert top._check_exit(child) == 2
