@@ -152,7 +152,8 @@ class ReplicaSupervisor:
         sockets = [self._notify_socket(workdir, r.index) for r in plan.replicas]
         router = Child("router") if plan.router_port is not None else None
         for replica in plan.replicas:
-            write_spec(workdir / f"replica{replica.index}.json", self._spec(replica))
+            spec = replica_spec(self.engine_args, self.serve_args, replica)
+            write_spec(workdir / f"replica{replica.index}.json", spec)
         self.notifier.status(f"starting {plan.dp} replica(s)")
         try:
             return self._supervise(plan, workdir, replicas, sockets, router)
@@ -161,9 +162,6 @@ class ReplicaSupervisor:
             for sock in sockets:
                 sock.close()
             shutil.rmtree(workdir, ignore_errors=True)
-
-    def _spec(self, replica: ReplicaPlacement):
-        return replica_spec(self.engine_args, self.serve_args, replica)
 
     def _supervise(
         self,
