@@ -18,7 +18,7 @@ from cpud.frontend.tool_prompt import (
     template_knows_tools,
     with_system_prompt,
 )
-from cpud.frontend.vllm_chat import check_continue, open_final_message
+from cpud.frontend.vllm_chat import check_continue, open_final_message, truncate_prompt
 from cpud.settings.errors import RequestError
 from cpud.structured.spec import StructuredSpec
 
@@ -104,7 +104,19 @@ def check_text_size(state: ServerState, chars: int, param: str) -> None:
         )
 
 
+def cut(state: ServerState, prompt: Prompt, keep: int | None) -> Prompt:
+    """The prompt cut to its last `keep` tokens (vLLM's truncate_prompt_tokens)."""
+    if keep is None:
+        return prompt
+    return Prompt(*truncate_prompt(prompt.token_ids, prompt.text, keep, state.config.max_model_len))
+
+
 def completion_prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """The prompts, each cut to truncate_prompt_tokens."""
+    return [cut(state, p, body.truncate_prompt_tokens) for p in given_prompts(state, body)]
+
+
+def given_prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
     """prompt as a string, a list of strings, a list of token ids or a list of those."""
     raw = body.prompt
 
@@ -166,7 +178,8 @@ def chat_prompt(
     if body.continue_final_message:
         text = open_final_message(text, messages)
     check_text_size(state, len(text), "messages")
-    return Prompt(state.tokenizer.encode(text, add_special_tokens=False), text)
+    token_ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return cut(state, Prompt(token_ids, text), body.truncate_prompt_tokens)
 
 
 def sampling_params(

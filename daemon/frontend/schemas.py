@@ -136,6 +136,10 @@ class SamplingFields(Strict, kw_only=True):
 
     unsupported: ClassVar[Mapping[str, Unsupported]] = {
         "return_hidden_states": NO_HIDDEN_STATES,
+        "priority": Unsupported(only(0), "cpud serves first come, first served: send 0 or null"),
+        "use_beam_search": Unsupported(only(False), "cpud does no beam search: send false"),
+        "length_penalty": Unsupported(only(1.0), "cpud does no beam search: send 1.0 or null"),
+        "kv_transfer_params": NOT_SUPPORTED,
     }
 
     model: Name | None = None
@@ -188,6 +192,28 @@ class SamplingFields(Strict, kw_only=True):
     return_hidden_states: (
         Annotated[bool, Meta(description="vllm-router: false only (no hidden states)")] | None
     ) = False
+    truncate_prompt_tokens: (
+        Annotated[
+            int,
+            Meta(
+                ge=-1,
+                le=MAX_COUNT,
+                description="vLLM: keep the prompt's last k tokens (-1: the context's length)",
+            ),
+        ]
+        | None
+    ) = None
+    spaces_between_special_tokens: (
+        Annotated[bool, Meta(description="vLLM: no effect with fast tokenizers (cpud's)")] | None
+    ) = True
+    priority: Annotated[int, Meta(ge=-(2**31), lt=2**31, description="vLLM: 0 only")] | None = 0
+    use_beam_search: Annotated[bool, Meta(description="vLLM: false only")] | None = False
+    length_penalty: (
+        Annotated[float, Meta(ge=-100.0, le=100.0, description="vLLM: 1.0 only")] | None
+    ) = 1.0
+    kv_transfer_params: (
+        Annotated[dict[str, Any], Meta(description="vLLM: not supported, null only")] | None
+    ) = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -307,6 +333,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 "assistant's"
             ),
         ]
+        | None
+    ) = False
+    add_special_tokens: (
+        Annotated[bool, Meta(description="vLLM: also the tokenizer's BOS etc. around the prompt")]
         | None
     ) = False
     separate_reasoning: (

@@ -1,9 +1,10 @@
-"""vLLM's chat extension fields that change the prompt or the answer: continue_final_message
-(the final message stays open for the model to continue it) and echo (the answer starts with
-that final message)."""
+"""vLLM's extension fields that change the prompt or the answer: continue_final_message (the
+final message stays open for the model to continue it), echo on chat (the answer starts with
+that final message), truncate_prompt_tokens (the prompt's last k tokens)."""
 
 from __future__ import annotations
 
+from cpud.engine.embedding import truncated
 from cpud.frontend.errors import bad_request
 from cpud.frontend.schemas import ChatMessage
 
@@ -51,3 +52,13 @@ def echoed_prefix(echo: bool, messages: list[ChatMessage]) -> str:
     if isinstance(content, list):
         return "\n".join(part.text or "" for part in content)
     return content or ""
+
+
+def truncate_prompt(
+    token_ids: list[int], text: str | None, keep: int | None, max_model_len: int
+) -> tuple[list[int], str | None]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: as many as the context
+    holds, which leaves no room to generate: the request is then refused as too long); the
+    text is dropped when tokens were cut (an echo decodes what is left)."""
+    kept = truncated(token_ids, keep, max_model_len)
+    return kept, text if len(kept) == len(token_ids) else None

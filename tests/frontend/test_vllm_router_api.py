@@ -197,6 +197,10 @@ def test_no_stop_trim_keeps_the_stop_string(server):
         ("/v1/chat/completions", "return_hidden_states", True),
         ("/v1/completions", "return_hidden_states", True),
         ("/v1/chat/completions", "stream_reasoning", False),
+        ("/v1/chat/completions", "priority", 1),
+        ("/v1/completions", "use_beam_search", True),
+        ("/v1/completions", "length_penalty", 0.5),
+        ("/v1/chat/completions", "kv_transfer_params", {"do_remote_decode": True}),
     ],
 )
 def test_unsupported_router_values_are_400s_naming_them(server, path, field, value):
@@ -259,3 +263,39 @@ def test_flush_cache_empties_the_prefix_cache(server):
         flushed = httpx.post(server.base_url + path)
         assert flushed.status_code == 200 and flushed.json() == {"flushed": True}
         assert cached() == 0
+
+
+def test_vllm_fields_that_change_nothing_are_accepted(server):
+    body = {**ROUTER_COMPLETION, "spaces_between_special_tokens": False, "priority": 0}
+    body |= {"use_beam_search": False, "length_penalty": 1.0, "kv_transfer_params": None}
+    assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
+    prompt = "one two three four five six seven eight nine ten"
+    tokens = tokens_of(server, {"prompt": prompt})
+    body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 3, "echo": True}
+    answer = post(server, "/v1/completions", body).json()
+    assert answer["usage"]["prompt_tokens"] == 3
+    assert answer["choices"][0]["text"].startswith(text_of(server, tokens[-3:]))
+    rendered = post(server, "/v1/completions/render", body).json()[0]
+    assert rendered["token_ids"] == tokens[-3:]
+    chat = {**ROUTER_CHAT, "truncate_prompt_tokens": 4}
+    assert post(server, "/v1/chat/completions", chat).json()["usage"]["prompt_tokens"] == 4
+    whole = post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 256})
+    assert whole.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_add_special_tokens_on_chat_adds_what_a_prompt_gets(server):
+    plain = post(server, "/v1/chat/completions/render", ROUTER_CHAT).json()["token_ids"]
+    marked = post(
+        server, "/v1/chat/completions/render", {**ROUTER_CHAT, "add_special_tokens": True}
+    ).json()["token_ids"]
+    added = len(tokens_of(server, {"prompt": "hi", "add_special_tokens": True})) - len(
+        tokens_of(server, {"prompt": "hi", "add_special_tokens": False})
+    )
+    assert len(marked) - len(plain) == added
+    start = next(
+        i for i in range(len(marked) - len(plain) + 1) if marked[i:][: len(plain)] == plain
+    )
+    assert marked[start : start + len(plain)] == plain
