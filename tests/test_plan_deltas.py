@@ -96,6 +96,7 @@ def greedy_args() -> dict:
     return {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_kv_blocks", [64, 12])
 def test_ranks_keep_sequences_right_as_plain_resending_would(model_factory, num_kv_blocks):
     """64 blocks: prefix hits, no preemption; 12: preemption (every request needs 4-5)."""
