@@ -3,9 +3,11 @@ replicas, each replica's memory plan, and the refusals."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from placement.fake_sysfs import Machine, write_machine
-from test_doctor import FakeSyscalls, rank_cpus
+from test_doctor import FakeSyscalls, doctor_cli, rank_cpus
 
 from cpud.doctor.inputs import DoctorInputs
 from cpud.doctor.report import Check
@@ -88,3 +90,14 @@ def test_a_replica_whose_share_of_memory_is_too_small_fails(tmp_path):
     assert checks["memory plan"].status == "fail"
     alone = doctor(tmp_path / "alone", tight, 1)
     assert alone["memory plan"].status == "ok"
+
+
+def test_the_cli_reports_the_split_of_this_machine():
+    result = doctor_cli("-dp", "2", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    rows = checks["replicas"]["value"]["replicas"]
+    assert [r["replica"] for r in rows] == [0, 1]
+    cpus = [cpu for r in rows for ranks in r["rank_cpus"] for cpu in ranks]
+    assert cpus and len(cpus) == len(set(cpus))  # no CPU in two replicas
+    assert doctor_cli("-dp", "1000").returncode == 1  # more replicas than cores
