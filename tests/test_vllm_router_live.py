@@ -186,6 +186,13 @@ def test_requests_pass_through_cache_aware(workers, tmp_path):
         )
         assert response.status_code == 200, response.text
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        # What the router reads from its workers beyond the OpenAI API.
+        loads = client.get("/get_loads").json()["workers"]
+        assert len(loads) == 2 and all(w["load"] >= 0 for w in loads)  # -1: unreadable
+        assert client.get("/get_model_info").json()["served_model_names"] == ["tiny"]
+        assert client.get("/get_server_info").json()["block_size"] == 16
+        assert client.get("/health_generate").status_code == 200
+        assert client.post("/flush_cache").status_code == 200
         assert refused(servers) == []
         # The router rendered each request on a worker before routing it.
         assert sum(served(servers, "/v1/chat/completions/render")) >= 5
