@@ -92,6 +92,7 @@ def test_a_replica_whose_share_of_memory_is_too_small_fails(tmp_path):
     assert alone["memory plan"].status == "ok"
 
 
+@pytest.mark.slow
 def test_the_cli_reports_the_split_of_this_machine():
     result = doctor_cli("-dp", "2", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
