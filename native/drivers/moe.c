@@ -5,11 +5,12 @@
  * out in ascending expert order, rounding as transformers' index_add does (exact in fp32, bf16
  * steps for bf16).
  *
- * bf16 stacks run each expert's packed GEMM in turn.  Quantized stacks run in one parallel
- * region: x quantized to int8 once per token row and gathered, a work list of (expert, weight
- * groups, rows) items for every routed expert's gate/up, the activation and its int8
- * quantization by row shares, the down items, then the combine; each item writes rows of its
- * own expert only, so no two threads write one output. */
+ * Both kinds of stacks run in one parallel region: the rows gathered (quantized stacks: x
+ * quantized to int8 once per token row), a work list of (expert, weight groups, rows) items
+ * for every routed expert's gate/up, the activation (and its int8 quantization) by row
+ * shares, the down items, then the combine; each item writes its own rows and columns only,
+ * so no two threads write one output.  Quantized items run the int8 tiles of cpud_qops.rows;
+ * bf16 items run the packed GEMM on their panels over all of the expert's rows. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -18,10 +19,6 @@
 #include "dispatch.h"
 #include "moe.h"
 #include "quant.h"
-
-static int64_t packed_elems(int64_t n, int64_t k) {
-    return (n + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * ((k + 1) / 2) * CPUD_GEMM_NB * 2;
-}
 
 /* Bytes of one expert's quantized [n][k]: its packed quants and scales. */
 static void q_bytes(int qt, int64_t n, int64_t k, int64_t *qb, int64_t *sb) {
@@ -116,63 +113,6 @@ static void ungroup(grouping *g) {
     free(g->row_of);
 }
 
-static int experts_bf16(const cpud_ops *ops, int dtype, const cpud_moe *m, const void *x,
-                        int64_t T, const float *weights, const int32_t *id, void *out) {
-    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = T * k;
-    const int es = dtype_size(dtype);
-    const int64_t gus = packed_elems(2 * I, H), ds = packed_elems(H, I);
-    const uint16_t *gate_up = (const uint16_t *)m->gate_up, *down = (const uint16_t *)m->down;
-    grouping g;
-    char *xg = malloc((size_t)(pairs * H * es));
-    char *gu = malloc((size_t)(pairs * 2 * I * es));
-    char *act = malloc((size_t)(pairs * I * es));
-    float *y = malloc((size_t)(pairs * H) * sizeof *y);
-    int rc = group(id, pairs, E, &g);
-    if (rc || !xg || !gu || !act || !y) {
-        rc = CPUD_ENOMEM;
-        goto done;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < pairs; r++) {
-        g.row_of[g.rows[r]] = r;
-        memcpy(xg + r * H * es, (const char *)x + g.rows[r] / k * H * es, (size_t)(H * es));
-    }
-    /* every routed expert's gate/up, one activation over all rows, every routed expert's down */
-    for (int64_t e = 0; e < E && !rc; e++) {
-        const int64_t r0 = g.start[e], n = g.start[e + 1] - r0;
-        if (n > 0)
-            rc = ops->gemm_packed(xg + r0 * H * es, dtype, H, gate_up + e * gus,
-                                  bias_of(m->gate_up_bias, e, 2 * I), CPUD_F32,
-                                  gu + r0 * 2 * I * es, dtype, 2 * I, n, 2 * I, H);
-    }
-    if (!rc) {
-        if (m->activation == CPUD_MOE_SWIGLU_OAI) {
-#pragma omp parallel for schedule(static) if (pairs * I >= CPUD_PAR_MIN)
-            for (int64_t r = 0; r < pairs; r++) activation_rows(ops, dtype, m, gu, act, r, r + 1);
-        } else {
-            ops->silu_and_mul(dtype, gu, 2 * I, act, I, pairs, I);
-        }
-    }
-    for (int64_t e = 0; e < E && !rc; e++) {
-        const int64_t r0 = g.start[e], n = g.start[e + 1] - r0;
-        if (n > 0)
-            rc = ops->gemm_packed(act + r0 * I * es, dtype, I, down + e * ds,
-                                  bias_of(m->down_bias, e, H), CPUD_F32, y + r0 * H, CPUD_F32, H,
-                                  n, H, I);
-    }
-    if (!rc) {
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < T; t++) combine_token(dtype, y, g.row_of, id, weights, t, k, H, out);
-    }
-done:
-    ungroup(&g);
-    free(xg);
-    free(gu);
-    free(act);
-    free(y);
-    return rc;
-}
-
 /* int8 rows as cpud_qops reads them: q [rows][K], d [rows][K/32], s [rows][K/16]. */
 typedef struct qbuf {
     int8_t *q;
@@ -213,27 +153,38 @@ typedef struct moe_item {
     int64_t e, g0, g1, m0, m1;
 } moe_item;
 
-/* The items of a projection with n output rows (items NULL: only counted): each routed
- * expert's rows in runs of QMC, its groups in runs of cg. */
-static int64_t make_items(const int64_t *start, int64_t E, int64_t n, int64_t cg,
-                          moe_item *items) {
-    const int64_t groups = (n + QR - 1) / QR;
+/* The items of a projection with n output rows in groups of `unit` (items NULL: only
+ * counted): each routed expert's rows in runs of mc, its groups in runs of cg. */
+static int64_t make_items(const int64_t *start, int64_t E, int64_t n, int64_t unit, int64_t cg,
+                          int64_t mc, moe_item *items) {
+    const int64_t groups = (n + unit - 1) / unit;
     int64_t c = 0;
     for (int64_t e = 0; e < E; e++)
-        for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += QMC) {
-            const int64_t m1 = m0 + QMC < start[e + 1] ? m0 + QMC : start[e + 1];
+        for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += mc) {
+            const int64_t m1 = m0 + mc < start[e + 1] ? m0 + mc : start[e + 1];
             for (int64_t g0 = 0; g0 < groups; g0 += cg, c++)
                 if (items) items[c] = (moe_item){e, g0, g0 + cg < groups ? g0 + cg : groups, m0, m1};
         }
     return c;
 }
 
-/* Weight groups per item: about 4 items per thread over the routed experts' groups. */
-static int64_t groups_per_item(const int64_t *start, int64_t E, int64_t n) {
+/* Groups of `unit` rows per item: about 4 items per thread over the routed experts' groups. */
+static int64_t groups_per_item(const int64_t *start, int64_t E, int64_t n, int64_t unit) {
     int64_t routed = 0;
     for (int64_t e = 0; e < E; e++) routed += start[e + 1] > start[e];
-    const int64_t total = routed * ((n + QR - 1) / QR), want = 4 * (int64_t)omp_get_max_threads();
+    const int64_t total = routed * ((n + unit - 1) / unit), want = 4 * (int64_t)omp_get_max_threads();
     return total / want > 1 ? total / want : 1;
+}
+
+/* A projection's work list (*items, *count; CPUD_ENOMEM when it cannot be allocated). */
+static int item_list(const int64_t *start, int64_t E, int64_t n, int64_t unit, int64_t mc,
+                     moe_item **items, int64_t *count) {
+    const int64_t cg = groups_per_item(start, E, n, unit);
+    *count = make_items(start, E, n, unit, cg, mc, NULL);
+    *items = malloc((size_t)(*count > 0 ? *count : 1) * sizeof **items);
+    if (!*items) return CPUD_ENOMEM;
+    make_items(start, E, n, unit, cg, mc, *items);
+    return CPUD_OK;
 }
 
 /* One projection's items: out rows (dtype odt, row stride n) from a's rows. */
@@ -247,6 +198,83 @@ static void run_items(const cpud_qops *q, int qt, const moe_item *items, int64_t
             q->rows(qt, a, qs + it->e * qb, sc + it->e * sb, bias_of(bias, it->e, n), out, odt, n,
                     it->m0, it->m1, g, n);
     }
+}
+
+/* Packed bf16 [n][K] stacks: elements of one expert, and of one panel of GEMM_NB rows. */
+static int64_t panel_elems(int64_t k) { return (k + 1) / 2 * 2 * CPUD_GEMM_NB; }
+
+/* One projection's items on bf16 stacks: each item's panels through the packed GEMM over all
+ * of its expert's rows (the GEMM's own region runs on this thread alone), as one call per
+ * expert computes them. */
+static int run_bf16_items(const cpud_ops *ops, int dt, const moe_item *items, int64_t count,
+                          const char *x, int64_t K, const uint16_t *w, int64_t estride,
+                          intptr_t bias, char *out, int odt, int64_t n) {
+    const int xs = dtype_size(dt), os = dtype_size(odt);
+    int failed = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; i++) {
+        const moe_item *it = &items[i];
+        const int64_t c0 = it->g0 * CPUD_GEMM_NB, c1 = it->g1 * CPUD_GEMM_NB < n ? it->g1 * CPUD_GEMM_NB : n;
+        const float *b = bias_of(bias, it->e, n);
+        failed |= ops->gemm_packed(x + it->m0 * K * xs, dt, K,
+                                   w + it->e * estride + it->g0 * panel_elems(K),
+                                   b ? b + c0 : NULL, CPUD_F32, out + (it->m0 * n + c0) * os, odt,
+                                   n, it->m1 - it->m0, c1 - c0, K) != 0;
+    }
+    return failed;
+}
+
+static int experts_bf16(const cpud_ops *ops, int dtype, const cpud_moe *m, const void *x,
+                        int64_t T, const float *weights, const int32_t *id, void *out) {
+    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = T * k;
+    const int es = dtype_size(dtype);
+    const uint16_t *gate_up = (const uint16_t *)m->gate_up, *down = (const uint16_t *)m->down;
+    grouping g;
+    moe_item *gu_items = NULL, *down_items = NULL;
+    int64_t n_gu = 0, n_down = 0;
+    char *xg = malloc((size_t)(pairs * H * es));
+    char *gu = malloc((size_t)(pairs * 2 * I * es));
+    char *act = malloc((size_t)(pairs * I * es));
+    float *y = malloc((size_t)(pairs * H) * sizeof *y);
+    int rc = group(id, pairs, E, &g), failed = 0;
+    /* every item spans all of its expert's rows: the GEMM then picks its kernel as for one
+     * call per expert, so the results are those of such calls, bit for bit */
+    if (rc || !xg || !gu || !act || !y ||
+        item_list(g.start, E, 2 * I, CPUD_GEMM_NB, pairs, &gu_items, &n_gu) ||
+        item_list(g.start, E, H, CPUD_GEMM_NB, pairs, &down_items, &n_down)) {
+        rc = CPUD_ENOMEM;
+        goto done;
+    }
+#pragma omp parallel reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) {
+            g.row_of[g.rows[r]] = r;
+            memcpy(xg + r * H * es, (const char *)x + g.rows[r] / k * H * es, (size_t)(H * es));
+        }
+        failed |= run_bf16_items(ops, dtype, gu_items, n_gu, xg, H, gate_up,
+                                 (2 * I + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * panel_elems(H),
+                                 m->gate_up_bias, gu, dtype, 2 * I);
+        int64_t r0, r1;
+        share(pairs, &r0, &r1);
+        activation_rows(ops, dtype, m, gu, act, r0, r1);
+#pragma omp barrier
+        failed |= run_bf16_items(ops, dtype, down_items, n_down, act, I, down,
+                                 (H + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * panel_elems(I),
+                                 m->down_bias, (char *)y, CPUD_F32, H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) combine_token(dtype, y, g.row_of, id, weights, t, k, H, out);
+    }
+    if (failed) rc = CPUD_ENOMEM;
+done:
+    ungroup(&g);
+    free(gu_items);
+    free(down_items);
+    free(xg);
+    free(gu);
+    free(act);
+    free(y);
+    return rc;
 }
 
 static int experts_quant(const cpud_ops *ops, const cpud_qops *q, int dt, const cpud_moe *m,
@@ -269,18 +297,12 @@ static int experts_quant(const cpud_ops *ops, const cpud_qops *q, int dt, const 
         rc = CPUD_ENOMEM;
         goto done;
     }
-    const int64_t gu_cg = groups_per_item(g.start, E, 2 * I),
-                  down_cg = groups_per_item(g.start, E, H);
-    const int64_t n_gu = make_items(g.start, E, 2 * I, gu_cg, NULL),
-                  n_down = make_items(g.start, E, H, down_cg, NULL);
-    gu_items = malloc((size_t)n_gu * sizeof *gu_items);
-    down_items = malloc((size_t)n_down * sizeof *down_items);
-    if (!gu_items || !down_items) {
+    int64_t n_gu, n_down;
+    if (item_list(g.start, E, 2 * I, QR, QMC, &gu_items, &n_gu) ||
+        item_list(g.start, E, H, QR, QMC, &down_items, &n_down)) {
         rc = CPUD_ENOMEM;
         goto done;
     }
-    make_items(g.start, E, 2 * I, gu_cg, gu_items);
-    make_items(g.start, E, H, down_cg, down_items);
     const qact ag = {qg.q, qg.d, qg.s, H}, aa = {qa.q, qa.d, qa.s, I};
 #pragma omp parallel
     {

@@ -85,3 +85,26 @@ def test_moe_ffn_routes_like_torch(kern, k, flags, dtype):
     expected = kern.moe_experts(x, gate_up_packed, down_packed, weights, ids, INTER)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 2), (33, 8), (70, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_region_equals_a_gemm_per_expert(kern, tokens, k, dtype):
+    """The experts' work list in one parallel region gives, bit for bit, what one packed GEMM
+    call per routed expert (gate/up, silu * mul, down) and the combine give."""
+    from cpud.native.kernels import PackedWeight
+
+    torch.manual_seed(tokens + k)
+    _, gate_up = stacked(2 * INTER, H)
+    _, down = stacked(H, INTER)
+    weights, ids = routing(tokens, k, seed=k)
+    x = torch.randn(tokens, H).to(dtype)
+    out = kern.moe_experts(x, gate_up, down, weights, ids, INTER)
+    want = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        h = kern.gemm_packed(x[token], PackedWeight(gate_up[e], 2 * INTER, H))
+        y = torch.empty(len(token), H)
+        kern.gemm_packed(kern.silu_and_mul(h), PackedWeight(down[e], H, INTER), y)
+        want.index_add_(0, token, (y.to(dtype) * weights[token, slot, None]).to(dtype))
+    assert torch.equal(out, want)
