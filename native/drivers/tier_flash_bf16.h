@@ -392,58 +392,7 @@ typedef struct fa_stream {
     int warm; /* the previous item prefetched this item's first FA_PF_DIST chunks */
 } fa_stream;
 
-/* Values [d, d + 16) of a quantized row (kvt) as f32, or zeros for no row. */
-static ALWAYS_INLINE TGT __m512 fa_qvals(const char *row, int64_t d, int kvt, float scale) {
-    if (!row) return _mm512_setzero_ps();
-    if (kvt == CPUD_KV_INT8)
-        return _mm512_mul_ps(kv_ld_i8((const int8_t *)row + d), _mm512_set1_ps(scale));
-    return kv_ld_e5m2((const uint8_t *)row + d);
-}
-
-/* fa_value_pairs straight from quantized rows (vr[u]: row 0 of sub-chunk u, rows rb bytes
- * apart): each value rounded to bf16 as fa_dequant_rows rounds it, so the pairs are those
- * fa_value_pairs makes of its rows. */
-static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *vr, int64_t rb,
-                                               int kvt, int64_t j0, int nk, int64_t jlo,
-                                               int64_t jhi, int64_t hd, fa_pf *pf) {
-    /* (a[i], b[i]) bf16 pairs from cvtne2ps(b, a) = [a 0..15 | b 0..15] */
-    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
-    for (int kp = 0; kp < nk / 2; kp++) {
-        const int64_t ja = j0 + 2 * kp, jb = ja + 1;
-        const char *row = vr[kp / 8] + (2 * kp % 16) * rb;
-        const char *row_a = (ja >= jlo && ja <= jhi) ? row : NULL;
-        const char *row_b = (jb >= jlo && jb <= jhi) ? row + rb : NULL;
-        const float da = row_a && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_a, hd) : 1.0f;
-        const float db = row_b && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_b, hd) : 1.0f;
-        uint32_t *dst = vp + kp * hd;
-        fa_pf_step(pf);
-        for (int64_t d = 0; d < hd; d += 16) {
-            const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(fa_qvals(row_b, d, kvt, db),
-                                                           fa_qvals(row_a, d, kvt, da));
-            _mm512_storeu_si512(dst + d, _mm512_permutexvar_epi16(ilv, ab));
-        }
-    }
-}
-
-/* Rows [a, b] of 16 quantized rows (row j at row0 + j * rb, of kvt) -> the same rows of dst:
- * [16][hd] bf16 (hd % 16 == 0), each value rounded to bf16 (kv_ldq). */
-static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, int64_t rb,
-                                              int kvt, int64_t a, int64_t b, int64_t hd) {
-    for (int64_t j = a; j <= b; j++) {
-        const char *row = row0 + j * rb;
-        if (kvt == CPUD_KV_INT8) {
-            const vf d = _mm512_set1_ps(kv_int8_scale(row, hd));
-            for (int64_t i = 0; i < hd; i += 16)
-                vf_st_bf16(dst + j * hd + i,
-                           _mm512_mul_ps(kv_ld_i8((const int8_t *)row + i), d));
-        } else {
-            for (int64_t i = 0; i < hd; i += 16)
-                vf_st_bf16(dst + j * hd + i, kv_ld_e5m2((const uint8_t *)row + i));
-        }
-    }
-}
+#include "tier_flash_quant.h"
 
 /* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows (in the
  * cache, or converted into w->kst), pf is planned over `steps` fa_pf_step calls with the chunk
