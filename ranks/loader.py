@@ -9,6 +9,7 @@ from pathlib import Path
 from torch import nn
 
 from cpud.ranks.checkpoint_targets import check_complete, load_tensor
+from cpud.ranks.hf_mxfp4 import Mxfp4Source, pair_names
 from cpud.settings.errors import ConfigError
 
 
@@ -19,6 +20,15 @@ def _open(path: Path):
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as exc:
         raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def _mxfp4_source(f, path: Path, owner: dict[str, Path], name: str, scales: str, blocks):
+    """The Mxfp4Source of a `_blocks` tensor and its `_scales` (read whole: [..., G] bytes, a
+    32nd of the values' count), which may lie in another file."""
+    if owner[scales] == path:
+        return Mxfp4Source(name, blocks, f.get_slice(scales)[:])
+    with _open(owner[scales]) as other:
+        return Mxfp4Source(name, blocks, other.get_slice(scales)[:])
 
 
 def load_weights(
@@ -40,10 +50,14 @@ def load_weights(
     tied = model.cfg.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
     files = weight_files(model_dir)
-    total = 0
+    owner: dict[str, Path] = {}
     for path in files:
         with _open(path) as f:
-            total += len(f.keys())
+            owner.update((name, path) for name in f.keys())
+    total = len(owner)
+    # MXFP4 tensors (transformers' mxfp4 quantization): X_blocks read with X_scales as one
+    pairs = pair_names(set(owner))
+    partners = set(pairs.values())
     done = 0
     for path in files:
         with _open(path) as f:
@@ -51,16 +65,21 @@ def load_weights(
                 done += 1
                 if progress is not None:
                     progress(done, total)
+                if name in partners:
+                    continue
                 ckpt_name = model.checkpoint_name(name)
                 if ckpt_name.endswith(model.ignored_suffixes):
                     continue
                 if tied and ckpt_name == "lm_head.weight":
                     continue
+                source = f.get_slice(name)
+                if name in pairs:
+                    source = _mxfp4_source(f, path, owner, name, pairs[name], source)
                 load_tensor(
                     model,
                     params,
                     ckpt_name,
-                    f.get_slice(name),
+                    source,
                     skip,
                     loaded,
                     lambda path=path, name=name: ConfigError(

@@ -123,15 +123,15 @@ def test_expert_views_read_cpud_s_layout():
     gate_up = torch.randn(experts, hidden, 2 * inter, generator=gen)
     down = torch.randn(experts, inter, hidden, generator=gen)
     bias = torch.randn(experts, 2 * inter, generator=gen)
-    view = StackView(gate_up, deinterleave=True, transposed=True)
+    view = StackView(gate_up, deinterleave=-1, transposed=True)
     assert view.get_shape() == [experts, 2 * inter, hidden]
     one = view[1:2][0]
     torch.testing.assert_close(one[:inter], gate_up[1, :, ::2].T)
     torch.testing.assert_close(one[inter:], gate_up[1, :, 1::2].T)
-    view = StackView(down, deinterleave=False, transposed=True)
+    view = StackView(down, deinterleave=None, transposed=True)
     assert view.get_shape() == [experts, hidden, inter]
     torch.testing.assert_close(view[2:3][0], down[2].T)
-    whole = StackView(bias, deinterleave=True, transposed=False)[:]
+    whole = StackView(bias, deinterleave=-1, transposed=False)[:]
     torch.testing.assert_close(whole, torch.cat((bias[:, ::2], bias[:, 1::2]), dim=1))
 
 

@@ -4,8 +4,10 @@ gpt-oss stores each layer's experts transposed, with gate and up interleaved alo
 intermediate dimension: gate_up_proj [E, H, 2I] (gate = [..., ::2], up = [..., 1::2]),
 gate_up_proj_bias [E, 2I] the same way, down_proj [E, I, H]. cpud's experts (ranks/layers/moe.py)
 load whole stacks in their own layout: gate_up [E, 2I, H] (gate rows, then up), its bias [E, 2I],
-down [E, H, I]. A view reads the experts a loader asks for and returns them rearranged; nothing
-here imports torch (the checkpoint's slices come back as tensors)."""
+down [E, H, I]. MXFP4 checkpoints (gate_up_proj_blocks [E, 2I, H/32, 16], read as values by
+ranks/hf_mxfp4.py) keep the outputs as rows, gate and up rows interleaved. A view reads the
+experts a loader asks for and returns them rearranged; nothing here imports torch (the
+checkpoint's slices come back as tensors)."""
 
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ def _shape(source: Any) -> list[int]:
 
 
 class StackView:
-    """A stacked checkpoint tensor ([E, ...]) as cpud's layout: `deinterleave` moves the last
-    axis's even entries (gate) before its odd ones (up); `transposed` swaps the last two axes.
-    Indexed by a range of experts (`view[a:b]`, `view[:]`)."""
+    """A stacked checkpoint tensor ([E, ...]) as cpud's layout: `deinterleave` (an axis, -1
+    or -2, or None) moves that axis's even entries (gate) before its odd ones (up);
+    `transposed` swaps the last two axes. Indexed by a range of experts (`view[a:b]`)."""
 
-    def __init__(self, source: Any, deinterleave: bool, transposed: bool):
+    def __init__(self, source: Any, deinterleave: int | None, transposed: bool):
         self.source, self.deinterleave, self.transposed = source, deinterleave, transposed
         shape = _shape(source)
         self.shape = [*shape[:-2], shape[-1], shape[-2]] if transposed else shape
@@ -40,16 +42,16 @@ class StackView:
         if step != 1:
             raise TypeError("an expert stack view is read by a contiguous range of experts")
         piece = self.source[start:stop]
-        if self.deinterleave:
-            piece = piece[
-                ..., list(range(0, piece.shape[-1], 2)) + list(range(1, piece.shape[-1], 2))
-            ]
+        if self.deinterleave is not None:
+            axis, n = self.deinterleave, piece.shape[self.deinterleave]
+            order = list(range(0, n, 2)) + list(range(1, n, 2))
+            piece = piece[..., order] if axis == -1 else piece[..., order, :]
         if self.transposed:
             piece = piece.transpose(-1, -2)
         return piece.contiguous()
 
 
-def _view(deinterleave: bool, transposed: bool) -> Any:
+def _view(deinterleave: int | None, transposed: bool) -> Any:
     return lambda source: StackView(source, deinterleave, transposed)
 
 
@@ -57,12 +59,17 @@ def _identity(source: Any) -> Any:
     return source
 
 
-def expert_views(name: str, kind: str, bias: bool) -> list[tuple[str, Any, Any]]:
+def expert_views(name: str, kind: str, suffix: str) -> list[tuple[str, Any, Any]]:
     """(cpud parameter, shard id, view) of Hugging Face expert tensor `name` (`kind`
-    gate_up_proj or down_proj of mlp.experts, `bias` its _bias): the whole stack, shard None."""
+    gate_up_proj or down_proj of mlp.experts; `suffix` "" for the weight, "_bias", or "_blocks":
+    MXFP4 weights, ranks/hf_mxfp4.py, whose rows are the outputs already): the whole stack,
+    shard None."""
+    target = name.removesuffix("_blocks")
+    if suffix == "_blocks":
+        return [(target, None, _identity if kind == DOWN else _view(-2, False))]
     if kind == DOWN:
-        return [(name, None, _identity if bias else _view(False, True))]
-    return [(name, None, _view(True, not bias))]
+        return [(target, None, _identity if suffix else _view(None, True))]
+    return [(target, None, _view(-1, not suffix))]
 
 
 def gguf_bias_views(name: str, proj: str) -> list[tuple[str, Any, Any]]:

@@ -119,7 +119,7 @@ def hf_config(f: ConfigFields, architecture: str) -> ModelConfig:
     return _config(fields, _layer_kinds(f, common["num_layers"]), window)
 
 
-_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks)?$")
 _ROUTER = re.compile(r"\.mlp\.router\.(weight|bias)$")
 # GGUF (through the common names): each stack's bias [E, rows] and the sinks' `.weight`
 _GGUF_BIAS = re.compile(r"\.mlp\.experts\.(gate|up|down)_proj\.bias$")
@@ -139,7 +139,7 @@ def checkpoint_views(name: str, cfg: ModelConfig) -> list[tuple[str, Any, Any]] 
     match = _EXPERTS.search(name)
     if match is None:
         return None
-    return expert_views(name, match.group(1), match.group(2) is not None)
+    return expert_views(name, match.group(1), match.group(2) or "")
 
 
 def gguf_config(m: GGUFMeta) -> ModelConfig:
