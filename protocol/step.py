@@ -80,6 +80,11 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     # Return this sequence's pooled embedding (StepResult.embeddings) instead of sampling a
     # token; its whole prompt is in this step.
     embed: bool = False
+    # Speculative decoding: the last num_draft of token_ids are proposals; rank 0 verifies
+    # them (returns the accepted ones and one token of its own, several SampledTokens). rewind:
+    # positions at the end of the previous step that were rejected, dropped before this one.
+    num_draft: Int32 = 0
+    rewind: Int32 = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step", omit_defaults=True):

@@ -28,8 +28,9 @@ from cpud.ranks.ops import make_ops
 from cpud.ranks.paged_kv import kv_cache_dtype, kv_cache_shape
 from cpud.ranks.parallel import TPGroup
 from cpud.ranks.pooling import embeddings, pool
-from cpud.ranks.sampler import sample, score_prompts
+from cpud.ranks.sampler import score_prompts
 from cpud.ranks.seq_states import SeqStates
+from cpud.ranks.spec_verify import sample_or_verify
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 from cpud.settings import ENGINE, defaults
 
@@ -243,7 +244,9 @@ class ModelRunner:
         if inputs.sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if logits is not None:
-                tokens = sample(logits, inputs.sampling_rows, self.generator, self.ops.argmax)
+                tokens = sample_or_verify(
+                    logits, inputs.sampling_rows, self.generator, self.ops.argmax
+                )
         scored = []
         if inputs.scoring_works:
             scored = score_prompts(

@@ -35,6 +35,7 @@ class SamplingRow:
     allowed_mask: bytes = b""
     bias_token_ids: Sequence[int] = field(default=())
     bias_values: Sequence[float] = field(default=())
+    draft_token: int | None = None  # speculative decoding: the proposal this position verifies
 
 
 def apply_penalties(logits: torch.Tensor, works: list[SamplingRow]) -> None:

@@ -43,7 +43,7 @@ class HeldSeq:
     def advance(self, work: SeqWork) -> None:
         """Take one step's work: its blocks, its position and its tokens."""
         if work.start_pos is None:
-            start = self.position
+            start = self.position - work.rewind
             self.block_table.extend(work.block_ids)
         else:
             start = work.start_pos

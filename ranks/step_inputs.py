@@ -11,6 +11,7 @@ from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.paged_kv import AttentionMetadata
 from cpud.ranks.sampler import SamplingRow
 from cpud.ranks.seq_states import HeldSeq
+from cpud.ranks.spec_verify import draft_rows
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,10 @@ def build_step_inputs(
             table = state.block_table
             for pos in range(start_pos, start_pos + count):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-        if work.sample and not work.embed:
+        if work.sample and not work.embed and work.num_draft:
+            logits_indices.extend(range(len(input_ids) - 1 - work.num_draft, len(input_ids)))
+            rows.extend(draft_rows(sampling_row(work, state), work))
+        elif work.sample and not work.embed:
             logits_indices.append(len(input_ids) - 1)
             rows.append(sampling_row(work, state))
     width = max((len(h.block_table) for h in held), default=0) if kv else 0

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections import Counter
 
 from cpud.engine.admission import Admission
 from cpud.engine.block_manager import BlockManager
@@ -26,6 +27,7 @@ from cpud.engine.request import Request
 from cpud.engine.sampling_params import SamplingParams
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence
+from cpud.engine.spec_decode import spec_decoder
 from cpud.protocol.step import (
     Embedding,
     NewSeq,
@@ -99,11 +101,13 @@ class LLMEngine:
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.spec = spec_decoder(config)
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             embeddings_use_kv=embedding_uses_kv(config.model),
+            proposer=self.spec.propose if self.spec is not None else None,
         )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -313,7 +317,7 @@ class LLMEngine:
             seq = item.seq
             if seq.finished:  # its request failed while planning
                 continue
-            seq.num_computed_tokens += item.num_tokens
+            seq.num_computed_tokens += item.num_tokens - len(item.draft)
             if not seq.embed:
                 self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
         embedded = self._take_embeddings(sched, result.embeddings)
@@ -335,6 +339,8 @@ class LLMEngine:
                 self._fail(seq.request_id, exc, "reading its new token")
                 continue
             touched[seq.request_id] = self.requests[seq.request_id]
+        if self.spec is not None:
+            self._take_verified(sched, result)
         outputs: list[RequestOutput | EmbeddingRequestOutput] = embedded
         for request in touched.values():
             if request.request_id not in self.requests:  # failed after another choice advanced
@@ -381,6 +387,20 @@ class LLMEngine:
             outputs.append(EmbeddingRequestOutput(request.request_id, output, seq.prompt_token_ids))
         return outputs
 
+    def _take_verified(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """Count what the ranks accepted of each proposing sequence; its accepted proposals
+        are computed positions now (the rest are rewound on the ranks next step)."""
+        emitted = Counter(token.seq_id for token in result.tokens)
+        for item in sched.scheduled:
+            if not item.draft:
+                continue
+            seq = item.seq
+            accepted = min(len(item.draft), max(0, emitted[seq.seq_id] - 1))
+            self.spec.record(seq.seq_id, len(item.draft), accepted)
+            if not seq.finished:
+                seq.num_computed_tokens += accepted
+                self.blocks.cache_computed(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+
     def _end_step(self, outputs: list) -> list:
         if self.failures and not self.isolate_requests:
             _, error = self.failures[0]
@@ -423,7 +443,7 @@ class LLMEngine:
                 start = seq.num_computed_tokens
                 if not seq.on_ranks:
                     news.append(self._new_seq(seq, start))
-                work = self._work(seq, start, item.num_tokens, item.samples)
+                work = self._work(seq, start, item.num_tokens, item.samples, item.draft)
             except Exception as exc:
                 self._fail(seq.request_id, exc, "planning its step")
                 continue
@@ -460,21 +480,27 @@ class LLMEngine:
             seq.num_prompt_tokens,
         )
 
-    def _work(self, seq: Sequence, start: int, num_tokens: int, samples: bool) -> SeqWork:
-        """The sequence's part of the step: its new tokens, and its new blocks (all of them,
-        from an explicit position, when the ranks start holding it)."""
-        tokens = seq.token_ids[start : start + num_tokens]
+    def _work(
+        self, seq: Sequence, start: int, num_tokens: int, samples: bool, draft: tuple = ()
+    ) -> SeqWork:
+        """The sequence's part of the step: its new tokens (then its speculative proposals),
+        and its new blocks (all of them, from an explicit position, when the ranks start
+        holding it)."""
+        tokens = seq.token_ids[start : start + num_tokens - len(draft)] + list(draft)
         table = seq.blocks.block_ids
+        rewind = self.spec.take_rewind(seq.seq_id) if self.spec is not None else 0
         if seq.on_ranks:
             at: int | None = None
             blocks = table[seq.blocks_on_ranks :]
         else:
-            at, blocks = start, list(table)
+            at, blocks, rewind = start, list(table), 0
         if seq.embed:
             return SeqWork(seq.seq_id, tokens, at, blocks, False, embed=True)
         scoring = prompt_scoring(seq, start, num_tokens)
         if not samples:
-            return SeqWork(seq.seq_id, tokens, at, blocks, False, prompt_scoring=scoring)
+            return SeqWork(
+                seq.seq_id, tokens, at, blocks, False, prompt_scoring=scoring, rewind=rewind
+            )
         params = seq.params
         seed = None
         if seq.seed is not None:
@@ -483,7 +509,19 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
         mask = seq.constraint.allowed_mask() if seq.constraint is not None else b""
-        return SeqWork(seq.seq_id, tokens, at, blocks, True, seed, banned, scoring, mask)
+        return SeqWork(
+            seq.seq_id,
+            tokens,
+            at,
+            blocks,
+            True,
+            seed,
+            banned,
+            scoring,
+            mask,
+            num_draft=len(draft),
+            rewind=rewind,
+        )
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         return frozenset() if params.ignore_eos else self.eos_token_ids
@@ -523,8 +561,12 @@ class LLMEngine:
         """Finish a sequence in the scheduler (its blocks freed); the ranks drop it next step."""
         self.scheduler.finish(seq)
         self._forget_on_ranks(seq)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
 
     def _forget_on_ranks(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.take_rewind(seq.seq_id)  # it starts again from an explicit position
         if seq.on_ranks:
             self._to_drop.add(seq.seq_id)
         seq.on_ranks = False

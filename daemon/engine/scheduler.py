@@ -22,6 +22,7 @@ last for its step (the engine frees them when the vector comes back).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cpud.engine.block_manager import BlockManager, PrefixHit
@@ -34,10 +35,12 @@ NO_HIT = PrefixHit([], [])
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    draft: tuple[int, ...] = ()  # speculative proposals, the last of num_tokens (spec_decode)
 
     @property
     def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        computed = self.seq.num_computed_tokens + self.num_tokens - len(self.draft)
+        return computed == self.seq.num_tokens
 
 
 @dataclass
@@ -57,9 +60,12 @@ class Scheduler:
         max_num_seqs: int,
         max_batched_tokens: int,
         embeddings_use_kv: bool = True,
+        proposer: Callable[[Sequence, int], list[int]] | None = None,
     ):
         """embeddings_use_kv: embedding passes write KV blocks (a decoder); False for an
-        encoder, whose passes need none."""
+        encoder, whose passes need none. proposer(seq, running): speculative tokens for a
+        decoding sequence (verified after its last token in the same step), or None."""
+        self.proposer = proposer
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -96,14 +102,24 @@ class Scheduler:
             count = min(seq.num_uncomputed, budget)
             if count > 1 and not reserved and self._admitting():
                 count = min(count, max(1, budget - self.admission_reserve))
-            if self._make_room(seq, seq.num_computed_tokens + count, out):
-                out.scheduled.append(ScheduledSeq(seq, count))
+            draft = self._draft(seq, count, budget)
+            if self._make_room(seq, seq.num_computed_tokens + count + len(draft), out):
+                out.scheduled.append(ScheduledSeq(seq, count + len(draft), draft))
         if out.preempted:
             return out
         self._admit(out)
         head = self.waiting[0] if self.waiting else None
         self._embedding_waited = head if head is not None and head.embed else None
         return out
+
+    def _draft(self, seq: Sequence, count: int, budget: int) -> tuple[int, ...]:
+        """A decoding sequence's proposals, as many as the budget and free blocks hold."""
+        if self.proposer is None or count != 1 or seq.num_uncomputed != 1 or budget < 2:
+            return ()
+        draft = tuple(self.proposer(seq, len(self.running))[: budget - 1])
+        if draft and not self.blocks.can_allocate(seq.blocks, seq.num_tokens + len(draft)):
+            return ()
+        return draft
 
     def _admitting(self) -> bool:
         """Requests wait and may be admitted: prefill chunks leave them some budget."""

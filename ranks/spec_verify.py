@@ -1,0 +1,191 @@
+"""Verify speculative proposals on rank 0: a sequence that proposed k tokens has k+1 sampling
+rows (the positions of its last token and of each proposal, in order); each row's logits are
+processed as plain sampling would process them at that position (logit_bias, bans, penalties
+over the history up to it, temperature, top-k, top-p, min-p), then:
+
+- greedy: accept proposals while each equals the argmax; the first argmax that differs (or the
+  one after the last proposal) is the sequence's own next token;
+- sampling: rejection sampling with the proposer's q one-hot (n-gram lookup): accept proposal
+  t with probability p(t); on rejection sample from the normalised residual max(p - q, 0), i.e.
+  p without t; after k acceptances sample the bonus token from the last row's p. The emitted
+  tokens are so distributed exactly as the target model's own samples.
+
+Seeded rows draw each position's randomness from generators seeded from the step's seed and
+the position, so a seeded request gives the same tokens however the batch looks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from cpud.protocol.step import SampledToken, SeqWork
+from cpud.ranks.ops import TorchOps
+from cpud.ranks.sampler import (
+    SamplingRow,
+    _logprobs,
+    apply_constraints,
+    apply_penalties,
+    draw,
+    restrict_support,
+    sample,
+)
+
+
+def mixed_seed(seed: int, *parts: int) -> int:
+    """A 63-bit seed from a step's seed and integers (position, purpose)."""
+    data = b"".join(int(p).to_bytes(16, "little", signed=True) for p in (seed, *parts))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
+    """The k+1 sampling rows of a work with k proposals: base is the row of its last position
+    (with the history up to and including every proposal); row j sees the history up to its
+    own position and carries the proposal it verifies (None on the last row)."""
+    k = work.num_draft
+    drafts = work.token_ids[len(work.token_ids) - k :]
+    output = base.output_token_ids
+    rows = []
+    for j in range(k + 1):
+        seed = base.seed
+        if seed is not None and j > 0:
+            seed = mixed_seed(seed, j)
+        rows.append(
+            replace(
+                base,
+                seed=seed,
+                output_token_ids=output[: len(output) - k + j] if output else output,
+                draft_token=drafts[j] if j < k else None,
+            )
+        )
+    return rows
+
+
+def _uniform(row: SamplingRow, generator: torch.Generator) -> float:
+    if row.seed is not None:
+        generator = torch.Generator().manual_seed(mixed_seed(row.seed, -1))
+    return float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+
+
+def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    processed = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    apply_constraints(processed, rows)
+    for row, work in enumerate(rows):
+        if work.banned_token_ids:
+            banned = [t for t in work.banned_token_ids if 0 <= t < processed.shape[-1]]
+            processed[row, banned] = float("-inf")
+    apply_penalties(processed, rows)
+    return processed
+
+
+def verify(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    generator: torch.Generator,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax,
+    resample_residual: bool = True,
+) -> list[SampledToken]:
+    """One sequence's emitted tokens from its k+1 rows' logits [k+1, V]: the accepted proposals
+    and one more. resample_residual False draws a rejected position from p itself instead of
+    the residual (wrong: only tests use it, to see the distribution test fail)."""
+    k = len(rows) - 1
+    drafts = [row.draft_token for row in rows[:k]]
+    spec = rows[0].sampling
+    plain = all(r.sampling is None or r.sampling.temperature == 0 for r in rows) and all(
+        not (r.allowed_mask or r.bias_token_ids or r.banned_token_ids) for r in rows
+    )
+    plain = plain and (spec is None or (spec.num_logprobs < 0 and not _penalised(spec)))
+    tokens: list[int] = []
+    if plain:
+        targets = argmax(logits).tolist()
+        tokens = _accept_greedy(targets, drafts)
+    else:
+        processed = _processed(logits, rows)
+        if spec is None or spec.temperature == 0:
+            tokens = _accept_greedy(processed.argmax(dim=-1).tolist(), drafts)
+        else:
+            probs = restrict_support(processed, rows)
+            tokens = _accept_sampled(probs, rows, drafts, generator, resample_residual)
+    emitted = [SampledToken(row.seq_id, t) for row, t in zip(rows, tokens)]
+    if spec is not None and spec.num_logprobs >= 0:
+        count = len(tokens)
+        raw = logits[:count].float().log_softmax(dim=-1)
+        emitted = _logprobs(raw, torch.tensor(tokens), rows[:count], list(range(count)))
+    return emitted
+
+
+def _penalised(spec) -> bool:
+    return (
+        spec.repetition_penalty != 1.0
+        or spec.presence_penalty != 0.0
+        or spec.frequency_penalty != 0.0
+    )
+
+
+def _accept_greedy(targets: list[int], drafts: list[int | None]) -> list[int]:
+    tokens = []
+    for target, draft in zip(targets, [*drafts, None]):
+        tokens.append(target)
+        if target != draft:
+            break
+    return tokens
+
+
+def _accept_sampled(
+    probs: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[int | None],
+    generator: torch.Generator,
+    resample_residual: bool,
+) -> list[int]:
+    tokens = []
+    for j, draft in enumerate(drafts):
+        p = probs[j]
+        total = float(p.sum())
+        chance = float(p[draft]) / total if 0 <= draft < p.shape[0] and total > 0 else 0.0
+        if _uniform(rows[j], generator) < chance:
+            tokens.append(draft)
+            continue
+        residual = p.clone()
+        if resample_residual and 0 <= draft < p.shape[0]:
+            residual[draft] = 0.0
+        row = rows[j]
+        if row.seed is not None:
+            row = replace(row, seed=mixed_seed(row.seed, -2))
+        tokens.append(int(draw(residual[None], [row], generator)[0]))
+        return tokens
+    tokens.append(int(draw(probs[-1:], rows[-1:], generator)[0]))
+    return tokens
+
+
+def sample_or_verify(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    generator: torch.Generator,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax,
+) -> list[SampledToken]:
+    """The step's tokens: plain rows sampled together as always; each proposing sequence
+    (consecutive rows of one seq_id, proposals in draft_token) verified, emitting its accepted
+    proposals and one more token, in order."""
+    if all(row.draft_token is None for row in rows):
+        return sample(logits, rows, generator, argmax)
+    groups: list[list[int]] = []  # row indexes of each sequence
+    for index, row in enumerate(rows):
+        last = rows[groups[-1][-1]] if groups else None
+        if last is not None and last.draft_token is not None and last.seq_id == row.seq_id:
+            groups[-1].append(index)  # the positions after a proposal belong to its sequence
+        else:
+            groups.append([index])
+    singles = [g[0] for g in groups if len(g) == 1]
+    by_row: dict[int, list[SampledToken]] = {}
+    if singles:
+        picked = sample(logits[singles], [rows[i] for i in singles], generator, argmax)
+        by_row.update((i, [token]) for i, token in zip(singles, picked))
+    for group in groups:
+        if len(group) > 1:
+            part = logits[group[0] : group[-1] + 1]
+            by_row[group[0]] = verify(part, [rows[i] for i in group], generator, argmax)
+    return [token for group in groups for token in by_row[group[0]]]

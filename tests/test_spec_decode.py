@@ -1,0 +1,187 @@
+"""Speculative decoding in the engine: greedy output token for token as without it (prefix-cache
+hits, preemption, chunked prefill beside verifying sequences, penalties, logprobs, stop tokens
+and max_tokens), the adaptive off-switches, and the counters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from spec_oracle import OracleIndex, use_oracle
+
+from cpud import LLM, SamplingParams
+from cpud.engine import spec_decode
+from cpud.engine.outputs import OutputAccumulator
+from cpud.engine.spec_decode import PAUSE_STEPS, SpecDecoder
+from cpud.settings.speculative import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+
+
+def run(llm: LLM, schedule: dict[int, list]) -> dict[str, list]:
+    """Admit each request at its step, run to the end; (token ids, logprob entries) per
+    request's first choice."""
+    engine = llm.engine
+    folds: dict[str, OutputAccumulator] = {}
+    step = 0
+    while step <= max(schedule) or engine.has_unfinished():
+        for request_id, prompt, params in schedule.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        for out in engine.step():
+            folds.setdefault(out.request_id, OutputAccumulator()).add(out)
+        step += 1
+    if hasattr(engine.executor, "runner"):
+        assert set(engine.executor.runner.seqs.held) == engine._to_drop
+    results = {}
+    for rid, fold in folds.items():
+        out = fold.result().outputs[0]
+        results[rid] = (list(out.token_ids), out.logprobs, out.finish_reason)
+    return results
+
+
+def requests(vocab: int) -> dict[int, list]:
+    rng = random.Random(5)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(4, vocab) for _ in range(n)]
+
+    shared = prompt(40)
+    penalised = dict(GREEDY, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    return {
+        0: [
+            ("plain", prompt(23), SamplingParams(**GREEDY)),
+            ("first", [*shared, 5], SamplingParams(**GREEDY)),
+            ("penalised", prompt(31), SamplingParams(**penalised)),
+        ],
+        3: [
+            ("logprobs", prompt(17), SamplingParams(**GREEDY, logprobs=2)),
+            ("prefix hit", [*shared, 9, 10], SamplingParams(**GREEDY)),
+            ("long prompt", prompt(120), SamplingParams(**GREEDY)),  # prefilled in chunks
+        ],
+        6: [("short", prompt(12), SamplingParams(**dict(GREEDY, max_tokens=7)))],
+    }
+
+
+def compare(model_dir, monkeypatch, schedule_of, **engine):
+    reference_llm = LLM(model_dir, dtype="float32", max_model_len=192, **engine)
+    schedule = schedule_of(reference_llm.config.model.vocab_size)
+    reference = run(reference_llm, schedule)
+    continuations = {
+        tuple(prompt): reference[rid][0] for items in schedule.values() for rid, prompt, _ in items
+    }
+    use_oracle(monkeypatch, continuations, reference_llm.config.model.vocab_size)
+    llm = LLM(model_dir, dtype="float32", max_model_len=192, speculative_config=NGRAM, **engine)
+    speculated = run(llm, schedule)
+    return reference_llm, reference, llm, speculated
+
+
+def assert_same(reference: dict, speculated: dict) -> None:
+    assert set(reference) == set(speculated)
+    for rid, (tokens, logprobs, reason) in reference.items():
+        got_tokens, got_logprobs, got_reason = speculated[rid]
+        assert got_tokens == tokens, rid
+        assert got_reason == reason, rid
+        if logprobs is not None:
+            for want, got in zip(logprobs, got_logprobs, strict=True):
+                assert list(want) == list(got), rid
+                for token, entry in want.items():
+                    assert got[token].logprob == pytest.approx(entry.logprob, abs=1e-4), rid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param({"max_num_batched_tokens": 48}, id="chunked-prefill-and-prefix-hits"),
+        pytest.param({"num_kv_blocks": 20, "max_num_batched_tokens": 64}, id="preemption"),
+    ],
+)
+def test_greedy_tokens_equal_without_speculation(model_factory, monkeypatch, engine):
+    reference_llm, reference, llm, speculated = compare(
+        model_factory("qwen3"), monkeypatch, requests, **engine
+    )
+    assert_same(reference, speculated)
+    stats = llm.engine.spec.stats
+    k = NGRAM["num_speculative_tokens"]
+    assert stats.num_drafts > 20
+    assert all(count > 0 for count in stats.accepted_per_position)  # every length seen
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and rejections
+    assert 1.0 < stats.mean_accepted_length <= k + 1
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # no block leaked
+    if "num_kv_blocks" in engine:
+        assert llm.engine.scheduler.num_preemptions > 0
+    else:
+        assert llm.engine.blocks.prefix_hits > 0
+
+
+def stop_requests(vocab: int) -> dict[int, list]:
+    rng = random.Random(9)
+    prompt = [rng.randrange(4, vocab) for _ in range(20)]
+    return {0: [("free", prompt, SamplingParams(**GREEDY))]}
+
+
+def test_stop_token_and_max_tokens_cut_accepted_tokens(model_factory, monkeypatch):
+    model_dir = model_factory("qwen3")
+    reference_llm = LLM(model_dir, dtype="float32", max_model_len=192)
+    vocab = reference_llm.config.model.vocab_size
+    free = run(reference_llm, stop_requests(vocab))["free"][0]
+    prompt = stop_requests(vocab)[0][0][1]
+    stop_at = next(i for i in range(6, len(free)) if free[i] not in free[:i])
+    schedule = {
+        0: [
+            ("stop", prompt, SamplingParams(**dict(GREEDY, stop_token_ids=[free[stop_at]]))),
+            ("max", [*prompt, 4], SamplingParams(**dict(GREEDY, max_tokens=9))),
+        ]
+    }
+    reference = run(reference_llm, schedule)
+    assert len(reference["stop"][0]) == stop_at + 1 and len(reference["max"][0]) == 9
+    # proposals always right and as long as allowed: the cut falls inside an accepted run
+    continuations = {tuple(prompt): free, (*prompt, 4): reference["max"][0] + [7] * 8}
+
+    class AlwaysRight(OracleIndex):
+        def propose(self, tokens, k):
+            for start, output in self.continuations.items():
+                if tuple(tokens[: len(start)]) == start:
+                    done = len(tokens) - len(start)
+                    return list(output[done : done + k])
+            return []
+
+    monkeypatch.setattr(spec_decode, "NgramIndex", lambda a, b: AlwaysRight(continuations, vocab))
+    llm = LLM(model_dir, dtype="float32", max_model_len=192, speculative_config=NGRAM)
+    assert run(llm, schedule) == reference
+    assert llm.engine.spec.stats.num_accepted_tokens >= 8
+
+
+def test_no_speculation_above_the_batch_size_or_while_acceptance_stays_low():
+    config = SpeculativeConfig("ngram", 3, 1, 2, disable_by_batch_size=2)
+    decoder = SpecDecoder(config, max_model_len=100)
+
+    class Seq:
+        seq_id = 1
+        embed = False
+        constraint = None
+        num_output_tokens = 4
+        max_tokens = 50
+        num_tokens = 12
+        token_ids = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
+
+        class params:  # noqa: N801
+            min_tokens = 0
+
+    seq = Seq()
+    assert decoder.propose(seq, num_running=2) == [1, 2, 3]
+    assert decoder.propose(seq, num_running=3) == []
+    for _ in range(5):  # nothing accepted, step after step
+        decoder.record(seq.seq_id, 3, 0)
+        if decoder.seqs[seq.seq_id].paused:
+            break
+    assert decoder.seqs[seq.seq_id].paused == PAUSE_STEPS
+    assert decoder.take_rewind(seq.seq_id) == 3 and decoder.take_rewind(seq.seq_id) == 0
+    for _ in range(PAUSE_STEPS):
+        assert decoder.propose(seq, num_running=1) == []
+    assert decoder.propose(seq, num_running=1) == [1, 2, 3]
+    seq.max_tokens = 6  # room for one proposal and the model's own token
+    assert decoder.propose(seq, num_running=1) == [1]
+    stats = decoder.stats
+    assert stats.num_draft_tokens == 3 * stats.num_drafts and stats.num_accepted_tokens == 0
