@@ -191,3 +191,20 @@ def test_memory_plan_and_doctor_count_expert_blocks(quant_moe):
     assert rows["Q4_K expert stacks"][0] == 2 * cfg.num_layers
     assert rows["Q6_K expert stacks"][0] == cfg.num_layers
     assert "int8 dot" in rows["Q4_K expert stacks"][1]
+
+
+@pytest.mark.parametrize("arch, preset, mix", CASES)
+def test_fused_decoder_runs_quantized_experts_like_the_per_op_path(arch, preset, mix, quant_moe):
+    """The one-call decoder runs the quantized expert layers through their cpud_moe (the same
+    native kernel the per-op path calls): the same logits bit for bit over a prefill and a
+    mixed decode/prefill step."""
+    from test_fused_decoder import prefill_then_mixed
+
+    from cpud.ranks.fused_decoder import FusedDecoder
+
+    path, _ = quant_moe(arch, preset, mix)
+    run = LLM(path, dtype="bfloat16", weight_cache="off").engine.executor.runner
+    assert isinstance(run.decoder, FusedDecoder) and stack_types(run.model)
+    for fused, per_op in prefill_then_mixed(run):
+        assert torch.isfinite(fused).all()
+        assert torch.equal(fused, per_op)
