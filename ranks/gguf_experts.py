@@ -100,14 +100,14 @@ def plan_experts(
 
 
 def _gate_up_raw(layer: Any, e: int) -> np.ndarray:
-    rows = layer._local()
+    rows = layer.local_slice()
     gate = expert_blocks(layer.quant_sources["gate"], e, rows).data
     up = expert_blocks(layer.quant_sources["up"], e, rows).data
     return np.concatenate([gate, up])
 
 
 def _down_raw(layer: Any, e: int) -> np.ndarray:
-    columns = layer._local()
+    columns = layer.local_slice()
     return np.ascontiguousarray(
         expert_blocks(layer.quant_sources["down"], e, slice(None), columns).data
     )

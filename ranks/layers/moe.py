@@ -150,14 +150,15 @@ class MoEExperts(Layer):
 
             pack_rows(self._packing[which][expert], row0, rows)
 
-    def _local(self) -> slice:
+    def local_slice(self) -> slice:
+        """This rank's range of the intermediate dimension."""
         return slice(self.group.rank * self.inter, (self.group.rank + 1) * self.inter)
 
     def load_gate_up(self, param: nn.Parameter, source: Any, shard_id: Any) -> None:
         """shard_id (expert, part): part 0 gate, 1 up of one expert's [I, H] tensor, or of a
         GGUF stack [E, I, H] of every expert when expert is ALL; None: the whole stack
         [E, 2 I, H] in cpud's layout (gate rows, then up rows)."""
-        rows = self._local()
+        rows = self.local_slice()
         if shard_id is None:
             full = self.inter * self.group.size
             for e in range(self.num_experts):
@@ -179,7 +180,7 @@ class MoEExperts(Layer):
             self._store(0, param, e, part * self.inter, expert_rows(source, e, rows))
 
     def load_down(self, param: nn.Parameter, source: Any, shard_id: Any) -> None:
-        columns = self._local()
+        columns = self.local_slice()
         if shard_id is None:
             for e in range(self.num_experts):
                 self._store(1, param, e, 0, source[e : e + 1][0][:, columns])
@@ -200,7 +201,7 @@ class MoEExperts(Layer):
     def load_gate_up_bias(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         """The whole [E, 2 I] bias (gate, then up); this rank keeps its slice of each half.
         shard_id (ALL, part): one half [E, I] (GGUF's ffn_gate_exps.bias / ffn_up_exps.bias)."""
-        rows = self._local()
+        rows = self.local_slice()
         if shard_id is not None:
             part = shard_id[1]
             mine = source[:][:, rows]
