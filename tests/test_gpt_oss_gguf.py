@@ -24,11 +24,13 @@ from gguf_vocab import add_tokenizer_metadata
 from gguf_writer import _set_parameters, encode
 from safetensors.numpy import load_file, save_file
 from test_parity import engine_logits
+from tokenizers import Regex, pre_tokenizers
 
 from cpud import LLM
 from cpud.model.load import load_model_config
 from cpud.ranks.fused_decoder import FusedDecoder
 from cpud.ranks.layers.rotary import cos_sin_table
+from cpud.text.gguf_tokenizer import PRE_SPLITS, read_vocab
 from hf_reference import hf_greedy, hf_logits
 
 ARCH = "gpt_oss"
@@ -211,3 +213,22 @@ def test_gguf_quantized_experts_stay_in_their_blocks(expert_type, gguf_pair, hf_
     prompt = prompt_of(40, seed=1)
     want = hf_logits(hf_models(weights), prompt)
     assert_quantized_close(engine_logits(llm, prompt), want, (1.6, 0.06, 0.85))
+
+
+def test_gguf_harmony_ends_of_generation(gguf_pair):
+    """<|return|> and <|call|> end generation, <|end|> (closing the analysis message) does not,
+    as llama.cpp reads an o200k_harmony vocabulary."""
+    vocab = read_vocab(gguf_pair(T.F32)[0])
+    ends = {vocab.tokens[i] for i in vocab.eog_ids}
+    assert {"<|return|>", "<|call|>", "<|endoftext|>"} <= ends
+    assert "<|end|>" not in ends
+
+
+def test_o200k_pre_tokenizer_splits():
+    """llama.cpp's `gpt-4o` split (o200k): letters with their contraction, runs of 1-3 digits,
+    a lone space before digits."""
+    split = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS["gpt-4o"]]
+    )
+    pieces = [p for p, _ in split.pre_tokenize_str("Hello World's 12345 don't\n\nx")]
+    assert pieces == ["Hello", " World's", " ", "123", "45", " don't", "\n\n", "x"]

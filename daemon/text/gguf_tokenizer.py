@@ -38,6 +38,14 @@ _TEKKEN = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-4o, gpt-oss's o200k_harmony): tekken's letters with contractions, 1-3 digits
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's pre-tokenizer names -> its regex splits, applied in order. "default" keeps GPT-2's
 # regex, as transformers does (llama.cpp's own default is a legacy split it warns about).
 PRE_SPLITS: dict[str, tuple[str, ...]] = {
@@ -69,6 +77,7 @@ PRE_SPLITS: dict[str, tuple[str, ...]] = {
         (_LLAMA3,),
     ),
     "tekken": (_TEKKEN,),
+    "gpt-4o": (_GPT4O,),
 }
 # llama.cpp's LLAMA3 pre-tokenizer names: BOS added by default, and each whole pre-token looked
 # up in the vocabulary before any merge (ignore_merges).
@@ -88,8 +97,13 @@ EOG_TEXTS = frozenset(
         "_<EOT>",
         "<|end_of_text|>",
         "<end_of_utterance>",
+        "<|return|>",
+        "<|call|>",
     )
 )
+# o200k_harmony (gpt-oss): <|end|> closes a message, not the answer, where <|return|> and
+# <|call|> exist (llama.cpp takes it out of the end-of-generation tokens then).
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 MODELS = ("gpt2", "llama", "bert")
 SPM_SPACE = "\u2581"
 _KEY = "tokenizer.ggml."
@@ -262,6 +276,8 @@ def _eog_ids(vocab: GGUFVocab, eot_id: int | None, eom_id: int | None) -> tuple[
     """Ids that end generation: eos first, then eot/eom and the tokens llama.cpp knows by text."""
     ids = [i for i in (vocab.eos_id, eot_id, eom_id) if i is not None]
     ids += [i for i, t in enumerate(vocab.tokens) if t in EOG_TEXTS]
+    if all(t in vocab.tokens for t in HARMONY_ENDS):
+        ids = [i for i in ids if vocab.tokens[i] != "<|end|>"]
     return tuple(dict.fromkeys(ids))
 
 
