@@ -21,6 +21,7 @@ from cpud.ranks.layers.attention import sink_attention
 from cpud.ranks.models.expert_views import StackView
 from cpud.ranks.paged_kv import causal_mask
 from cpud.settings.errors import ConfigError
+from cpud.text.tokenizer import Tokenizer
 from hf_reference import hf_greedy
 
 ARCH = "gpt_oss"
@@ -156,3 +157,60 @@ def test_preemption_keeps_tokens(model_dir, hf_models):
     assert llm.engine.scheduler.num_preemptions > 0, "the test needs a preemption"
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 30)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_harmony_template_renders_channels_and_tool_calls(model_dir):
+    """The fixture's harmony template: instructions and tools in the developer message, the
+    last turn's reasoning as its analysis message, a tool call and its result as gpt-oss's
+    template renders them, the generation prompt `<|start|>assistant`; each marker one token."""
+    tokenizer = Tokenizer(model_dir)
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Need the tool.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 20}'},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, reasoning_effort="low")
+    assert text.startswith("<|start|>system<|message|>") and "Reasoning: low" in text
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools" in text
+    assert "type get_weather = (_: " in text
+    assert (
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        '{"temp": 20}<|end|><|start|>assistant'
+    ) in text
+    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+    ids = [tokenizer.encode(marker) for marker in markers]
+    assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(markers)
+
+
+def test_harmony_template_drops_earlier_turns_reasoning(model_dir):
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+        {"role": "user", "content": "bye"},
+    ]
+    text = Tokenizer(model_dir).apply_chat_template(messages)
+    assert "greet" not in text
+    assert "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>" in text
