@@ -22,6 +22,7 @@ from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.gguf_experts import expert_bytes, expert_layers
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+from cpud.ranks.parallel import SingleRank
 from cpud.settings.errors import ConfigError
 from hf_reference import hf_greedy, hf_logits
 
@@ -208,3 +209,25 @@ def test_fused_decoder_runs_quantized_experts_like_the_per_op_path(arch, preset,
     for fused, per_op in prefill_then_mixed(run):
         assert torch.isfinite(fused).all()
         assert torch.equal(fused, per_op)
+
+
+def test_memory_plan_keeps_experts_dense_under_quantization(model_factory):
+    """--quantization q8_0 quantizes a checkpoint's linears at load, not its experts: the plan
+    counts the experts' bf16 stacks, so it bounds what the loaded model holds from above
+    (counted as if in Q8_0 they would not be) and stays close to it."""
+    from cpud.placement.memory_plan import quantized_weight_bytes
+    from cpud.ranks.quant_linear import quant_bytes
+
+    model_dir = model_factory("qwen3_moe")
+    cfg = load_model_config(model_dir)
+    config = RunnerConfig(
+        model_dir, torch.bfloat16, 256, 16, 16, kernels="native", quantization="q8_0"
+    )
+    run = ModelRunner(config, cfg, SingleRank())
+    experts = expert_layers(run.model).values()
+    assert all(m.packed is not None for m in experts)
+    held = sum(s.weight_bytes for m in experts for s in m.stacks())
+    held += quant_bytes(run.model)
+    held += sum(p.numel() * p.element_size() for p in run.model.parameters())
+    estimate = quantized_weight_bytes(cfg, "bfloat16", 1, model_dir, "q8_0")
+    assert held <= estimate <= 1.2 * held, (held, estimate)

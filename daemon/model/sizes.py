@@ -82,6 +82,16 @@ def moe_extra_params(cfg: ModelConfig, tp: int) -> int:
     return per_layer * sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
 
 
+def moe_expert_params(cfg: ModelConfig, tp: int) -> int:
+    """Parameters of every expert's gate/up/down on one rank (no router, no shared expert):
+    what stays in the model dtype under a dense --quantization, which quantizes linears only."""
+    if not cfg.is_moe:
+        return 0
+    inter = divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+    layers = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
+    return layers * cfg.num_experts * 3 * cfg.hidden_size * inter
+
+
 def moe_activation_elems(cfg: ModelConfig, tp: int) -> int:
     """Scratch elements per token of an expert layer: each of the k (token, expert) rows
     gathered, its gate/up and activation, its fp32 output, and the router's scores."""

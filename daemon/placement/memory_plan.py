@@ -21,6 +21,7 @@ from cpud.model.sizes import (
     dtype_bytes,
     kv_block_bytes,
     moe_activation_elems,
+    moe_expert_params,
     moe_extra_params,
     vocab_shard_size,
 )
@@ -133,6 +134,7 @@ def quantized_weight_bytes(
         table = vocab_shard_size(model.vocab_size, tp) * model.hidden_size
         linears = shard_param_count(model, tp) - table * (2 - model.tie_word_embeddings)
         linears -= model.num_layers * 4 * model.hidden_size  # norms and biases stay dense
+        linears -= moe_expert_params(model, tp)  # experts stay in dtype (linears only)
         quant = quantized_bytes(linears, DENSE_TYPES[quantization])
         return (
             dense
