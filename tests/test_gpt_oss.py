@@ -18,6 +18,7 @@ from cpud.model.hf_config import parse_model_config
 from cpud.model.load import load_model_config
 from cpud.model.recipe import LayerRecipe
 from cpud.ranks.layers.attention import sink_attention
+from cpud.ranks.layers.rotary import cos_sin_table
 from cpud.ranks.models.expert_views import StackView
 from cpud.ranks.paged_kv import causal_mask
 from cpud.settings.errors import ConfigError
@@ -214,3 +215,72 @@ def test_harmony_template_drops_earlier_turns_reasoning(model_dir):
     text = Tokenizer(model_dir).apply_chat_template(messages)
     assert "greet" not in text
     assert "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>" in text
+
+
+# The published gpt-oss-20b config.json (its key set and values; layer_types written out)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+
+def test_the_published_config_maps_as_transformers_reads_it():
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = parse_model_config(GPT_OSS_20B)
+    assert config.recipe.windows == (128, 0) * 12 and config.recipe.attention_sinks
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim) == (32, 4, 64)
+    assert config.moe.swiglu_limit == 7.0 and config.eos_token_ids == (200002,)
+    hf = GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"})
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    rope = config.recipe.ropes[0]
+    table = cos_sin_table(64, 4096, rope.theta, rope.scaling)
+    angles = torch.outer(torch.arange(4096, dtype=torch.float32), inv_freq)
+    want = torch.cat((angles.cos(), angles.sin()), dim=-1) * scaling
+    torch.testing.assert_close(table, want)
