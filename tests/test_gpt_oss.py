@@ -284,3 +284,14 @@ def test_the_published_config_maps_as_transformers_reads_it():
     angles = torch.outer(torch.arange(4096, dtype=torch.float32), inv_freq)
     want = torch.cat((angles.cos(), angles.sin()), dim=-1) * scaling
     torch.testing.assert_close(table, want)
+
+
+@pytest.mark.slow
+def test_tp2_rank_processes_fused_bf16_equal_one_rank(model_dir):
+    """bf16 in two rank processes (fused decoder over the shared-memory group; the experts'
+    down bias added on rank 0 only): one rank's greedy tokens."""
+    prompts = [prompt_of(n, seed=n) for n in (7, 33)]
+    one = LLM(model_dir, dtype="bfloat16").generate(prompts, greedy())
+    with LLM(model_dir, dtype="bfloat16", tp=2, bind="0|1") as llm:
+        two = llm.generate(prompts, greedy())
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
