@@ -185,3 +185,53 @@ def test_no_speculation_above_the_batch_size_or_while_acceptance_stays_low():
     assert decoder.propose(seq, num_running=1) == [1]
     stats = decoder.stats
     assert stats.num_draft_tokens == 3 * stats.num_drafts and stats.num_accepted_tokens == 0
+
+
+REWRITE = (
+    "The lighthouse stood on the northern cliff for nearly two hundred years. Every night its "
+    "keeper climbed the spiral stairs, trimmed the wick and polished the great lens, so that "
+    "ships passing the rocks would see the beam and steer clear of danger. When the keeper grew "
+    "old, his granddaughter took over the work, and she kept the light burning through the "
+    "worst storms the coast had ever seen."
+)
+
+
+@pytest.mark.slow
+def test_default_model_rewrite_is_unchanged_and_mostly_accepted():
+    """SmolLM2 (the default model) copying a paragraph: n-gram proposals are nearly all
+    accepted, greedy output and a stop string's cut are the same as without speculation."""
+    messages = [
+        {"role": "user", "content": f"Rewrite this paragraph, keeping every sentence:\n\n{REWRITE}"}
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=100),
+        SamplingParams(temperature=0, max_tokens=100, stop=["polished"]),
+        SamplingParams(temperature=0, max_tokens=60, repetition_penalty=1.1, logprobs=1),
+    ]
+    results = []
+    for spec in (None, NGRAM):
+        llm = LLM(speculative_config=spec)
+        outputs = [llm.chat(messages, p)[0].outputs[0] for p in params]
+        results.append([(list(o.token_ids), o.text, o.finish_reason) for o in outputs])
+    plain, speculated = results
+    assert speculated == plain
+    assert plain[1][2] == "stop" and plain[1][1] and "polished" not in plain[1][1]
+    stats = llm.engine.spec.stats
+    assert stats.num_accepted_tokens > 0.7 * stats.num_draft_tokens
+    assert stats.mean_accepted_length > 3
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_without_speculation_across_two_ranks(model_factory, monkeypatch):
+    """TP=2 (rank processes, the sampler on rank 0, rewinds reaching both ranks) with and
+    without speculation, and against TP=1 with it."""
+    model_dir = model_factory("qwen3")
+    engine = {"max_num_batched_tokens": 48, "tp": 2, "bind": "0|1"}
+    reference_llm, reference, llm, speculated = compare(model_dir, monkeypatch, requests, **engine)
+    try:
+        assert_same(reference, speculated)
+        stats = llm.engine.spec.stats
+        assert stats.num_drafts > 20 and all(c > 0 for c in stats.accepted_per_position)
+    finally:
+        llm.shutdown()
+        reference_llm.shutdown()
