@@ -104,7 +104,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("isa, vnni", VARIANTS)
 @pytest.mark.parametrize("name", list(quant.KERNEL_FORMATS))
-@pytest.mark.parametrize("tokens, k", [(1, 1), (1, 8), (3, 2), (40, 4), (70, 8)])
+@pytest.mark.parametrize("tokens, k", [(1, 1), (3, 2), (40, 4), (70, 8)])
 def test_quantized_experts_match_references(isa, vnni, name, tokens, k):
     gate_up, down, gate_up_w, down_w = stacks(name, name)
     weights, ids = routing(tokens, k, seed=tokens + k)
