@@ -1,6 +1,7 @@
 """Per-token cost flat with length: with a stub forward pass, the engine's work per step
-outside the forward (scheduling, the plan and its encoding, outputs, and the stream consumer's
-tool-call and logprob handling) is the same at 8000 output tokens as at 500."""
+outside the forward (scheduling, the plan and its encoding, outputs, and the chat stream's
+chunk for it: tool-call reading, logprobs, the SSE line) is the same at 8000 output tokens as
+at 500."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from stub_engine import StubExecutor, stub_engine
 
 from cpud import LLM, SamplingParams
-from cpud.frontend.logprobs import chat_logprobs
-from cpud.frontend.tool_calls import ToolCallStream
+from cpud.frontend.jobs import Job
+from cpud.frontend.openai_api import Choice, chat_delta, sse, tool_stream
 
 TEXT = "The weather in Paris is mild today, with a light wind from the west. "
 EARLY, LATE, WINDOW = 500, 8000, 300
@@ -36,24 +37,38 @@ def step_costs(
         temperature=0, max_tokens=length, ignore_eos=True, logprobs=logprobs, **params
     )
     prompt = tokenizer.encode("Tell me about the weather")
-    streams = {}
+    job = Job(
+        "chat",
+        "chat-1",
+        0,
+        "m",
+        [],
+        params,
+        stream=True,
+        include_usage=False,
+        top_logprobs=logprobs or 0,
+        tool_parser="hermes" if tools else None,
+    )
+    choices = {}
     for i in range(seqs):
         engine.add_request(str(i), prompt, params)
-        streams[str(i)] = ToolCallStream("hermes") if tools else None
+        choices[str(i)] = Choice(0, tool_stream=tool_stream(job))
     costs = []
-    texts = {key: [] for key in streams}
+    texts: dict[str, list[str]] = {key: [] for key in choices}
     while engine.has_unfinished():
         started = time.thread_time_ns()
         for out in engine.step():
-            stream = streams[out.request_id]
-            for choice in out.outputs:
-                text = choice.text
-                if stream is not None:
-                    text, _ = stream.feed_delta(text, choice.finish_reason is not None)
-                if logprobs is not None:
-                    chat_logprobs(choice, 0, logprobs)
-                texts[out.request_id].append(text)
+            for delta in out.outputs:
+                # what the chat stream sends for this choice (its SSE line included)
+                row = chat_delta(job, choices[out.request_id], delta)
+                if row is not None:
+                    sse({"choices": [row]})
+                    texts[out.request_id].append(row["delta"].get("content", ""))
         costs.append(time.thread_time_ns() - started - stub.forward_ns[-1])
+        if len(costs) in (EARLY, LATE):  # what a step reads or copies stays small
+            assert max(seq.detokenizer.open_chars for seq in engine.seqs.values()) <= 16
+            streams = [c.tool_stream.tools for c in choices.values() if c.tool_stream is not None]
+            assert max((s.kept_chars for s in streams), default=0) <= 16
     assert all(len("".join(parts)) >= length for parts in texts.values())
     return costs, stub
 

@@ -63,6 +63,11 @@ class IncrementalDetokenizer:
         return self._tail_at + len(self._tail)
 
     @property
+    def open_chars(self) -> int:
+        """Characters of the open tail: what adding a token may read or copy."""
+        return len(self._tail)
+
+    @property
     def text(self) -> str:
         """The whole text so far (joined: work in proportion to its length)."""
         return "".join(self._done) + self._tail

@@ -123,6 +123,11 @@ class ToolCallStream:
     def called(self) -> bool:
         return any(sent.name_sent for sent in self.calls)
 
+    @property
+    def kept_chars(self) -> int:
+        """Characters of the output kept to read the next piece against."""
+        return len(self._text)
+
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         """(new content, tool-call deltas) for the text so far (the previous text and more)."""
         return self.feed_delta(text[self._base + len(self._text) :], finished)
