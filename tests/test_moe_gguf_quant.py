@@ -231,3 +231,29 @@ def test_memory_plan_keeps_experts_dense_under_quantization(model_factory):
     held += sum(p.numel() * p.element_size() for p in run.model.parameters())
     estimate = quantized_weight_bytes(cfg, "bfloat16", 1, model_dir, "q8_0")
     assert held <= estimate <= 1.2 * held, (held, estimate)
+
+
+@pytest.mark.slow
+def test_prefix_cache_and_preemption_keep_tokens(quant_moe):
+    """Quantized experts under prefix-cache hits and preemption give the tokens of a run with
+    neither (the int8 rounding is per row, so a row's result does not depend on its step)."""
+    path, _ = quant_moe("qwen3_moe", "qwen3-moe-256", "Q4_K_M")
+    shared = prompt_of(70, seed=9)
+    prompts = [shared + prompt_of(n, seed=n) for n in (3, 20)] + [prompt_of(50, seed=5)]
+    long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = LLM(path, dtype="float32", weight_cache="off")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, long)]
+    small = LLM(
+        path,
+        dtype="float32",
+        weight_cache="off",
+        num_kv_blocks=14,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+    )
+    small.generate(prompts[:1], long)
+    hits = small.engine.blocks.prefix_hits
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, long)]
+    assert small.engine.blocks.prefix_hits - hits >= 70 // 16
+    assert small.engine.scheduler.num_preemptions > 0, "the test needs a preemption"
+    assert got == want
