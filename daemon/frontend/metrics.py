@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cpud.frontend.async_engine import AsyncEngine
+from cpud.frontend.spec_metrics import spec_families
 from cpud.replicas_metrics import exposed
 from cpud.structured.metrics import structured_families
 
@@ -82,6 +83,7 @@ class EngineCollector(Collector):
             "cpud_engine_step_seconds", "Wall time spent in engine steps", stats.step_seconds
         )
         yield from structured_families(self.engine.engine.grammars.stats())
+        yield from spec_families(self.engine.engine.spec)
 
 
 class FrontendMetrics:
