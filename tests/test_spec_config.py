@@ -79,3 +79,14 @@ def test_ngram_lookup_without_match_or_room_proposes_nothing():
     index = NgramIndex(2, 4)
     assert index.propose([1, 2, 1, 2], 0) == []
     assert index.propose([1, 2, 1, 2], 1) == [1]
+
+
+def test_doctor_item_shows_the_configuration():
+    from types import SimpleNamespace
+
+    from cpud.doctor.spec_check import spec_check
+
+    text = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4}).to_json()
+    check = spec_check(SimpleNamespace(config=SimpleNamespace(speculative_config=text)))
+    assert check.status == "ok" and check.summary.startswith("ngram, 4 proposed tokens")
+    assert check.value["prompt_lookup_max"] == 5 and check.value["disable_by_batch_size"] == 8

@@ -23,6 +23,7 @@ from cpud.doctor.planning import plan
 from cpud.doctor.replicas_check import replicas_check
 from cpud.doctor.report import Check, exit_code, render, report
 from cpud.doctor.runtime import openmp_check, threads_check
+from cpud.doctor.spec_check import spec_check
 from cpud.doctor.syscalls import numa_syscalls_check
 from cpud.doctor.topology_checks import cgroup_check, numa_check
 
@@ -73,6 +74,8 @@ def collect(inputs: DoctorInputs) -> list[Check]:
     ]
     if inputs.data_parallel_size != 1:  # after the memory plan
         builders.insert(11, ("replicas", lambda: replicas_check(planning)))
+    if inputs.engine.speculative_config is not None:  # after the model
+        builders.insert(5, ("speculative decoding", lambda: spec_check(planning)))
     return [_guarded(name, build) for name, build in builders]
 
 
