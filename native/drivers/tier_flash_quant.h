@@ -11,6 +11,22 @@ static ALWAYS_INLINE TGT __m512 fa_qvals(const char *row, int64_t d, int kvt, fl
     return kv_ld_e5m2((const uint8_t *)row + d);
 }
 
+/* p: [32] e5m2 bytes -> their bf16 bit patterns, exact (kv_e5m2_to_f32's values), in the
+ * 16-bit lanes: exponent rebiased by 127 - 15 with the 2 mantissa bits on top; exponent 0
+ * (zero and the three subnormals) from a table. */
+static ALWAYS_INLINE TGT __m512i fa_e5m2_bf16x32(const uint8_t *p) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i em = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 5), _mm512_set1_epi16(112 << 7));
+    /* m * 2^-16 for m = 0..3: 0, 2^-16, 2^-15, 1.5 * 2^-15 */
+    const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0, 0, 0, 0, 0, 0, 0, 0, 0, (112 << 7) | 0x40, 112 << 7,
+                                         111 << 7, 0);
+    const __mmask32 tiny = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(4));
+    return _mm512_or_si512(_mm512_mask_permutexvar_epi16(normal, tiny, em, sub), sign);
+}
+
 /* fa_value_pairs straight from quantized rows (vr[u]: row 0 of sub-chunk u, rows rb bytes
  * apart): each value rounded to bf16 as fa_dequant_rows rounds it, so the pairs are those
  * fa_value_pairs makes of its rows. */
@@ -21,6 +37,11 @@ static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
+    /* rows a, b -> dword i = (a[i], b[i]), i < 16 (lo) and 16..31 (hi), as fa_value_pairs */
+    const __m512i ilv_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                            1, 32, 0);
+    const __m512i ilv_hi = _mm512_add_epi16(ilv_lo, _mm512_set1_epi16(16));
     for (int kp = 0; kp < nk / 2; kp++) {
         const int64_t ja = j0 + 2 * kp, jb = ja + 1;
         const char *row = vr[kp / 8] + (2 * kp % 16) * rb;
@@ -30,7 +51,15 @@ static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *
         const float db = row_b && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_b, hd) : 1.0f;
         uint32_t *dst = vp + kp * hd;
         fa_pf_step(pf);
-        for (int64_t d = 0; d < hd; d += 16) {
+        int64_t d = 0;
+        for (; kvt == CPUD_KV_FP8_E5M2 && d + 32 <= hd; d += 32) {
+            const __m512i z = _mm512_setzero_si512();
+            const __m512i a = row_a ? fa_e5m2_bf16x32((const uint8_t *)row_a + d) : z;
+            const __m512i b = row_b ? fa_e5m2_bf16x32((const uint8_t *)row_b + d) : z;
+            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, ilv_lo, b));
+            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, ilv_hi, b));
+        }
+        for (; d < hd; d += 16) {
             const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(fa_qvals(row_b, d, kvt, db),
                                                            fa_qvals(row_a, d, kvt, da));
             _mm512_storeu_si512(dst + d, _mm512_permutexvar_epi16(ilv, ab));
@@ -50,7 +79,10 @@ static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, i
                 vf_st_bf16(dst + j * hd + i,
                            _mm512_mul_ps(kv_ld_i8((const int8_t *)row + i), d));
         } else {
-            for (int64_t i = 0; i < hd; i += 16)
+            int64_t i = 0;
+            for (; i + 32 <= hd; i += 32)
+                _mm512_storeu_si512(dst + j * hd + i, fa_e5m2_bf16x32((const uint8_t *)row + i));
+            for (; i < hd; i += 16)
                 vf_st_bf16(dst + j * hd + i, kv_ld_e5m2((const uint8_t *)row + i));
         }
     }

@@ -133,3 +133,28 @@ def test_paged_attention_rejects_caches_it_cannot_read(kern):
     int8_without_scales = kc.to(torch.int8)
     with pytest.raises(ValueError, match="key_cache"):
         kern.paged_attention(q, int8_without_scales, int8_without_scales, qsl, seq_lens, bt, 0.1)
+
+
+# every finite e5m2 byte; and only exponents 0 and 1 (zeros, subnormals, the smallest normals),
+# with a score scale that makes them count
+E5M2_CODES = {
+    "finite": ([c for c in range(256) if c & 0x7C != 0x7C], 1e-4),
+    "tiny": ([c for c in range(256) if c & 0x78 == 0], 1e8),
+}
+
+
+@pytest.mark.parametrize("hd", [64, 80])
+@pytest.mark.parametrize("codes", list(E5M2_CODES))
+def test_every_e5m2_code_reads_as_torch_reads_it(kern, hd, codes):
+    # attention on e5m2 bytes equals attention on the values torch's float8_e5m2 gives them
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), 4, 2, hd, 16, torch.bfloat16, 9)
+    pool, scale = E5M2_CODES[codes]
+    pool = torch.tensor(pool, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(9)
+    kq, vq = (pool[torch.randint(len(pool), kc.shape, generator=g)] for _ in range(2))
+    kq, vq = kq.view(torch.float8_e5m2), vq.view(torch.float8_e5m2)
+    kd, vd = kq.to(torch.bfloat16), vq.to(torch.bfloat16)
+    assert kd.isfinite().all()
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
+    assert torch.equal(out, kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, scale))
+    assert out.abs().max() > 0
