@@ -5,12 +5,15 @@ of its values (cpud.native.mxfp4 gives the format): value = E2M1(code) * 2^(e - 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
-from cpud.native.mxfp4 import E2M1_DOUBLED, check_mxfp4_scales
+from cpud.native.mxfp4 import E2M1_DOUBLED, check_mxfp4_scales, from_hf_blocks
 
 BLOCKS, SCALES = "_blocks", "_scales"
 _VALUES = np.asarray(E2M1_DOUBLED, dtype=np.float32)  # E2M1 doubled: scaled by 2^(e - 128)
@@ -63,3 +66,59 @@ def pair_names(names: set[str]) -> dict[str, str]:
         for name in names
         if name.endswith(BLOCKS) and name.removesuffix(BLOCKS) + SCALES in names
     }
+
+
+@dataclass(frozen=True)
+class _StackTensor:
+    """What the GGUF expert readers (ranks/gguf_experts.py) read of a gguf ReaderTensor."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: np.ndarray  # GGUF order: (columns, rows, experts)
+    data: np.ndarray  # [experts, rows, blocks * 17] uint8, GGUF MXFP4 rows
+
+
+class Mxfp4Stack:
+    """Rows `rows` of every expert of an MXFP4 expert stack (Mxfp4Source [E, rows, columns])
+    as GGUF MXFP4 rows, read like a GGUF loader's TensorSource over an expert stack: the experts
+    load from it dense or stay in their blocks (the stack's bytes are read once, here)."""
+
+    def __init__(self, source: Mxfp4Source, rows: slice):
+        blocks = np.asarray(source.blocks[:].numpy(), dtype=np.uint8)[:, rows]
+        scales = np.asarray(source.scales[:].numpy(), dtype=np.uint8)[:, rows]
+        check_mxfp4_scales(scales, source.name)
+        data = np.ascontiguousarray(from_hf_blocks(blocks, scales))
+        experts, count, columns = data.shape[0], data.shape[1], source.shape[-1]
+        shape = np.array([columns, count, experts])
+        self.tensor = _StackTensor(source.name, GGMLQuantizationType.MXFP4, shape, data)
+        self.dtype = torch.float32  # expert rows read dense come out in it
+
+    def get_shape(self) -> list[int]:
+        columns, count, experts = (int(d) for d in self.tensor.shape)
+        return [experts, count, columns]
+
+
+def hf_expert_plans(model: Any, model_dir: Path) -> dict[str, Any]:
+    """The expert layers of a model loading from a Hugging Face directory whose MXFP4 expert
+    stacks stay in their blocks (ranks/gguf_experts.py plans), by module name."""
+    from safetensors import safe_open
+
+    from cpud.model.safetensors_check import weight_files
+    from cpud.ranks.gguf_experts import expert_layers, plan_experts
+
+    names: set[str] = set()
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    pairs = pair_names(names)
+    plans = {}
+    for name, layer in expert_layers(model).items():
+        stems = {part: f"{name}.{part}_proj{BLOCKS}" for part in ("gate_up", "down")}
+        if not all(stem in pairs for stem in stems.values()):
+            continue
+        types = dict.fromkeys(("gate", "up", "down"), "MXFP4")
+        tensors = {"gate": stems["gate_up"], "up": stems["gate_up"], "down": stems["down"]}
+        plan = plan_experts(layer, types, tensors)
+        if plan is not None:
+            plans[name] = plan
+    return plans

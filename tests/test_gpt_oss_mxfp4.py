@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from family_checks import assert_close_fp32, greedy, prompt_of
+from family_checks import assert_close_fp32, assert_quantized_close, greedy, prompt_of
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file, save_file
 from test_parity import engine_logits
@@ -83,17 +83,32 @@ def test_mxfp4_scale_0xff_is_refused():
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 def test_mxfp4_checkpoint_equals_its_values(kernels, checkpoints, hf_models):
+    """Read dense (torch kernels, or --quantization none): the plain copy's logits."""
     mxfp4, plain = checkpoints
     prompt = prompt_of(50, seed=7)
     want = hf_logits(hf_models(plain), prompt)
-    got = engine_logits(LLM(mxfp4, dtype="float32", kernels=kernels), prompt)
-    assert_close_fp32(got, want)
+    llm = LLM(mxfp4, dtype="float32", kernels=kernels, quantization="none")
+    assert_close_fp32(engine_logits(llm, prompt), want)
 
 
 def test_mxfp4_checkpoint_greedy_bf16(checkpoints):
     """bf16 (experts packed for the native GEMM, fused): the same tokens as the plain copy."""
     mxfp4, plain = checkpoints
     prompts = [prompt_of(n, seed=n) for n in (5, 33)]
-    got = LLM(mxfp4, dtype="bfloat16").generate(prompts, greedy())
+    got = LLM(mxfp4, dtype="bfloat16", quantization="none").generate(prompts, greedy())
     want = LLM(plain, dtype="bfloat16").generate(prompts, greedy())
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mxfp4_experts_stay_in_their_blocks(dtype, checkpoints, hf_models):
+    """Native kernels: the MXFP4 expert stacks are packed from their blocks (no dense copy)
+    and run on the int8 kernels, within the quantized GEMM's bounds of the values."""
+    mxfp4, plain = checkpoints
+    llm = LLM(mxfp4, dtype=dtype, kernels="native", weight_cache="off")
+    experts = [layer.mlp.experts for layer in llm.engine.executor.runner.model.model.layers]
+    assert all(e.quant is not None and e.quant[0].qtype == "MXFP4" for e in experts)
+    assert all(e.gate_up_proj is None and e.down_proj is None for e in experts)
+    prompt = prompt_of(40, seed=1)
+    want = hf_logits(hf_models(plain), prompt)
+    assert_quantized_close(engine_logits(llm, prompt), want, (1.6, 0.06, 0.85))

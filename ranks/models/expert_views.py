@@ -5,7 +5,9 @@ intermediate dimension: gate_up_proj [E, H, 2I] (gate = [..., ::2], up = [..., 1
 gate_up_proj_bias [E, 2I] the same way, down_proj [E, I, H]. cpud's experts (ranks/layers/moe.py)
 load whole stacks in their own layout: gate_up [E, 2I, H] (gate rows, then up), its bias [E, 2I],
 down [E, H, I]. MXFP4 checkpoints (gate_up_proj_blocks [E, 2I, H/32, 16], read as values by
-ranks/hf_mxfp4.py) keep the outputs as rows, gate and up rows interleaved. A view reads the
+ranks/hf_mxfp4.py) keep the outputs as rows, gate and up rows interleaved: they load as GGUF
+expert stacks do (gate, up and down stacks of every expert, in their blocks where the native
+kernels run them). A view reads the
 experts a loader asks for and returns them rearranged; nothing here imports torch (the
 checkpoint's slices come back as tensors)."""
 
@@ -55,18 +57,29 @@ def _view(deinterleave: int | None, transposed: bool) -> Any:
     return lambda source: StackView(source, deinterleave, transposed)
 
 
+def _mxfp4_rows(rows: slice) -> Any:
+    def view(source: Any) -> Any:
+        from cpud.ranks.hf_mxfp4 import Mxfp4Stack
+
+        return Mxfp4Stack(source, rows)
+
+    return view
+
+
 def _identity(source: Any) -> Any:
     return source
 
 
 def expert_views(name: str, kind: str, suffix: str) -> list[tuple[str, Any, Any]]:
     """(cpud parameter, shard id, view) of Hugging Face expert tensor `name` (`kind`
-    gate_up_proj or down_proj of mlp.experts; `suffix` "" for the weight, "_bias", or "_blocks":
-    MXFP4 weights, ranks/hf_mxfp4.py, whose rows are the outputs already): the whole stack,
-    shard None."""
+    gate_up_proj or down_proj of mlp.experts; `suffix` "" for the weight or "_bias": the whole
+    stack, shard None; "_blocks": MXFP4 weights (ranks/hf_mxfp4.py), whose rows are the outputs
+    already, as GGUF-like stacks of every expert, shard (ALL, part), dense or kept in blocks)."""
     target = name.removesuffix("_blocks")
-    if suffix == "_blocks":
-        return [(target, None, _identity if kind == DOWN else _view(-2, False))]
+    if suffix == "_blocks":  # GGUF-like stacks: gate rows 0::2, up rows 1::2, down whole
+        if kind == DOWN:
+            return [(target, (ALL, 0), _mxfp4_rows(slice(None)))]
+        return [(target, (ALL, p), _mxfp4_rows(slice(p, None, 2))) for p in (0, 1)]
     if kind == DOWN:
         return [(target, None, _identity if suffix else _view(None, True))]
     return [(target, None, _view(-1, not suffix))]
