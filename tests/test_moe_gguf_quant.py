@@ -123,10 +123,14 @@ def tp_logits(path, prompt: list[int], tp: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_tp2_equals_tp1(quant_moe):
+@pytest.mark.parametrize(
+    "arch, preset, mix",
+    [("qwen3_moe", "qwen3-moe-256", "Q4_K+Q8_0"), ("mixtral", "tiny", "Q8_0")],
+)
+def test_tp2_equals_tp1(arch, preset, mix, quant_moe):
     """Each rank packs its gate/up rows and its whole-block range of down's columns; the
     ranks' partial sums add up to the single rank's logits (fp32: up to summation order)."""
-    path, _ = quant_moe("qwen3_moe", "qwen3-moe-256", "Q4_K+Q8_0")
+    path, _ = quant_moe(arch, preset, mix)
     prompt = prompt_of(20, seed=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
