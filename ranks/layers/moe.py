@@ -1,12 +1,15 @@
 """A sparse mixture-of-experts block: a router picks top-k experts per token, each expert is a
-SwiGLU MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+gated MLP, and the token's output is the routing-weighted sum of its experts' outputs; the
+model's MoeRecipe picks the router, the biases and the activation (SiLU, gpt-oss's clamped
+SwiGLU).
 
 Experts are stacked per projection, gate_up [E, 2 I, H] and down [E, H, I], and sharded like the
 dense MLP: each rank holds the slice [rank I / tp, (rank + 1) I / tp) of every expert's
 intermediate dimension (column-parallel gate/up, row-parallel down), so one all-reduce per layer
-sums the partial outputs. The router is replicated. With bf16 weights on the native kernels the
-experts are packed for the skinny GEMM and run in one native call (native/drivers/moe.c), which
-reads only the experts a step routes to.
+sums the partial outputs. The router is replicated. On the native kernels the experts are bf16
+stacks packed for the skinny GEMM, or a GGUF file's stacks kept in their blocks
+(ranks/gguf_experts.py), and run in one native call (native/drivers/moe.c), which reads only
+the experts a step routes to.
 """
 
 from __future__ import annotations
