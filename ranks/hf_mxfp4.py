@@ -106,13 +106,16 @@ def hf_expert_plans(model: Any, model_dir: Path) -> dict[str, Any]:
     from cpud.model.safetensors_check import weight_files
     from cpud.ranks.gguf_experts import expert_layers, plan_experts
 
+    layers = expert_layers(model)
+    if not layers:
+        return {}
     names: set[str] = set()
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             names.update(f.keys())
     pairs = pair_names(names)
     plans = {}
-    for name, layer in expert_layers(model).items():
+    for name, layer in layers.items():
         stems = {part: f"{name}.{part}_proj{BLOCKS}" for part in ("gate_up", "down")}
         if not all(stem in pairs for stem in stems.values()):
             continue
