@@ -324,11 +324,11 @@ def run_async(llm, jobs: dict[str, SamplingParams], engine=None) -> dict[str, ob
     from cpud.frontend.async_engine import AsyncEngine
 
     async def one(async_engine, request_id, params):
-        final = None
+        fold = OutputAccumulator()
         admission = await async_engine.validate([1, 2, 3], params)
         async for out in async_engine.generate(request_id, admission):
-            final = out
-        return final
+            fold.add(out)
+        return fold.result()
 
     async def main():
         async_engine = AsyncEngine(engine or new_engine(llm))
