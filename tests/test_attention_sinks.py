@@ -1,7 +1,7 @@
 """Attention sinks through the model: the fused decoder reads each layer's self_attn.sinks and
 gives the per-op native path's logits bit for bit, both near the torch reference path
 (ranks/layers/attention.py's paged_sink_attention), on bf16 and int8 KV caches. The kernels
-themselves are checked against a dense reference in tests/native/test_attention_sinks.py."""
+themselves are checked against a dense reference in tests/native/test_attention_sinks_kernels.py."""
 
 from __future__ import annotations
 
