@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpud import settings
-from cpud.engine.kv_events import KVEventsConfig
 from cpud.model.cpu_features import resolve_dtype
 from cpud.model.load import config_from_facts, load_model_config, model_facts
 from cpud.model.model_config import ModelConfig, read_json_object
@@ -27,6 +26,7 @@ from cpud.settings import (
 from cpud.settings.cors_policy import CorsPolicy
 from cpud.settings.errors import ConfigError
 from cpud.settings.flags import engine_kwargs as engine_kwargs  # parsed flags -> EngineArgs
+from cpud.settings.kv_events_config import KVEventsConfig
 from cpud.settings.speculative import parse_speculative_config
 from cpud.structured.limits import GrammarLimits
 

@@ -16,8 +16,8 @@ MAX_API_KEY_BYTES = 4096
 
 def serve_args(args: argparse.Namespace) -> ServeArgs:
     """The serve settings of a parsed `cpud serve` command line; ConfigError for a bad one."""
-    from cpud.engine.kv_events import KVEventsConfig
     from cpud.settings.cors_policy import CorsPolicy, word_list
+    from cpud.settings.kv_events_config import KVEventsConfig
     from cpud.structured.limits import GrammarLimits
 
     return ServeArgs(
