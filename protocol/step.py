@@ -85,6 +85,7 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     # positions at the end of the previous step that were rejected, dropped before this one.
     num_draft: Int32 = 0
     rewind: Int32 = 0
+    draft_masks: list[bytes] = []  # grammar masks of the positions after each proposal
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step", omit_defaults=True):

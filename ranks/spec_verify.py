@@ -44,10 +44,12 @@ def mixed_seed(seed: int, *parts: int) -> int:
 def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
     """The k+1 sampling rows of a work with k proposals: base is the row of its last position
     (with the history up to and including every proposal); row j sees the history up to its
-    own position and carries the proposal it verifies (None on the last row)."""
+    own position, the grammar's mask there, and carries the proposal it verifies (None on the
+    last row)."""
     k = work.num_draft
     drafts = work.token_ids[len(work.token_ids) - k :]
     output = base.output_token_ids
+    masks = [base.allowed_mask, *work.draft_masks] if work.draft_masks else None
     rows = []
     for j in range(k + 1):
         seed = base.seed
@@ -57,6 +59,7 @@ def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
             replace(
                 base,
                 seed=seed,
+                allowed_mask=masks[j] if masks is not None else base.allowed_mask,
                 output_token_ids=output[: len(output) - k + j] if output else output,
                 draft_token=drafts[j] if j < k else None,
             )

@@ -5,6 +5,7 @@ and max_tokens), the adaptive off-switches, and the counters."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from spec_oracle import OracleIndex, use_oracle
@@ -235,3 +236,27 @@ def test_greedy_tokens_equal_without_speculation_across_two_ranks(model_factory,
     finally:
         llm.shutdown()
         reference_llm.shutdown()
+
+
+def grammar_requests(vocab: int) -> dict[int, list]:
+    from cpud.structured.spec import StructuredSpec
+
+    rng = random.Random(4)
+    prompt = [rng.randrange(4, vocab) for _ in range(15)]
+    items = ' "," '.join(["ITEM"] * 10)  # the mask changes from position to position
+    spec = StructuredSpec("grammar", f'start: "(" {items} ")"\nITEM: /[a-z][0-9]/')
+    params = SamplingParams(temperature=0, max_tokens=40, structured=spec)
+    return {0: [("grammar", prompt, params)]}
+
+
+def test_grammar_requests_verify_proposals_under_their_masks(model_factory, monkeypatch):
+    """A grammar-constrained request speculates: proposals the grammar refuses are cut before
+    they are sent, each position is verified under its own mask, and the output is the same."""
+    reference_llm, reference, llm, speculated = compare(
+        model_factory("qwen3"), monkeypatch, grammar_requests
+    )
+    assert_same(reference, speculated)
+    text = llm.tokenizer.decode(speculated["grammar"][0])
+    assert re.fullmatch(r"\((?:[a-z][0-9],){9}[a-z][0-9]\)", text), text
+    stats = llm.engine.spec.stats
+    assert stats.num_drafts > 3 and stats.num_accepted_tokens > 3

@@ -509,6 +509,7 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
         mask = seq.constraint.allowed_mask() if seq.constraint is not None else b""
+        masks = self.spec.take_masks(seq.seq_id) if draft and self.spec is not None else []
         return SeqWork(
             seq.seq_id,
             tokens,
@@ -521,6 +522,7 @@ class LLMEngine:
             mask,
             num_draft=len(draft),
             rewind=rewind,
+            draft_masks=masks,
         )
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:

@@ -6,9 +6,10 @@ positions; rank 0 verifies them (ranks/spec_verify.py) and returns the accepted 
 plus one token of its own. The rejected positions' KV is simply overwritten later: the next
 step tells the ranks to go back that many positions (SeqWork.rewind).
 
-Off for a sequence: while it is constrained by a grammar (its mask for the positions after a
-proposal is not computed: constrained requests do not speculate), while min_tokens bans
-tokens, and, for a while, when its proposals keep being rejected."""
+A grammar-constrained sequence proposes only what its grammar takes (cut at the first token it
+refuses or that ends it) and sends the grammar's mask after each proposal, so every position
+is verified under its own mask. Off for a sequence while min_tokens bans tokens, and, for a
+while, when its proposals keep being rejected."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class _SeqSpec:
     acceptance: float = 1.0
     paused: int = 0  # decode steps left without proposals
     rewind: int = 0  # rejected positions the ranks still hold past the sequence's end
+    masks: list[bytes] = field(default_factory=list)  # grammar masks after the proposals
 
 
 class SpecDecoder:
@@ -77,8 +79,7 @@ class SpecDecoder:
         """Proposals for a decoding sequence's next positions ([] for none this step)."""
         if num_running > self.config.disable_by_batch_size or seq.embed:
             return []
-        params = seq.params
-        if seq.constraint is not None or seq.num_output_tokens < params.min_tokens:
+        if seq.num_output_tokens < seq.params.min_tokens:
             return []
         # Room: every accepted proposal plus the target's own token stay within max_tokens and
         # the context.
@@ -93,7 +94,19 @@ class SpecDecoder:
         if state.paused:
             state.paused -= 1
             return []
-        return state.index.propose(seq.token_ids, room)
+        draft = state.index.propose(seq.token_ids, room)
+        if draft and seq.constraint is not None:
+            draft, state.masks = seq.constraint.draft_masks(draft)
+            state.masks = state.masks[1:] if draft else []
+        return draft
+
+    def take_masks(self, seq_id: int) -> list[bytes]:
+        """The grammar masks after each of the sequence's proposals just made (once)."""
+        state = self.seqs.get(seq_id)
+        if state is None:
+            return []
+        masks, state.masks = state.masks, []
+        return masks
 
     def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
         """What the ranks made of a sequence's num_draft proposals."""

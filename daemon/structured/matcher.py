@@ -50,6 +50,24 @@ class SequenceConstraint:
             raise ConstraintViolation(f"token {token_id} breaks the output grammar: {problem}")
         self._consumed += 1
 
+    def draft_masks(self, draft: list[int]) -> tuple[list[int], list[bytes]]:
+        """Speculative proposals checked against the grammar: the longest prefix of `draft`
+        it takes without ending, and the mask at each position to verify (before the first
+        kept proposal and after each: one more than kept). The state is left as it was."""
+        masks = [self.allowed_mask()]
+        kept: list[int] = []
+        for token in draft[: self._matcher.validate_tokens(draft)]:
+            self._matcher.consume_token(token)
+            kept.append(token)
+            if self._matcher.is_stopped():
+                kept.pop()  # the grammar's end: the sequence finishes on it, nothing follows
+                self._matcher.rollback(1)
+                break
+            masks.append(self._matcher.compute_bitmask())
+        if kept:
+            self._matcher.rollback(len(kept))
+        return kept, masks
+
     @property
     def complete(self) -> bool:
         """Nothing can follow but end of sequence: the output is whole."""
