@@ -507,7 +507,10 @@ def create_app(state: ServerState, cors: CorsPolicy | None = None) -> ASGIApp:
         },
     )
     if state.config.api_key:
-        open_paths = OPEN_PATHS if state.config.metrics_need_key else OPEN_PATHS | {"/metrics"}
+        # /get_load tells what /metrics does (vllm-router polls it without a key).
+        open_paths = (
+            OPEN_PATHS if state.config.metrics_need_key else OPEN_PATHS | {"/metrics", "/get_load"}
+        )
         app = ApiKeyGate(
             app,
             state.config.api_key,

@@ -299,3 +299,27 @@ def test_add_special_tokens_on_chat_adds_what_a_prompt_gets(server):
         i for i in range(len(marked) - len(plain) + 1) if marked[i:][: len(plain)] == plain
     )
     assert marked[start : start + len(plain)] == plain
+
+
+@pytest.mark.parametrize("metrics_need_key", [False, True])
+def test_get_load_is_open_where_metrics_are(model_factory, metrics_need_key):
+    """vllm-router polls /get_load without the API key: it tells no more than /metrics does,
+    so it is as open as /metrics."""
+    from starlette.testclient import TestClient
+
+    from cpud.frontend.app import create_app
+    from cpud.frontend.state import ServerConfig, ServerState
+    from cpud.text.tokenizer import Tokenizer
+
+    config = ServerConfig(("tiny",), 256, api_key="k3y", metrics_need_key=metrics_need_key)
+    state = ServerState(config, Tokenizer(model_factory("qwen3")))
+    try:
+        client = TestClient(create_app(state))
+        load = client.get("/get_load")
+        assert load.status_code == (401 if metrics_need_key else 200)
+        assert client.get("/get_load", headers={"Authorization": "Bearer k3y"}).json() == {
+            "load": 0
+        }
+        assert client.get("/get_server_info").status_code == 401
+    finally:
+        state.close()
