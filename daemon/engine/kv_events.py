@@ -154,6 +154,12 @@ class ZmqEventPublisher:
         self.recorder.cleared()  # a router's picture of this worker starts over
         self._thread.start()
         log.info("KV cache events on %s (topic %r)", self.config.endpoint, self.config.topic)
+        if self.config.endpoint.startswith(("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:")):
+            log.warning(
+                "KV cache events listen on every interface (%s): anyone who reaches the port "
+                "reads the token ids of cached prompts; bind a private address",
+                self.config.endpoint,
+            )
 
     def _run(self) -> None:
         while not self._stop.is_set():
