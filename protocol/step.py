@@ -86,6 +86,7 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     num_draft: Int32 = 0
     rewind: Int32 = 0
     draft_masks: list[bytes] = []  # grammar masks of the positions after each proposal
+    draft_seeds: list[Int64] = []  # seeds of the positions after each proposal (seeded rows)
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step", omit_defaults=True):

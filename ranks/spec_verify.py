@@ -10,8 +10,8 @@ over the history up to it, temperature, top-k, top-p, min-p), then:
   p without t; after k acceptances sample the bonus token from the last row's p. The emitted
   tokens are so distributed exactly as the target model's own samples.
 
-Seeded rows draw each position's randomness from generators seeded from the step's seed and
-the position, so a seeded request gives the same tokens however the batch looks.
+Seeded rows carry the seed plain decoding would use at each position (SeqWork.draft_seeds), so
+a seeded request gives the same tokens with or without speculation, however the batch looks.
 """
 
 from __future__ import annotations
@@ -50,11 +50,10 @@ def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
     drafts = work.token_ids[len(work.token_ids) - k :]
     output = base.output_token_ids
     masks = [base.allowed_mask, *work.draft_masks] if work.draft_masks else None
+    seeds = [base.seed, *work.draft_seeds] if base.seed is not None else [None] * (k + 1)
     rows = []
     for j in range(k + 1):
-        seed = base.seed
-        if seed is not None and j > 0:
-            seed = mixed_seed(seed, j)
+        seed = seeds[j] if j < len(seeds) else mixed_seed(base.seed, j)
         rows.append(
             replace(
                 base,
@@ -65,12 +64,6 @@ def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
             )
         )
     return rows
-
-
-def _uniform(row: SamplingRow, generator: torch.Generator) -> float:
-    if row.seed is not None:
-        generator = torch.Generator().manual_seed(mixed_seed(row.seed, -1))
-    return float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
 
 
 def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -144,21 +137,22 @@ def _accept_sampled(
     generator: torch.Generator,
     resample_residual: bool,
 ) -> list[int]:
+    """Each position draws its own sample x ~ p (the draw plain decoding makes there, with
+    the same seed); proposal t is accepted when x == t, which happens with probability p(t),
+    and a rejected position emits x, distributed as p without t renormalised: the residual
+    max(p - q, 0) of rejection sampling with a one-hot q. So the emitted tokens are the
+    target's, and a seeded request's are those it gets without speculation."""
     tokens = []
     for j, draft in enumerate(drafts):
-        p = probs[j]
-        total = float(p.sum())
-        chance = float(p[draft]) / total if 0 <= draft < p.shape[0] and total > 0 else 0.0
-        if _uniform(rows[j], generator) < chance:
-            tokens.append(draft)
+        sampled = int(draw(probs[j : j + 1], rows[j : j + 1], generator)[0])
+        tokens.append(sampled)
+        if sampled == draft:
             continue
-        residual = p.clone()
-        if resample_residual and 0 <= draft < p.shape[0]:
-            residual[draft] = 0.0
-        row = rows[j]
-        if row.seed is not None:
-            row = replace(row, seed=mixed_seed(row.seed, -2))
-        tokens.append(int(draw(residual[None], [row], generator)[0]))
+        if not resample_residual:  # the wrong verifier: a fresh draw from p, t included
+            row = rows[j]
+            if row.seed is not None:
+                row = replace(row, seed=mixed_seed(row.seed, -2))
+            tokens[-1] = int(draw(probs[j : j + 1], [row], generator)[0])
         return tokens
     tokens.append(int(draw(probs[-1:], rows[-1:], generator)[0]))
     return tokens

@@ -260,3 +260,28 @@ def test_grammar_requests_verify_proposals_under_their_masks(model_factory, monk
     assert re.fullmatch(r"\((?:[a-z][0-9],){9}[a-z][0-9]\)", text), text
     stats = llm.engine.spec.stats
     assert stats.num_drafts > 3 and stats.num_accepted_tokens > 3
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_the_same_with_speculation_whatever_the_batch(
+    model_factory, monkeypatch
+):
+    """Each verified position draws with the seed plain decoding uses there: a seeded request
+    gives the same tokens with speculation (proposals of its own plain output, some wrong) as
+    without, alone or beside others."""
+    model_dir = model_factory("qwen3")
+    plain = LLM(model_dir, dtype="float32", max_model_len=192)
+    rng = random.Random(8)
+    vocab = plain.config.model.vocab_size
+    prompt = [rng.randrange(4, vocab) for _ in range(12)]
+    others = [[rng.randrange(4, vocab) for _ in range(9)] for _ in range(3)]
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=21, max_tokens=30, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    want = list(plain.generate([prompt], seeded)[0].outputs[0].token_ids)
+    use_oracle(monkeypatch, {tuple(prompt): want}, vocab)
+    llm = LLM(model_dir, dtype="float32", max_model_len=192, speculative_config=NGRAM)
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    batched = llm.generate([*others, prompt], [other] * 3 + [seeded])[-1].outputs[0].token_ids
+    assert list(alone) == want and list(batched) == want
+    stats = llm.engine.spec.stats
+    assert stats.num_drafts > 6 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -510,6 +510,10 @@ class LLMEngine:
             banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
         mask = seq.constraint.allowed_mask() if seq.constraint is not None else b""
         masks = self.spec.take_masks(seq.seq_id) if draft and self.spec is not None else []
+        seeds = []
+        if draft and seq.seed is not None:
+            first = seq.num_output_tokens
+            seeds = [derive_seed(seq.seed, first + j) for j in range(1, len(draft) + 1)]
         return SeqWork(
             seq.seq_id,
             tokens,
@@ -523,6 +527,7 @@ class LLMEngine:
             num_draft=len(draft),
             rewind=rewind,
             draft_masks=masks,
+            draft_seeds=seeds,
         )
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
