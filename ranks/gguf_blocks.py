@@ -88,3 +88,30 @@ def to_dense(blocks: Blocks, dtype: torch.dtype) -> torch.Tensor:
     for r0 in range(0, rows, chunk):
         out[r0 : r0 + chunk] = _float_rows(blocks.qtype, blocks.data[r0 : r0 + chunk])
     return out
+
+
+def expert_blocks(source, expert: int, rows: slice, columns: slice = slice(None)) -> Blocks:
+    """Rows and a whole-block column range of `expert` from a GGUF loader's tensor source
+    (ranks/gguf_loader.py's TensorSource over a 3-D tensor), still in blocks."""
+    tensor = source.tensor
+    shape = tensor_shape(tensor)
+    if len(shape) != 3:
+        raise ConfigError(f"tensor {tensor.name} has shape {shape}, not [experts, rows, columns]")
+    experts, n_rows, n_cols = shape
+    fmt = FORMATS[tensor.tensor_type.name]
+    block, type_size = fmt.block_values, fmt.block_bytes
+    start, stop, _ = columns.indices(n_cols)
+    if start % block or stop % block:
+        raise ConfigError(
+            f"tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read from column "
+            f"{start} to {stop}: its blocks hold {block} values"
+        )
+    raw = tensor.data.view(np.uint8).reshape(experts, n_rows, -1)
+    picked = raw[expert, rows, start // block * type_size : stop // block * type_size]
+    count = len(range(*rows.indices(n_rows)))
+    return Blocks(tensor.tensor_type, picked, (count, stop - start))
+
+
+def expert_rows(source, expert: int, rows: slice, columns: slice = slice(None)) -> torch.Tensor:
+    """One expert's rows and whole-block columns, dense in the source's dtype."""
+    return to_dense(expert_blocks(source, expert, rows, columns), source.dtype)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from cpud.native.quant_formats import FORMATS, KERNEL_FORMATS
-from cpud.ranks.gguf_blocks import Blocks, tensor_shape, to_dense
+from cpud.native.quant_formats import KERNEL_FORMATS
+from cpud.ranks.gguf_blocks import expert_blocks
 from cpud.settings.errors import ConfigError
 
 PARTS = ("gate", "up", "down")
@@ -45,33 +45,6 @@ class ExpertsQuant:
     @property
     def packed_bytes(self) -> int:
         return sum(int(np.prod(s)) for s in self.shapes().values())
-
-
-def expert_blocks(source, expert: int, rows: slice, columns: slice = slice(None)) -> Blocks:
-    """Rows and a whole-block column range of `expert` from a GGUF loader's tensor source
-    (ranks/gguf_loader.py's TensorSource over a 3-D tensor), still in blocks."""
-    tensor = source.tensor
-    shape = tensor_shape(tensor)
-    if len(shape) != 3:
-        raise ConfigError(f"tensor {tensor.name} has shape {shape}, not [experts, rows, columns]")
-    experts, n_rows, n_cols = shape
-    fmt = FORMATS[tensor.tensor_type.name]
-    block, type_size = fmt.block_values, fmt.block_bytes
-    start, stop, _ = columns.indices(n_cols)
-    if start % block or stop % block:
-        raise ConfigError(
-            f"tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read from column "
-            f"{start} to {stop}: its blocks hold {block} values"
-        )
-    raw = tensor.data.view(np.uint8).reshape(experts, n_rows, -1)
-    picked = raw[expert, rows, start // block * type_size : stop // block * type_size]
-    count = len(range(*rows.indices(n_rows)))
-    return Blocks(tensor.tensor_type, picked, (count, stop - start))
-
-
-def expert_rows(source, expert: int, rows: slice, columns: slice = slice(None)) -> torch.Tensor:
-    """One expert's rows and whole-block columns, dense in the source's dtype."""
-    return to_dense(expert_blocks(source, expert, rows, columns), source.dtype)
 
 
 def plan_experts(

@@ -177,7 +177,7 @@ class MoEExperts(Layer):
         if self.quant_plan is not None:
             self.quant_sources[("gate", "up")[part]] = source
             return
-        from cpud.ranks.gguf_experts import expert_rows
+        from cpud.ranks.gguf_blocks import expert_rows
 
         for e in range(self.num_experts):
             self._store(0, param, e, part * self.inter, expert_rows(source, e, rows))
@@ -196,7 +196,7 @@ class MoEExperts(Layer):
         if self.quant_plan is not None:
             self.quant_sources["down"] = source
             return
-        from cpud.ranks.gguf_experts import expert_rows
+        from cpud.ranks.gguf_blocks import expert_rows
 
         for e in range(self.num_experts):
             self._store(1, param, e, 0, expert_rows(source, e, slice(None), columns))
