@@ -96,6 +96,7 @@ def assert_same(reference: dict, speculated: dict) -> None:
     [
         pytest.param({"max_num_batched_tokens": 48}, id="chunked-prefill-and-prefix-hits"),
         pytest.param({"num_kv_blocks": 20, "max_num_batched_tokens": 64}, id="preemption"),
+        pytest.param({"kernels": "torch", "max_num_batched_tokens": 48}, id="torch-kernels"),
     ],
 )
 def test_greedy_tokens_equal_without_speculation(model_factory, monkeypatch, engine):
