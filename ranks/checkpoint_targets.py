@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from cpud.ranks.models.expert_views import Mxfp4Rows
 from cpud.settings.errors import ConfigError
 
 
@@ -36,7 +37,7 @@ class RowWindow:
         return self.source.blocks(self._rows(rows), columns)
 
 
-Window = tuple[int, int] | Callable[[Any], Any] | None
+Window = tuple[int, int] | Mxfp4Rows | Callable[[Any], Any] | None
 
 
 def targets(model: nn.Module, name: str) -> list[tuple[str, object, Window]]:
@@ -70,7 +71,11 @@ def load_tensor(
             raise missing()
         if target not in skip:
             piece = wrap(source, param, shard_id)
-            if callable(window):
+            if isinstance(window, Mxfp4Rows):
+                from cpud.ranks.hf_mxfp4 import Mxfp4Stack
+
+                piece = Mxfp4Stack(piece, window.rows)
+            elif callable(window):
                 piece = window(piece)
             elif window is not None:
                 piece = RowWindow(piece, *window)

@@ -10,6 +10,7 @@ stacks go to the weight cache under the layer's name like other packed weights."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,35 @@ def expert_plans(model: nn.Module, checked: Any) -> dict[str, ExpertsQuant]:
     plans = {}
     for name, found in types.items():
         plan = plan_experts(layers[name], found, names[name])
+        if plan is not None:
+            plans[name] = plan
+    return plans
+
+
+def hf_expert_plans(model: Any, model_dir: Path) -> dict[str, Any]:
+    """The expert layers of a model loading from a Hugging Face directory whose MXFP4 expert
+    stacks stay in their blocks (plan_experts), by module name."""
+    from safetensors import safe_open
+
+    from cpud.model.safetensors_check import weight_files
+    from cpud.ranks.hf_mxfp4 import BLOCKS, pair_names
+
+    layers = expert_layers(model)
+    if not layers:
+        return {}
+    names: set[str] = set()
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    pairs = pair_names(names)
+    plans = {}
+    for name, layer in layers.items():
+        stems = {part: f"{name}.{part}_proj{BLOCKS}" for part in ("gate_up", "down")}
+        if not all(stem in pairs for stem in stems.values()):
+            continue
+        types = dict.fromkeys(("gate", "up", "down"), "MXFP4")
+        tensors = {"gate": stems["gate_up"], "up": stems["gate_up"], "down": stems["down"]}
+        plan = plan_experts(layer, types, tensors)
         if plan is not None:
             plans[name] = plan
     return plans

@@ -6,7 +6,6 @@ of its values (cpud.native.mxfp4 gives the format): value = E2M1(code) * 2^(e - 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -96,32 +95,3 @@ class Mxfp4Stack:
     def get_shape(self) -> list[int]:
         columns, count, experts = (int(d) for d in self.tensor.shape)
         return [experts, count, columns]
-
-
-def hf_expert_plans(model: Any, model_dir: Path) -> dict[str, Any]:
-    """The expert layers of a model loading from a Hugging Face directory whose MXFP4 expert
-    stacks stay in their blocks (ranks/gguf_experts.py plans), by module name."""
-    from safetensors import safe_open
-
-    from cpud.model.safetensors_check import weight_files
-    from cpud.ranks.gguf_experts import expert_layers, plan_experts
-
-    layers = expert_layers(model)
-    if not layers:
-        return {}
-    names: set[str] = set()
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
-    pairs = pair_names(names)
-    plans = {}
-    for name, layer in layers.items():
-        stems = {part: f"{name}.{part}_proj{BLOCKS}" for part in ("gate_up", "down")}
-        if not all(stem in pairs for stem in stems.values()):
-            continue
-        types = dict.fromkeys(("gate", "up", "down"), "MXFP4")
-        tensors = {"gate": stems["gate_up"], "up": stems["gate_up"], "down": stems["down"]}
-        plan = plan_experts(layer, types, tensors)
-        if plan is not None:
-            plans[name] = plan
-    return plans

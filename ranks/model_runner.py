@@ -136,7 +136,7 @@ class ModelRunner:
 
             return dense_plan(self.model, config.quantization), False
         if not config.model_dir.is_file():
-            from cpud.ranks.hf_mxfp4 import hf_expert_plans  # MXFP4 experts stay in blocks
+            from cpud.ranks.gguf_experts import hf_expert_plans  # MXFP4 experts stay in blocks
 
             return hf_expert_plans(self.model, config.model_dir), False
         from cpud.ranks.quant_plan import gguf_quant_plan

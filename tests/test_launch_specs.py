@@ -100,12 +100,14 @@ def test_no_import_cycle_anywhere():
 
 
 # The torch-free part of the ranks the control plane reads configs through: the family
-# registry and the family modules (config mappings and recipes), and their empty packages.
+# registry and the family modules (config mappings and recipes), the checkpoint views they
+# hand the loader (expert_views), and their empty packages.
 FAMILY_MODULES = (
     "cpud.ranks",
     "cpud.ranks.models",
     "cpud.ranks.models.registry",
     "cpud.ranks.models.family",
+    "cpud.ranks.models.expert_views",
 )
 
 

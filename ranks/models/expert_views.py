@@ -13,6 +13,7 @@ checkpoint's slices come back as tensors)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
@@ -57,13 +58,16 @@ def _view(deinterleave: int | None, transposed: bool) -> Any:
     return lambda source: StackView(source, deinterleave, transposed)
 
 
+@dataclass(frozen=True)
+class Mxfp4Rows:
+    """A window of an MXFP4 `*_blocks` stack's rows, read as GGUF rows by the loader
+    (ranks/checkpoint_targets.py through ranks/hf_mxfp4.py, which needs torch)."""
+
+    rows: slice
+
+
 def _mxfp4_rows(rows: slice) -> Any:
-    def view(source: Any) -> Any:
-        from cpud.ranks.hf_mxfp4 import Mxfp4Stack
-
-        return Mxfp4Stack(source, rows)
-
-    return view
+    return Mxfp4Rows(rows)
 
 
 def _identity(source: Any) -> Any:
