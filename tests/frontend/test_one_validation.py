@@ -10,6 +10,7 @@ import pytest
 
 from cpud import LLM, SamplingParams
 from cpud.engine.admission import Admission
+from cpud.engine.outputs import accumulate
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.errors import APIError
 from cpud.frontend.openai_api import start_requests
@@ -85,9 +86,7 @@ def test_the_server_validates_once_and_compiles_off_the_event_loop(llm, monkeypa
             streams = await start_requests(state, "cmpl-1", prompts, params)
             finals = []
             for stream in streams:
-                async for out in stream:
-                    final = out
-                finals.append(final)
+                finals.append(accumulate([out async for out in stream]))
             too_long = Prompt([1] * llm.config.max_model_len, None)
             with pytest.raises(APIError) as refused:
                 await start_requests(state, "cmpl-2", [*prompts, too_long], params)
