@@ -1,0 +1,85 @@
+"""cpud against llama.cpp on one quantized MoE GGUF file, interleaved rounds (llama.cpp, cpud,
+llama.cpp, cpud, ...): prefill 512 (llama-bench pp512), decode 1 stream (tg64) and decode 32
+streams (llama-batched-bench S_TG) beside perf/bench_moe.py's figures on the same file.
+
+    python perf/bench_moe_peer.py --quant Q4_K_M [--rounds 2] [--json OUT]
+    python perf/bench_moe_peer.py --gguf FILE.gguf
+
+--quant makes (once) the qwen3-30b-a3b-6l fixture as a GGUF file of that mix in --workdir, as
+bench_moe.py does. llama.cpp comes from perf/peers/llamacpp.py (b11434).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+
+import llamacpp  # noqa: E402
+
+
+def cpud_round(gguf: Path, threads: int, steps: int) -> dict:
+    cmd = [sys.executable, str(HERE / "bench_moe.py"), "--model", str(gguf), "--rounds", "1"]
+    cmd += ["--steps", str(steps), "--threads", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    summary = json.loads(out[out.index("{") :])
+    median = summary["median"]
+    return {
+        "read_probe_gbs": summary["read_probe_gbs"],
+        "decode_1_of_probe": summary["decode_1_of_probe"],
+        "prefill_512": median["prefill_512"],
+        "decode_1": median["decode_1"]["tok_s"],
+        "decode_32": median["decode_32"]["tok_s"],
+        "decode_1_read_gbs": median["decode_1"]["weight_read_gbs"],
+    }
+
+
+def peer_round(gguf: Path, threads: int) -> dict:
+    bins = llamacpp.ensure_built()
+    return {
+        "prefill_512": llamacpp.bench_prefill(gguf, 512, threads, reps=1, bin_dir=bins)["tok_s"],
+        "decode_1": llamacpp.bench_decode(gguf, threads, 64, reps=1, bin_dir=bins)["tok_s"],
+        "decode_32": llamacpp.bench_batched(gguf, 32, threads=threads, bin_dir=bins)["tok_s"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--quant", default="Q4_K_M")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    gguf = args.gguf
+    if gguf is None:
+        import bench_moe
+
+        from cpud.fixtures import make_model
+
+        source = args.workdir / f"qwen3_moe-{bench_moe.PRESET}"
+        if not (source / "config.json").exists():
+            make_model("qwen3_moe", bench_moe.PRESET, source, dtype="bfloat16")
+        gguf = bench_moe.make_gguf(source, args.quant, args.workdir)
+    rounds = []
+    for i in range(args.rounds):
+        peer = peer_round(gguf, args.threads)
+        ours = cpud_round(gguf, args.threads, args.steps)
+        ratio = {k: ours[k] / peer[k] for k in peer}  # cpud / llama.cpp
+        rounds.append({"llama.cpp": peer, "cpud": ours, "ratio": ratio})
+        print(json.dumps({"round": i + 1, **rounds[-1]}), flush=True)
+    result = {"gguf": str(gguf), "bytes": gguf.stat().st_size, "threads": args.threads}
+    result["rounds"] = rounds
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
