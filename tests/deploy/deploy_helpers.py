@@ -164,6 +164,7 @@ class _FakeEngine:
         self.engine = self
         self.executor = self
         self.grammars = GrammarCompiler(tokenizer=None)  # its statistics, nothing compiled
+        self.spec = None  # no speculative decoding
 
     def stats(self) -> _AnyStats:
         return _AnyStats()
