@@ -6,6 +6,7 @@ is transformers' fp32 one within 1 %."""
 
 from __future__ import annotations
 
+import copy
 import math
 from importlib import metadata
 
@@ -44,16 +45,23 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SAME_TOKENS = 8
 
 
-def reference_answer(tokenizer, int8: bool, tokens: int = SAME_TOKENS) -> str:
-    """transformers' fp32 greedy answer on the dequantized file, its linears' inputs rounded
-    as the int8 kernels round them when `int8`."""
+@pytest.fixture(scope="module")
+def hf_fp32():
+    """transformers' fp32 model on the dequantized file, loaded once for the module."""
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
+
+
+def reference_answer(tokenizer, hf_fp32, int8: bool, tokens: int = SAME_TOKENS) -> str:
+    """transformers' fp32 greedy answer on the dequantized file, its linears' inputs rounded
+    as the int8 kernels round them when `int8` (on a copy of the model)."""
+    hf = hf_fp32
     if int8:
+        hf = copy.deepcopy(hf_fp32)
         with_int8_activations(hf)
     ids = tokenizer.encode(tokenizer.apply_chat_template(QUESTION), add_special_tokens=False)
     with torch.inference_mode():
@@ -61,19 +69,19 @@ def reference_answer(tokenizer, int8: bool, tokens: int = SAME_TOKENS) -> str:
     return tokenizer.decode(out[0][len(ids) :].tolist())
 
 
-def test_dequantized_weights_answer_paris():
+def test_dequantized_weights_answer_paris(hf_fp32):
     """--quantization none (the file's blocks dequantized, bf16 activations) answers as
     transformers' fp32 model: Paris."""
     llm = LLM(default_model_path(), quantization="none", weight_cache="off")
     try:
         text = llm.chat(QUESTION, SamplingParams(max_tokens=16, temperature=0))[0]
-        want = reference_answer(llm.tokenizer, int8=False, tokens=16)
+        want = reference_answer(llm.tokenizer, hf_fp32, int8=False, tokens=16)
     finally:
         llm.shutdown()
     assert "Paris" in want and text.outputs[0].text == want, (text.outputs[0].text, want)
 
 
-def test_plain_cpud_answers_the_capital_of_france(tmp_path):
+def test_plain_cpud_answers_the_capital_of_france(tmp_path, hf_fp32):
     """Plain `cpud` runs the int8 kernels; its answer starts as transformers' with the same
     activation rounding. (That rounding flips this prompt's near-tied first token: "The" at
     -1.88 against "L" at -1.97 in fp32 becomes "L" first, and the answer names no city.)"""
@@ -106,15 +114,13 @@ def test_plain_cpud_answers_the_capital_of_france(tmp_path):
         got = answer["choices"][0]["message"]["content"]
         from cpud.text.tokenizer import Tokenizer
 
-        want = reference_answer(Tokenizer(default_model_path()), int8=True)
+        want = reference_answer(Tokenizer(default_model_path()), hf_fp32, int8=True)
         assert got.startswith(want), (got, want)
     finally:
         server.stop()
 
 
-def test_mean_nll_of_real_text_matches_transformers():
-    from transformers import AutoModelForCausalLM
-
+def test_mean_nll_of_real_text_matches_transformers(hf_fp32):
     path = default_model_path()
     llm = LLM(path)
     try:
@@ -126,11 +132,8 @@ def test_mean_nll_of_real_text_matches_transformers():
         ]
     finally:
         llm.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
     with torch.inference_mode():
-        logits = hf(input_ids=torch.tensor([tokens])).logits[0].float()
+        logits = hf_fp32(input_ids=torch.tensor([tokens])).logits[0].float()
     logprobs = logits.log_softmax(-1)
     theirs = [-float(logprobs[i, t]) for i, t in enumerate(tokens[1:])]
     ours_mean, theirs_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)

@@ -113,13 +113,13 @@ def test_sigterm_while_loading_stops_everything_promptly(model_factory, tmp_path
 
 
 def test_rank_that_never_answers_the_handshake_is_named(model_factory, tmp_path, servers):
-    srv = launch(model_factory("llama"), tmp_path / "s.log", *TP2, "--ready-timeout", "15")
+    srv = launch(model_factory("llama"), tmp_path / "s.log", *TP2, "--ready-timeout", "10")
     servers.append(srv)
     ranks = wait_for_children(srv.proc.pid, b"rank1.json", 1)
     os.kill(ranks[0], signal.SIGSTOP)
     all_children = child_pids(srv.proc.pid)
     assert srv.proc.wait(45) == 3
-    assert "rank(s) [1] did not report ready within 15 s" in srv.log()
+    assert "rank(s) [1] did not report ready within 10 s" in srv.log()
     time.sleep(0.2)
     assert gone(all_children)
 
