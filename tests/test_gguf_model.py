@@ -275,7 +275,8 @@ def test_unsupported_architecture(tmp_path):
     writer.close()
     with pytest.raises(
         ConfigError,
-        match=r"architecture 'phi2' is not supported \(supported: bert, gemma3, gpt-oss, granite, llama, ",
+        match=r"architecture 'phi2' is not supported \(supported: bert, gemma3, gpt-oss, granite, "
+        r"llama, ",
     ):
         load_model_config(tmp_path / "phi.gguf")
 
