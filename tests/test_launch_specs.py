@@ -236,8 +236,11 @@ def test_doctor_plans_what_serve_would(model_factory):
     args = EngineArgs(
         model=model_factory("llama"), dtype="float32", kv_cache_fraction=0.001, max_num_seqs=10**5
     )
-    doctor = plan(DoctorInputs(engine=args))
-    assert doctor.config == plan_start(args, Path(args.model)).config
+    doctor = plan(DoctorInputs(engine=args)).config
+    serve = plan_start(args, Path(args.model)).config
+    # A KV fraction is of the memory available at each call, which other processes move a little.
+    assert abs(doctor.num_kv_blocks - serve.num_kv_blocks) <= max(2, serve.num_kv_blocks // 100)
+    assert doctor == dataclasses.replace(serve, num_kv_blocks=doctor.num_kv_blocks)
 
 
 def test_every_engine_setting_has_a_serve_flag_and_reaches_doctor():
