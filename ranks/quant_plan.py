@@ -99,6 +99,16 @@ def _linears_per_layer(cfg: ModelConfig) -> int:
     return registry.by_name(cfg.family).linears_per_layer
 
 
+def _mxfp4_stacks(model_dir: str | Path, kept: bool) -> list[tuple[str, int, str]]:
+    """The weight_formats row of a checkpoint's MXFP4 expert stacks (gpt-oss), if it has any:
+    kept in their blocks, else dequantized at load."""
+    from cpud.model.hf_mxfp4_experts import mxfp4_expert_stacks
+
+    count = len(mxfp4_expert_stacks(model_dir))
+    kernel = _kernel(None, "MXFP4") if kept else "dense GEMM (dequantized at load)"
+    return [("MXFP4 expert stacks", count, kernel)] if count else []
+
+
 def weight_formats(
     path: str | Path, quantization: str = "auto", cfg: ModelConfig | None = None
 ) -> list[tuple[str, int, str]]:
@@ -113,10 +123,11 @@ def weight_formats(
         if cfg is None:
             raise ValueError("weight_formats of a checkpoint directory needs its config")
         linears = cfg.num_layers * _linears_per_layer(cfg)
+        experts = _mxfp4_stacks(path, fast and quantization == "auto")
         if quantization not in DENSE_TYPES or not fast:
-            return [("dense", linears + (not cfg.tie_word_embeddings), "dense GEMM")]
+            return [("dense", linears + (not cfg.tie_word_embeddings), "dense GEMM"), *experts]
         at_load = " (quantized at load)"
-        return [
+        return experts + [
             (
                 DENSE_TYPES[quantization] + at_load,
                 linears,

@@ -125,7 +125,8 @@ def quantized_weight_bytes(
     """Bytes of one rank's weight shard as it stays resident: a GGUF file's quantized matrices
     at their size in the file under --quantization auto (a tied quantized table counts twice:
     the file's rows for lookups and the LM head's packed copy), the linears in their block
-    type and the LM head and the table in Q8_0 under q8_0|q4_0|q4_k; the rest in `dtype`."""
+    type and the LM head and the table in Q8_0 under q8_0|q4_0|q4_k; a checkpoint's MXFP4
+    expert stacks (gpt-oss) at their size under auto; the rest in `dtype`."""
     from cpud.model.quant_check import BLOCKS, DENSE_TYPES, HEAD_TYPE, quantized_bytes
 
     size = dtype_bytes(dtype)
@@ -141,8 +142,13 @@ def quantized_weight_bytes(
             - (linears + table * (2 - model.tie_word_embeddings)) * size
             + (quant + 2 * quantized_bytes(table, HEAD_TYPE))
         )
-    if quantization != "auto" or not Path(model_dir).is_file():
+    if quantization != "auto":
         return dense
+    if not Path(model_dir).is_file():  # MXFP4 expert stacks stay in their blocks (gpt-oss)
+        from cpud.model.hf_mxfp4_experts import mxfp4_expert_stacks
+
+        stacks = mxfp4_expert_stacks(model_dir)
+        return dense + sum(-(-s.nbytes // tp) - s.values // tp * size for s in stacks)
     from cpud.model.gguf_model import read_gguf_model
 
     checked = read_gguf_model(model_dir)
