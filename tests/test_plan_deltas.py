@@ -42,16 +42,17 @@ def run_requests(llm: LLM, schedule: dict[int, list], resend: bool, abort: tuple
     stateless plans did)."""
     engine = llm.engine
     if resend:
-        sent = engine._sent
+        planner = engine.planner
+        sent = planner.sent
 
-        def forget_all(plan):
-            sent(plan)
+        def forget_all(plan, live):
+            sent(plan, live)
             for seq in engine.seqs.values():
                 if seq.on_ranks:
                     seq.on_ranks, seq.blocks_on_ranks = False, 0
-                    engine._to_drop.add(seq.seq_id)
+                    planner.to_drop.add(seq.seq_id)
 
-        engine._sent = forget_all
+        planner.sent = forget_all
     folds: dict[str, OutputAccumulator] = {}
     step = 0
     while step <= max(schedule) or engine.has_unfinished():
@@ -63,7 +64,7 @@ def run_requests(llm: LLM, schedule: dict[int, list], resend: bool, abort: tuple
             folds.setdefault(out.request_id, OutputAccumulator()).add(out)
         step += 1
     held = set(engine.executor.runner.seqs.held)
-    assert held == engine._to_drop  # the ranks hold nothing but what the next step drops
+    assert held == engine.planner.to_drop  # the ranks hold nothing but what the next step drops
     return {rid: [list(o.token_ids) for o in f.result().outputs] for rid, f in folds.items()}
 
 

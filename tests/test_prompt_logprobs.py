@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cpud import LLM, Logprob, SamplingParams
-from cpud.engine.llm_engine import prompt_scoring
 from cpud.engine.output_builder import TokenNames, add_prompt_logprobs
 from cpud.engine.sequence import Sequence
+from cpud.engine.step_planner import prompt_scoring
 from cpud.protocol.control import FromRank
 from cpud.protocol.step import PromptLogprobs, PromptScoring, SeqWork, StepPlan, StepResult
 from hf_reference import hf_logits

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpud import SamplingParams
-from cpud.engine.llm_engine import sampling_spec
+from cpud.engine.step_planner import sampling_spec
 from cpud.protocol.step import NewSeq, wire_error
 from cpud.ranks.sampler import SamplingRow, allowed_tokens, sample
 

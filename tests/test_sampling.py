@@ -9,7 +9,7 @@ import torch
 
 from cpud import LLM, SamplingParams
 from cpud.engine.detokenizer import IncrementalDetokenizer
-from cpud.engine.llm_engine import sampling_spec
+from cpud.engine.step_planner import sampling_spec
 from cpud.ranks.sampler import SamplingRow, sample
 from cpud.settings.errors import RequestError
 from cpud.text.tokenizer import Tokenizer

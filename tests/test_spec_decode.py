@@ -33,7 +33,7 @@ def run(llm: LLM, schedule: dict[int, list]) -> dict[str, list]:
             folds.setdefault(out.request_id, OutputAccumulator()).add(out)
         step += 1
     if hasattr(engine.executor, "runner"):
-        assert set(engine.executor.runner.seqs.held) == engine._to_drop
+        assert set(engine.executor.runner.seqs.held) == engine.planner.to_drop
     results = {}
     for rid, fold in folds.items():
         out = fold.result().outputs[0]

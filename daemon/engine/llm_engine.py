@@ -10,7 +10,6 @@ executor, a rank) propagates.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -24,17 +23,15 @@ from cpud.engine.executor import Executor
 from cpud.engine.output_builder import OutputBuilder
 from cpud.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from cpud.engine.request import Request
+from cpud.engine.request_checks import check_request
 from cpud.engine.sampling_params import SamplingParams
 from cpud.engine.scheduler import Scheduler, SchedulerOutput
 from cpud.engine.sequence import Sequence
 from cpud.engine.spec_decode import spec_decoder
+from cpud.engine.step_planner import StepPlanner, derive_seed, end_tokens
 from cpud.protocol.step import (
     Embedding,
-    NewSeq,
-    PromptScoring,
     SampledToken,
-    SamplingSpec,
-    SeqWork,
     StepPlan,
     StepResult,
     wire_error,
@@ -59,25 +56,6 @@ def describe(exc: BaseException) -> str:
     except Exception:
         text = ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers, stable across processes and runs."""
-    data = b"".join(int(p).to_bytes(16, "little", signed=True) for p in parts)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
-
-
-def sampling_spec(params: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        temperature=0.0 if params.greedy else params.temperature,
-        top_k=params.top_k if params.top_k > 0 else 0,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        num_logprobs=-1 if params.logprobs is None else params.logprobs,
-    )
 
 
 def end_token_ids(config: EngineConfig, tokenizer: Tokenizer) -> frozenset[int]:
@@ -118,10 +96,7 @@ class LLMEngine:
         self.grammars = grammars
         self.outputs = OutputBuilder(tokenizer)
         self._seq_ids = itertools.count()
-        # Sequences the ranks hold and should drop (finished, aborted, preempted): sent with
-        # the next plan that reaches them.
-        self._to_drop: set[int] = set()
-        self._step_ids = itertools.count()
+        self.planner = StepPlanner(self.spec, self.eos_token_ids)
         # False (the offline API): step() raises a request's failure once it is cleaned up.
         # True (the server): failures are filed in `failures` and the step goes on.
         self.isolate_requests = False
@@ -134,54 +109,7 @@ class LLMEngine:
         result carries what the checks worked out (the output budget, the compiled grammar)
         to `admit`. Thread-safe: the server runs it before the request reaches the engine
         thread, in a worker thread when it compiles a grammar."""
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        if not self.config.model.generates:
-            raise RequestError(
-                f"model {self.config.model_dir.name} is an embedding model: use "
-                "/v1/embeddings (LLM.embed offline)",
-                param="model",
-            )
-        vocab = self.config.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(
-                f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
-            )
-        limit = self.config.max_model_len
-        if len(prompt_token_ids) >= limit:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {limit} "
-                f"tokens and needs room for at least one generated token",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        room = limit - len(prompt_token_ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError(
-                f"max_tokens {params.max_tokens} is too large: the prompt has "
-                f"{len(prompt_token_ids)} tokens and the context is {limit}, so at most {room}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(
-                f"logit_bias names token {bad}, outside the vocabulary [0, {vocab})",
-                param="logit_bias",
-            )
-        grammar = None
-        if params.structured is not None:
-            grammar = self.grammars.start(params.structured)
-        max_tokens = params.max_tokens or room
-        needed = -(-(len(prompt_token_ids) + max_tokens) // self.config.block_size)
-        if needed > self.config.num_kv_blocks:
-            raise RequestError(
-                f"the request needs {needed} KV blocks but the whole cache has "
-                f"{self.config.num_kv_blocks}: lower max_tokens or raise --kv-cache-space",
-                param="max_tokens",
-            )
-        return Admission(tuple(prompt_token_ids), params, max_tokens, grammar)
+        return check_request(self.config, self.grammars, prompt_token_ids, params)
 
     def validate_embedding(self, prompt_token_ids: list[int], param: str = "input") -> Admission:
         """Checks an embedding request against the engine (RequestError when its prompt cannot
@@ -232,7 +160,8 @@ class LLMEngine:
             )
             if admission.grammar is not None:
                 seq.constraint = admission.grammar.constraint()
-            why = wire_error(self._new_seq(seq, 0)) or wire_error(self._work(seq, 0, 0, True))
+            new, work = self.planner.new_seq(seq, 0), self.planner.work(seq, 0, 0, True)
+            why = wire_error(new) or wire_error(work)
             if why is not None:
                 raise RequestError(
                     f"the request's sampling settings cannot be sent to the model ranks ({why}): "
@@ -294,6 +223,9 @@ class LLMEngine:
             )
         self.failures.append((request_id, exc))
 
+    def _fail_planning(self, seq: Sequence, exc: Exception) -> None:
+        self._fail(seq.request_id, exc, "planning its step")
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
@@ -306,12 +238,12 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with an idle engine")
             return []
         for seq in sched.preempted:  # recomputed later as a sequence the ranks start again
-            self._forget_on_ranks(seq)
-        plan = self._plan(sched)
+            self.planner.forget(seq)
+        plan = self.planner.plan(sched, self.seqs, self._fail_planning)
         result = self._execute(plan) if plan.seqs else None
         if result is None:
             return self._end_step([])
-        self._sent(plan)
+        self.planner.sent(plan, self.seqs)
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = item.seq
@@ -422,116 +354,12 @@ class LLMEngine:
             culprits = {w.seq_id for w in items if wire_error(w, check_ranges=False)}
             if not culprits:
                 raise
-            for work in plan.seqs:
-                self._to_drop.add(work.seq_id)
-                seq = self.seqs.get(work.seq_id)
-                if seq is not None:
-                    seq.on_ranks, seq.blocks_on_ranks = False, 0
+            self.planner.unsent(plan, self.seqs)
             for seq_id in culprits:
                 seq = self.seqs.get(seq_id)
                 if seq is not None:
                     self._fail(seq.request_id, exc, "sending its step to the ranks")
             return None
-
-    def _plan(self, sched: SchedulerOutput) -> StepPlan:
-        """The step's plan: a NewSeq for each sequence the ranks do not hold, each sequence's
-        new tokens and blocks, the sequences to drop."""
-        works, news = [], []
-        for item in sched.scheduled:
-            seq = item.seq
-            try:
-                start = seq.num_computed_tokens
-                if not seq.on_ranks:
-                    news.append(self._new_seq(seq, start))
-                work = self._work(seq, start, item.num_tokens, item.samples, item.draft)
-            except Exception as exc:
-                self._fail(seq.request_id, exc, "planning its step")
-                continue
-            works.append(work)
-        works = [w for w in works if w.seq_id in self.seqs]  # drop choices of failed requests
-        news = [n for n in news if n.seq_id in self.seqs]
-        dropped = sorted(self._to_drop)
-        return StepPlan(next(self._step_ids), works, news, dropped)
-
-    def _sent(self, plan: StepPlan) -> None:
-        """The ranks have the plan: they hold its sequences with all their blocks, and have
-        dropped what it dropped."""
-        self._to_drop.difference_update(plan.dropped)
-        for work in plan.seqs:
-            seq = self.seqs.get(work.seq_id)
-            if seq is not None and not seq.finished:
-                seq.on_ranks = True
-                seq.blocks_on_ranks = len(seq.blocks.block_ids)
-            else:
-                self._to_drop.add(work.seq_id)  # it ended while the step was planned
-
-    def _new_seq(self, seq: Sequence, start: int) -> NewSeq:
-        """What the ranks keep of a sequence they start holding at position `start`."""
-        if seq.embed:
-            return NewSeq(seq.seq_id)
-        params = seq.params
-        history = seq.token_ids[:start] if params.needs_penalties else []
-        return NewSeq(
-            seq.seq_id,
-            sampling_spec(params),
-            [token for token, _ in params.logit_bias],
-            [bias for _, bias in params.logit_bias],
-            history,
-            seq.num_prompt_tokens,
-        )
-
-    def _work(
-        self, seq: Sequence, start: int, num_tokens: int, samples: bool, draft: tuple = ()
-    ) -> SeqWork:
-        """The sequence's part of the step: its new tokens (then its speculative proposals),
-        and its new blocks (all of them, from an explicit position, when the ranks start
-        holding it)."""
-        tokens = seq.token_ids[start : start + num_tokens - len(draft)] + list(draft)
-        table = seq.blocks.block_ids
-        rewind = self.spec.take_rewind(seq.seq_id) if self.spec is not None else 0
-        if seq.on_ranks:
-            at: int | None = None
-            blocks = table[seq.blocks_on_ranks :]
-        else:
-            at, blocks, rewind = start, list(table), 0
-        if seq.embed:
-            return SeqWork(seq.seq_id, tokens, at, blocks, False, embed=True)
-        scoring = prompt_scoring(seq, start, num_tokens)
-        if not samples:
-            return SeqWork(
-                seq.seq_id, tokens, at, blocks, False, prompt_scoring=scoring, rewind=rewind
-            )
-        params = seq.params
-        seed = None
-        if seq.seed is not None:
-            seed = derive_seed(seq.seed, seq.num_output_tokens)
-        banned: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
-            banned = sorted(set(params.stop_token_ids) | self._eos_for(params))
-        mask = seq.constraint.allowed_mask() if seq.constraint is not None else b""
-        masks = self.spec.take_masks(seq.seq_id) if draft and self.spec is not None else []
-        seeds = []
-        if draft and seq.seed is not None:
-            first = seq.num_output_tokens
-            seeds = [derive_seed(seq.seed, first + j) for j in range(1, len(draft) + 1)]
-        return SeqWork(
-            seq.seq_id,
-            tokens,
-            at,
-            blocks,
-            True,
-            seed,
-            banned,
-            scoring,
-            mask,
-            num_draft=len(draft),
-            rewind=rewind,
-            draft_masks=masks,
-            draft_seeds=seeds,
-        )
-
-    def _eos_for(self, params: SamplingParams) -> frozenset[int]:
-        return frozenset() if params.ignore_eos else self.eos_token_ids
 
     def _append(self, seq: Sequence, sampled: SampledToken) -> None:
         token = sampled.token_id
@@ -543,7 +371,7 @@ class LLMEngine:
             seq.constraint.advance(token)
         params = seq.params
         may_stop = seq.num_output_tokens >= params.min_tokens
-        eos = token in self._eos_for(params)
+        eos = token in end_tokens(params, self.eos_token_ids)
         if may_stop and (eos or token in params.stop_token_ids):
             if params.include_stop_str_in_output:  # its text, unless skip_special_tokens drops it
                 seq.detokenizer.add(token, check_stop=False)
@@ -567,30 +395,6 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         """Finish a sequence in the scheduler (its blocks freed); the ranks drop it next step."""
         self.scheduler.finish(seq)
-        self._forget_on_ranks(seq)
+        self.planner.forget(seq)
         if self.spec is not None:
             self.spec.forget(seq.seq_id)
-
-    def _forget_on_ranks(self, seq: Sequence) -> None:
-        if self.spec is not None:
-            self.spec.take_rewind(seq.seq_id)  # it starts again from an explicit position
-        if seq.on_ranks:
-            self._to_drop.add(seq.seq_id)
-        seq.on_ranks = False
-        seq.blocks_on_ranks = 0
-
-
-def prompt_scoring(seq: Sequence, start: int, num_tokens: int) -> PromptScoring | None:
-    """Which of the positions [start, start + num_tokens) the step scores for the sequence's
-    prompt logprobs: each prompt position but the last, once (a recompute skips those done)."""
-    if not seq.needs_prompt_logprobs:
-        return None
-    done = len(seq.prompt_logprobs)
-    if done < start:
-        raise RuntimeError(f"prompt positions {done}..{start - 1} were never scored")
-    first = max(start, done)
-    end = min(start + num_tokens, seq.num_prompt_tokens - 1)
-    if first >= end:
-        return None
-    next_token = seq.token_ids[end] if end == start + num_tokens else None
-    return PromptScoring(first - start, end - first, seq.params.prompt_logprobs, next_token)
