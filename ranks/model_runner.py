@@ -30,6 +30,7 @@ from cpud.ranks.parallel import TPGroup
 from cpud.ranks.pooling import embeddings, pool
 from cpud.ranks.sampler import score_prompts
 from cpud.ranks.seq_states import SeqStates
+from cpud.ranks.spec_draft import make_draft
 from cpud.ranks.spec_verify import sample_or_verify
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 from cpud.settings import ENGINE, defaults
@@ -54,6 +55,8 @@ class RunnerConfig:
     quantization: str = _ENGINE["quantization"]
     # auto: the KV cache holds dtype; bf16, int8, fp8_e5m2: that format (ranks/paged_kv.py)
     kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
+    # JSON (cpud.settings.speculative); a draft model's runs in this runner (ranks/spec_draft.py)
+    speculative_config: str | None = None
 
 
 class ModelRunner:
@@ -116,6 +119,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
         self.seqs = SeqStates()  # what the plans said about each sequence the rank holds
+        self.draft = make_draft(config)  # speculative decoding's draft model, if any
 
     def _quant_plan(self) -> tuple[dict, bool]:
         """The linears kept quantized (native kernels, bf16 or fp32): a GGUF file's blocks, or
@@ -231,7 +235,8 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        draft = self.draft.kv_cache_bytes if self.draft is not None else 0
+        return draft + sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -241,13 +246,13 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         started = time.perf_counter()
-        inputs, hidden = self._forward(plan)
+        inputs, hidden, draft_probs = self._forward(plan)
         tokens = []
         if inputs.sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if logits is not None:
                 tokens = sample_or_verify(
-                    logits, inputs.sampling_rows, self.generator, self.ops.argmax
+                    logits, inputs.sampling_rows, self.generator, self.ops.argmax, draft_probs
                 )
         scored = []
         if inputs.scoring_works:
@@ -273,9 +278,15 @@ class ModelRunner:
         with self._busy():
             return self.model.compute_logits(self._forward(plan)[1])
 
-    def _forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
-        """Hidden states of every token of the plan; writes their KV."""
+    def _forward(
+        self, plan: StepPlan
+    ) -> tuple[StepInputs, torch.Tensor, dict[int, torch.Tensor] | None]:
+        """Hidden states of every token of the plan (writes their KV), and a draft model's
+        distributions of its sampled proposals by seq_id (its proposals are in the inputs)."""
         held = self.seqs.apply(plan)
+        draft_probs = None
+        if self.draft is not None:
+            plan, draft_probs = self.draft.fill(plan, held)
         inputs = build_step_inputs(plan, held, self.config.block_size, kv=self.uses_kv)
         if not self.uses_kv and len(inputs.embed_works) != len(plan.seqs):
             raise ValueError(
@@ -286,4 +297,4 @@ class ModelRunner:
             hidden = self.decoder.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return inputs, hidden
+        return inputs, hidden, draft_probs

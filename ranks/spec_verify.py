@@ -5,10 +5,12 @@ over the history up to it, temperature, top-k, top-p, min-p), then:
 
 - greedy: accept proposals while each equals the argmax; the first argmax that differs (or the
   one after the last proposal) is the sequence's own next token;
-- sampling: rejection sampling with the proposer's q one-hot (n-gram lookup): accept proposal
-  t with probability p(t); on rejection sample from the normalised residual max(p - q, 0), i.e.
-  p without t; after k acceptances sample the bonus token from the last row's p. The emitted
-  tokens are so distributed exactly as the target model's own samples.
+- sampling: rejection sampling: accept proposal t with probability min(1, p(t) / q(t)); on
+  rejection sample from the normalised residual max(p - q, 0); after k acceptances sample the
+  bonus token from the last row's p. The emitted tokens are so distributed exactly as the
+  target model's own samples. A draft model gives its q per position (ranks/spec_draft.py);
+  n-gram lookup's q is one-hot, where this is: accept t with probability p(t), on rejection
+  draw from p without t.
 
 Seeded rows carry the seed plain decoding would use at each position (SeqWork.draft_seeds), so
 a seeded request gives the same tokens with or without speculation, however the batch looks.
@@ -66,7 +68,14 @@ def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
     return rows
 
 
-def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+# Mixed into a position's seed for the uniform that accepts a draft model's proposal, and for
+# the residual draw after a rejection (the draft's own draw uses 1: ranks/spec_draft.py).
+ACCEPT_SEED_PURPOSE = 2
+RESIDUAL_SEED_PURPOSE = 3
+
+
+def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """fp32 copies of the rows' logits with logit_bias, grammar masks, bans and penalties."""
     processed = logits.float() if logits.dtype != torch.float32 else logits.clone()
     apply_constraints(processed, rows)
     for row, work in enumerate(rows):
@@ -83,9 +92,11 @@ def verify(
     generator: torch.Generator,
     argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax,
     resample_residual: bool = True,
+    draft_probs: torch.Tensor | None = None,
 ) -> list[SampledToken]:
     """One sequence's emitted tokens from its k+1 rows' logits [k+1, V]: the accepted proposals
-    and one more. resample_residual False draws a rejected position from p itself instead of
+    and one more. draft_probs: the proposer's q [k, V] (normalised) for a sampling sequence;
+    None: one-hot. resample_residual False draws a rejected position from p itself instead of
     the residual (wrong: only tests use it, to see the distribution test fail)."""
     k = len(rows) - 1
     drafts = [row.draft_token for row in rows[:k]]
@@ -99,12 +110,17 @@ def verify(
         targets = argmax(logits).tolist()
         tokens = _accept_greedy(targets, drafts)
     else:
-        processed = _processed(logits, rows)
+        processed = processed_logits(logits, rows)
         if spec is None or spec.temperature == 0:
             tokens = _accept_greedy(processed.argmax(dim=-1).tolist(), drafts)
         else:
             probs = restrict_support(processed, rows)
-            tokens = _accept_sampled(probs, rows, drafts, generator, resample_residual)
+            if draft_probs is None:
+                tokens = _accept_sampled(probs, rows, drafts, generator, resample_residual)
+            else:
+                tokens = _accept_drafted(
+                    probs, draft_probs, rows, drafts, generator, resample_residual
+                )
     emitted = [SampledToken(row.seq_id, t) for row, t in zip(rows, tokens)]
     if spec is not None and spec.num_logprobs >= 0:
         count = len(tokens)
@@ -158,15 +174,52 @@ def _accept_sampled(
     return tokens
 
 
+def _accept_drafted(
+    probs: torch.Tensor,
+    q: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[int | None],
+    generator: torch.Generator,
+    resample_residual: bool,
+) -> list[int]:
+    """Rejection sampling against a draft model's q: proposal t (drawn from q) is accepted when
+    u * q(t) < p(t), u uniform, i.e. with probability min(1, p(t) / q(t)); a rejected position
+    draws from max(p - q, 0) renormalised. Seeded rows take u and the residual draw from their
+    position's seed, so a seeded request gives the same tokens every time."""
+    p = probs / probs.sum(dim=-1, keepdim=True)
+    tokens: list[int] = []
+    for j, draft in enumerate(drafts):
+        row = rows[j]
+        if float(_uniform(row, generator)) * float(q[j, draft]) < float(p[j, draft]):
+            tokens.append(int(draft))
+            continue
+        residual = (p[j] - q[j]).clamp_min_(0.0) if resample_residual else p[j]
+        if not float(residual.sum()) > 0.0:  # p == q: a rejection cannot happen but by rounding
+            residual = p[j]
+        if row.seed is not None:
+            row = replace(row, seed=mixed_seed(row.seed, RESIDUAL_SEED_PURPOSE))
+        tokens.append(int(draw(residual[None], [row], generator)[0]))
+        return tokens
+    tokens.append(int(draw(probs[-1:], rows[-1:], generator)[0]))
+    return tokens
+
+
+def _uniform(row: SamplingRow, generator: torch.Generator) -> float:
+    if row.seed is not None:
+        generator = torch.Generator().manual_seed(mixed_seed(row.seed, ACCEPT_SEED_PURPOSE))
+    return float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+
+
 def sample_or_verify(
     logits: torch.Tensor,
     rows: list[SamplingRow],
     generator: torch.Generator,
     argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax,
+    draft_probs: dict[int, torch.Tensor] | None = None,
 ) -> list[SampledToken]:
     """The step's tokens: plain rows sampled together as always; each proposing sequence
     (consecutive rows of one seq_id, proposals in draft_token) verified, emitting its accepted
-    proposals and one more token, in order."""
+    proposals and one more token, in order. draft_probs: a draft model's q per seq_id."""
     if all(row.draft_token is None for row in rows):
         return sample(logits, rows, generator, argmax)
     groups: list[list[int]] = []  # row indexes of each sequence
@@ -184,5 +237,7 @@ def sample_or_verify(
     for group in groups:
         if len(group) > 1:
             part = logits[group[0] : group[-1] + 1]
-            by_row[group[0]] = verify(part, [rows[i] for i in group], generator, argmax)
+            group_rows = [rows[i] for i in group]
+            q = draft_probs.get(group_rows[0].seq_id) if draft_probs else None
+            by_row[group[0]] = verify(part, group_rows, generator, argmax, draft_probs=q)
     return [token for group in groups for token in by_row[group[0]]]

@@ -58,6 +58,7 @@ def runner_config(engine: EngineSpec) -> RunnerConfig:
         kv_pretouch=engine.kv_pretouch,
         quantization=engine.quantization,
         kv_cache_dtype=engine.kv_cache_dtype,
+        speculative_config=engine.speculative_config,
     )
 
 

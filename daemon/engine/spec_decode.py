@@ -6,6 +6,12 @@ positions; rank 0 verifies them (ranks/spec_verify.py) and returns the accepted 
 plus one token of its own. The rejected positions' KV is simply overwritten later: the next
 step tells the ranks to go back that many positions (SeqWork.rewind).
 
+With a draft model ("draft_model") the engine only reserves the k+1 positions: the sequence's
+work carries k placeholder tokens (num_draft = k) that every rank replaces with its draft
+model's proposals before the target verifies them (ranks/spec_draft.py); the ranks keep the
+draft's KV under the target's block ids and catch it up on the tokens it has not seen (whence
+NewSeq.history for a sequence the ranks start holding part way: needs_history).
+
 A grammar-constrained sequence proposes only what its grammar takes (cut at the first token it
 refuses or that ends it) and sends the grammar's mask after each proposal, so every position
 is verified under its own mask. Off for a sequence while min_tokens bans tokens, and, for a
@@ -31,6 +37,8 @@ log = logging.getLogger("cpud.engine")
 ACCEPTANCE_DECAY = 0.7
 LOW_ACCEPTANCE = 0.2
 PAUSE_STEPS = 16
+# What a draft-model proposal is until a rank's draft model fills it in.
+DRAFT_PLACEHOLDER = 0
 
 
 @dataclass
@@ -53,7 +61,7 @@ class SpecStats:
 
 @dataclass
 class _SeqSpec:
-    index: NgramIndex
+    index: NgramIndex | None  # None: a draft model proposes
     acceptance: float = 1.0
     paused: int = 0  # decode steps left without proposals
     rewind: int = 0  # rejected positions the ranks still hold past the sequence's end
@@ -67,11 +75,18 @@ class SpecDecoder:
         self.seqs: dict[int, _SeqSpec] = {}
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+    @property
+    def needs_history(self) -> bool:
+        """The ranks need the tokens before a sequence's first work (its draft catches up)."""
+        return self.config.uses_draft_model
+
     def _state(self, seq: Sequence) -> _SeqSpec:
         state = self.seqs.get(seq.seq_id)
         if state is None:
             config = self.config
-            index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            index = None
+            if not config.uses_draft_model:
+                index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             state = self.seqs[seq.seq_id] = _SeqSpec(index)
         return state
 
@@ -81,6 +96,8 @@ class SpecDecoder:
             return []
         if seq.num_output_tokens < seq.params.min_tokens:
             return []
+        if self.config.uses_draft_model and seq.constraint is not None:
+            return []  # the engine cannot mask proposals it does not see
         # Room: every accepted proposal plus the target's own token stay within max_tokens and
         # the context.
         room = min(
@@ -94,6 +111,8 @@ class SpecDecoder:
         if state.paused:
             state.paused -= 1
             return []
+        if state.index is None:
+            return [DRAFT_PLACEHOLDER] * room
         draft = state.index.propose(seq.token_ids, room)
         if draft and seq.constraint is not None:
             draft, state.masks = seq.constraint.draft_masks(draft)

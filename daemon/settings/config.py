@@ -230,6 +230,11 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     check_kv_cache_dtype(args.kv_cache_dtype)
     speculative = parse_speculative_config(args.speculative_config)
     block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype, args.kv_cache_dtype)
+    if speculative is not None and speculative.uses_draft_model:  # its KV shares the block ids
+        from cpud.engine.spec_draft import check_draft_model, draft_kv_block_bytes
+
+        draft = check_draft_model(speculative, model)
+        block_bytes += draft_kv_block_bytes(draft, args.block_size, dtype, args.kv_cache_dtype)
     blocks_per_seq = -(-max_model_len // args.block_size)
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks

@@ -2,8 +2,10 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5, "disable_by_batch_size": 8}
+    {"method": "draft_model", "model": "/models/small.gguf", "num_speculative_tokens": 4}
 
-Only n-gram prompt lookup is built; "draft_model" is refused with a message saying so.
+A draft model runs whole (TP 1) inside every rank; vLLM's "draft_tensor_parallel_size" is taken
+when it is 1, and "quantization" is the draft's --quantization (default auto).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 from cpud.settings.errors import ConfigError
 
-METHODS = ("ngram",)
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+METHODS = ("ngram", "draft_model")
+NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 DEFAULT_LOOKUP_MIN = 2
 DEFAULT_LOOKUP_MAX = 5
 # Running sequences above which no sequence speculates: past it a step is no longer bound by
@@ -31,12 +33,22 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # the draft model's path (draft_model)
+    quantization: str = "auto"  # the draft's --quantization (draft_model)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     def describe(self) -> str:
         """One line for the startup log and doctor."""
+        k = self.num_speculative_tokens
+        if self.uses_draft_model:
+            how = f"draft model {self.model} (quantization {self.quantization}, TP 1 in every rank)"
+        else:
+            how = f"n-grams of {self.prompt_lookup_min}..{self.prompt_lookup_max} tokens"
         return (
-            f"{self.method}, {self.num_speculative_tokens} proposed tokens per step, n-grams of "
-            f"{self.prompt_lookup_min}..{self.prompt_lookup_max} tokens, off above "
+            f"{self.method}, {k} proposed tokens per step, {how}, off above "
             f"{self.disable_by_batch_size} running sequences"
         )
 
@@ -78,8 +90,8 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
             f'{FLAG}: method {method!r} is not supported by cpud yet; use "ngram" (prompt lookup)'
         )
     if method not in METHODS:
-        raise ConfigError(f'{FLAG}: method must be "ngram", got {method!r}')
-    fields.pop("model", None)  # vLLM spells n-gram as {"model": "[ngram]"} too
+        raise ConfigError(f'{FLAG}: method must be "ngram" or "draft_model", got {method!r}')
+    model, quantization = _draft_fields(method, fields)
     if "num_speculative_tokens" not in fields:
         raise ConfigError(f"{FLAG}: num_speculative_tokens is required (try 4)")
     k = _whole("num_speculative_tokens", fields.pop("num_speculative_tokens"), 1)
@@ -102,6 +114,32 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     if fields:
         raise ConfigError(
             f"{FLAG}: unknown key(s) {', '.join(sorted(map(str, fields)))}; known: method, "
-            "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size"
+            "model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+            "disable_by_batch_size, draft_tensor_parallel_size, quantization"
         )
-    return SpeculativeConfig(method, k, lookup_min, lookup_max, batch)
+    return SpeculativeConfig(method, k, lookup_min, lookup_max, batch, model, quantization)
+
+
+def _draft_fields(method: str, fields: dict) -> tuple[str | None, str]:
+    """The draft model's path and quantization (taken out of fields); (None, "auto") for
+    n-gram lookup, which vLLM also spells {"model": "[ngram]"}."""
+    model = fields.pop("model", None)
+    tp = fields.pop("draft_tensor_parallel_size", 1)
+    quantization = fields.pop("quantization", None)
+    if method != "draft_model":
+        return None, "auto"
+    if not isinstance(model, str) or not model:
+        raise ConfigError(
+            f'{FLAG}: method "draft_model" needs "model": the path of the draft model (a GGUF '
+            "file or a model directory sharing the target's tokenizer)"
+        )
+    if tp != 1:
+        raise ConfigError(
+            f"{FLAG}: draft_tensor_parallel_size must be 1 (the draft runs whole in every rank), "
+            f"got {tp!r}"
+        )
+    if quantization is None:
+        return model, "auto"
+    if not isinstance(quantization, str):
+        raise ConfigError(f"{FLAG}: quantization must be a string, got {quantization!r}")
+    return model, quantization
