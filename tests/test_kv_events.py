@@ -70,22 +70,22 @@ def test_cached_blocks_are_stored_events_chained_to_their_parent():
     assert heard.events[-1] == ("stored", hashes[-1], chain(more)[2:], more[8:12], SIZE)
 
 
-def test_a_prefix_hit_announces_the_reused_blocks_then_stores_the_new_ones():
+def test_a_prefix_hit_stores_only_the_new_blocks_chained_to_the_reused_ones():
+    """As vLLM: the reused blocks were announced when first cached, never again."""
     manager = BlockManager(8, SIZE, enable_prefix_caching=True)
+    heard = Heard()
+    manager.publish_to(heard)
     first = list(range(8))
     run(manager, first)
-    heard = Heard()
-    manager.publish_to(heard)  # a router that missed the first request's events
     second = first + [20, 21, 22, 23, 24]
     run(manager, second)
     hashes = chain(second)
-    assert (
-        heard.events
-        == [
-            ("stored", None, hashes[:2], first, SIZE),  # the hit, from the chain's start
-            ("stored", hashes[1], hashes[2:], second[8:12], SIZE),
-        ]
-    )
+    assert heard.events == [
+        ("stored", None, hashes[:2], first, SIZE),
+        ("stored", hashes[1], hashes[2:], second[8:12], SIZE),
+    ]
+    run(manager, second)  # a whole hit: nothing is new
+    assert len(heard.events) == 2
 
 
 def test_reusing_a_cached_block_is_a_removed_event():

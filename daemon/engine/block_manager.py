@@ -32,9 +32,10 @@ def salt_root(salt: str | None) -> bytes:
 
 
 class KVEventSink(Protocol):
-    """Hears the prefix cache change: full blocks cached (their chained hashes, the hash of the
-    block before the first, None at a chain's start, and their tokens), cached blocks reused
-    for other tokens."""
+    """Hears the prefix cache change, as vLLM reports it: full blocks newly cached (their chained
+    hashes, the hash of the block before the first, None at a chain's start, and their tokens),
+    cached blocks reused for other tokens. A prefix hit changes nothing: the blocks it reuses
+    were reported when they were cached (a router that missed that asks the replay socket)."""
 
     def stored(
         self, parent: bytes | None, hashes: list[bytes], token_ids: list[int], block_size: int
@@ -66,7 +67,6 @@ class BlockTable:
 class PrefixHit:
     block_ids: list[int]
     hashes: list[bytes]
-    token_ids: list[int] = field(default_factory=list)  # the tokens of those blocks
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +124,7 @@ class BlockManager:
             hashes.append(parent)
         self.prefix_queries += usable
         self.prefix_hits += len(block_ids)
-        return PrefixHit(block_ids, hashes, list(token_ids[: len(block_ids) * self.block_size]))
+        return PrefixHit(block_ids, hashes)
 
     def can_allocate(
         self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None
@@ -137,10 +137,6 @@ class BlockManager:
 
     def allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Grow `table` to cover num_tokens; the caller checked can_allocate."""
-        if hit and hit.num_blocks and self.events is not None:
-            # Announced again: a router that missed their first store (it started later, or
-            # lost the batch) learns them, and can anchor the blocks this request adds.
-            self.events.stored(None, list(hit.hashes), hit.token_ids, self.block_size)
         if hit:
             for block_id, digest in zip(hit.block_ids, hit.hashes):
                 block = self.blocks[block_id]
