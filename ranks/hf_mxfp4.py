@@ -5,7 +5,6 @@ of its values (cpud.native.mxfp4 gives the format): value = E2M1(code) * 2^(e - 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from cpud.native.mxfp4 import E2M1_DOUBLED, check_mxfp4_scales, from_hf_blocks
+from cpud.ranks.gguf_stack_rows import StackTensor
 
 BLOCKS, SCALES = "_blocks", "_scales"
 _VALUES = np.asarray(E2M1_DOUBLED, dtype=np.float32)  # E2M1 doubled: scaled by 2^(e - 128)
@@ -67,16 +67,6 @@ def pair_names(names: set[str]) -> dict[str, str]:
     }
 
 
-@dataclass(frozen=True)
-class _StackTensor:
-    """What the GGUF expert readers (ranks/gguf_experts.py) read of a gguf ReaderTensor."""
-
-    name: str
-    tensor_type: GGMLQuantizationType
-    shape: np.ndarray  # GGUF order: (columns, rows, experts)
-    data: np.ndarray  # [experts, rows, blocks * 17] uint8, GGUF MXFP4 rows
-
-
 class Mxfp4Stack:
     """Rows `rows` of every expert of an MXFP4 expert stack (Mxfp4Source [E, rows, columns])
     as GGUF MXFP4 rows, read like a GGUF loader's TensorSource over an expert stack: the experts
@@ -89,7 +79,7 @@ class Mxfp4Stack:
         data = np.ascontiguousarray(from_hf_blocks(blocks, scales))
         experts, count, columns = data.shape[0], data.shape[1], source.shape[-1]
         shape = np.array([columns, count, experts])
-        self.tensor = _StackTensor(source.name, GGMLQuantizationType.MXFP4, shape, data)
+        self.tensor = StackTensor(source.name, GGMLQuantizationType.MXFP4, shape, data)
         self.dtype = torch.float32  # expert rows read dense come out in it
 
     def get_shape(self) -> list[int]:

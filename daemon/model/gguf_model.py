@@ -15,7 +15,7 @@ from gguf.gguf_reader import ReaderTensor
 from cpud.model.gguf_file import field_value, open_gguf
 from cpud.model.gguf_header import shown
 from cpud.model.gguf_meta import ROPE_FREQS, GGUFMeta, TensorInfo, short
-from cpud.model.gguf_names import COLUMNS, expected_tensors
+from cpud.model.gguf_names import COLUMNS, expected_tensors, with_fused_gate_up
 from cpud.model.model_config import ModelConfig
 from cpud.model.pooling_config import gguf_pooling
 from cpud.model.recipe import check_recipe
@@ -64,7 +64,7 @@ def _check_tensors(model: GGUFModel) -> None:
                 f"{source}: tensor {shown(info.name)} is {info.type}, a type cpud does not load "
                 f"(supported: {', '.join(SUPPORTED_TYPES)}); use a file quantized to one of those"
             )
-    expected = expected_tensors(model.config)
+    expected = with_fused_gate_up(expected_tensors(model.config), model.tensors)
     for name, info in model.tensors.items():
         if name == ROPE_FREQS:
             continue
@@ -217,7 +217,7 @@ def check_gguf_split(model: GGUFModel, tp: int) -> None:
             f"{model.path}: blk.0.ffn_up.weight has {cfg.intermediate_size} rows, which do not "
             f"split across --tp {tp}: use a --tp among {_divisors(cfg.intermediate_size)}"
         )
-    for name, spec in expected_tensors(cfg).items():
+    for name, spec in with_fused_gate_up(expected_tensors(cfg), model.tensors).items():
         info = model.tensors[name]
         if spec.split != COLUMNS:
             continue

@@ -4,13 +4,23 @@ which axis tensor parallelism splits."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cpud.model.gguf_meta import ROPE_FREQS
 from cpud.model.model_config import ModelConfig
 from cpud.ranks.models import registry
 
-__all__ = ["COLUMNS", "ROPE_FREQS", "ROWS", "WHOLE", "Expected", "expected_tensors", "hf_name"]
+__all__ = [
+    "COLUMNS",
+    "ROPE_FREQS",
+    "ROWS",
+    "WHOLE",
+    "Expected",
+    "expected_tensors",
+    "hf_name",
+    "with_fused_gate_up",
+]
 
 ROWS = "rows"  # column-parallel and vocab-parallel: each rank reads whole rows
 COLUMNS = "columns"  # row-parallel: each rank reads a range of every row
@@ -33,6 +43,7 @@ _LAYER = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",  # gate rows, then up rows (one stack)
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     # sandwich norms (Gemma): on the attention output and on the feed-forward output
@@ -111,4 +122,22 @@ def common_tensors(cfg: ModelConfig) -> dict[str, Expected]:
             layer["post_attention_norm.weight"] = Expected((h,), WHOLE)
             layer["post_ffw_norm.weight"] = Expected((h,), WHOLE)
         out.update((f"blk.{i}.{name}", spec) for name, spec in layer.items())
+    return out
+
+
+def with_fused_gate_up(expected: dict[str, Expected], names: Iterable[str]) -> dict[str, Expected]:
+    """`expected` for a file whose tensor `names` stack a layer's gate and up experts in one
+    blk.N.ffn_gate_up_exps.weight [E, 2 I, H] (gate rows, then up rows; llama.cpp's converter
+    under --fuse-gate-up-exps) in place of ffn_gate_exps and ffn_up_exps."""
+    out = dict(expected)
+    for name in names:
+        if not name.endswith(".ffn_gate_up_exps.weight"):
+            continue
+        stem = name.removesuffix("gate_up_exps.weight")
+        gate, up = out.get(f"{stem}gate_exps.weight"), out.get(f"{stem}up_exps.weight")
+        if gate is None or up is None:
+            continue
+        del out[f"{stem}gate_exps.weight"], out[f"{stem}up_exps.weight"]
+        experts, rows, columns = gate.shape
+        out[name] = Expected((experts, rows + up.shape[1], columns), ROWS)
     return out

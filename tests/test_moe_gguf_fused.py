@@ -1,0 +1,113 @@
+"""GGUF files whose expert layers stack gate and up in one blk.N.ffn_gate_up_exps [E, 2 I, H]
+(gate rows, then up rows: what llama.cpp's converter writes under --fuse-gate-up-exps) load
+like the file with separate ffn_gate_exps / ffn_up_exps: kept in their blocks, each rank taking
+its rows of each half, the same logits bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from family_checks import prompt_of
+from gguf import GGUFValueType as V
+from test_gguf_quantized import prefill_logits, runner
+from test_moe_gguf_quant import quant_moe, stack_types, tp_logits  # noqa: F401 (fixture)
+
+from cpud.model.gguf_model import check_gguf_split, read_gguf_model
+from cpud.model.load import load_model_config
+from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+from cpud.ranks.parallel import SingleRank
+from cpud.settings.errors import ConfigError
+
+# Q4_K gate/up rows (256 columns a block) and Q8_0 down: --tp 2 splits down in whole blocks
+ARCH, PRESET, MIX = "qwen3_moe", "qwen3-moe-256", "Q4_K+Q8_0"
+
+
+def fuse_gate_up_exps(source: Path, out: Path, keep_gate: bool = False) -> Path:
+    """A copy of the GGUF file `source` with each layer's gate and up expert stacks written as
+    one ffn_gate_up_exps of their blocks, gate rows first (`keep_gate`: the gate stack too)."""
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == V.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    tensors = {t.name: t for t in reader.tensors}
+    for name, tensor in tensors.items():
+        if name.endswith(".ffn_up_exps.weight"):
+            continue
+        data, stem = tensor.data, name.removesuffix("gate_exps.weight")
+        if stem != name:
+            if keep_gate:
+                writer.add_tensor(name, data, raw_dtype=tensor.tensor_type)
+            data = np.concatenate([data, tensors[f"{stem}up_exps.weight"].data], axis=1)
+            name = f"{stem}gate_up_exps.weight"
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def torch_runner(path: Path) -> ModelRunner:
+    """fp32 on the torch kernels: the experts dequantized at load."""
+    config = RunnerConfig(path, torch.float32, 512, 16, 32, kernels="torch")
+    return ModelRunner(config, load_model_config(path), SingleRank())
+
+
+@pytest.fixture(scope="module")
+def files(quant_moe, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    """(the file with separate gate and up stacks, the same file with them fused)."""
+    path, _ = quant_moe(ARCH, PRESET, MIX)
+    return path, fuse_gate_up_exps(path, tmp_path_factory.mktemp("fused") / "fused.gguf")
+
+
+def test_fused_file_checks_and_names_its_stack(files):
+    plain, fused = files
+    names = set(read_gguf_model(fused).tensors)
+    assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    assert read_gguf_model(fused).config == read_gguf_model(plain).config
+    check_gguf_split(read_gguf_model(fused), 2)
+
+
+def test_fused_experts_stay_in_blocks_and_equal_the_separate_file(files):
+    plain, fused = files
+    prompt = prompt_of(24, seed=3)
+    got_runner = runner(fused, torch.bfloat16)
+    assert stack_types(got_runner.model) == {("Q4_K", "Q8_0")}
+    want = prefill_logits(runner(plain, torch.bfloat16), prompt)
+    torch.testing.assert_close(prefill_logits(got_runner, prompt), want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_fused_experts_read_dense_equal_the_separate_file(files):
+    """The torch kernels dequantize each half's rows at load."""
+    prompt = prompt_of(24, seed=3)
+    dense = [prefill_logits(torch_runner(path), prompt) for path in files]
+    torch.testing.assert_close(dense[1], dense[0], rtol=0, atol=0)
+
+
+def test_fused_experts_tp2_equal_the_separate_file(files):
+    """Each rank takes its intermediate rows of the gate half and of the up half."""
+    plain, fused = files
+    prompt = prompt_of(20, seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got, want = tp_logits(fused, prompt, 2), tp_logits(plain, prompt, 2)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fused_and_separate_gate_of_one_layer_refused(files, tmp_path):
+    plain, _ = files
+    both = fuse_gate_up_exps(plain, tmp_path / "both.gguf", keep_gate=True)
+    with pytest.raises(ConfigError, match=r"blk\.0\.ffn_gate_exps\.weight"):
+        read_gguf_model(both)
