@@ -89,11 +89,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cpud.process.log_setup import configure_logging
+    from cpud.process.log_setup import REPLICA_ENV, configure_logging
     from cpud.settings.config import EngineArgs
     from cpud.settings.serve_flags import serve_args
     from cpud.supervisor import serve
 
+    if args.data_parallel_rank is not None:  # its frontend and ranks, too, log the replica
+        os.environ[REPLICA_ENV] = str(args.data_parallel_rank)
     configure_logging()
     engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
     return serve(engine_args, serve_args(args))

@@ -10,7 +10,7 @@ what to do: 0 drained, 2 a configuration refused (stop everything), 3 a child lo
 from __future__ import annotations
 
 import dataclasses
-import logging
+import os
 import sys
 
 import msgspec
@@ -23,33 +23,20 @@ from cpud.settings.config import EngineArgs
 EXIT_CONFIG = 2
 
 
-class ReplicaName(logging.Filter):
-    """Logger names carry the replica ("cpud.supervisor[replica 1]"): replicas share a journal."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.suffix = f"[replica {index}]"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.endswith(self.suffix):
-            record.name += self.suffix
-        return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     die_with_parent(int(args[1]))
     secrets = msgspec.json.decode(sys.stdin.buffer.read(), type=FrontendSecrets)
-    from cpud.process.log_setup import configure_logging
+    from cpud.process.log_setup import REPLICA_ENV, configure_logging
     from cpud.process.sd_notify import Notifier
     from cpud.settings.errors import CpudError
     from cpud.supervisor import Supervisor
 
-    configure_logging()
     try:
         spec = read_spec(args[0])
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(ReplicaName(spec.placement.index))
+        # Before logging starts: this supervisor, its frontend and its ranks log the replica.
+        os.environ[REPLICA_ENV] = str(spec.placement.index)
+        configure_logging()
         engine_args = EngineArgs(**spec.engine_args)
         serve_args = dataclasses.replace(spec.serve_args, api_key=secrets.api_key)
         return Supervisor(engine_args, serve_args, Notifier(), spec.placement).run()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from cpud.process.log_setup import replica_tag
 from cpud.protocol.launch import WHEN_TOLD, EngineSpec, RankSpec, plan_socket, results_socket
 from cpud.ranks.binding import bind_memory, die_with_parent, pin_threads, set_affinity
 
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(message)s"
+        level=logging.INFO,
+        format=f"%(asctime)s rank %(process)d{replica_tag()} %(levelname)s %(message)s",
     )
     spec = read_spec(args[0], WHEN_TOLD in args[2:])
     return 0 if spec is None else run(spec)

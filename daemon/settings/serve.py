@@ -231,6 +231,21 @@ SERVE_SETTINGS = (
         "frontend is lost restarts on its own while the others serve; each replica's metrics "
         "carry a `replica` label",
     ),
+    Setting(
+        "data_parallel_rank",
+        int,
+        None,
+        "this server is replica N of several started on their own (cpud@N units): its metrics "
+        'carry replica="N", its logs [replica N], its KV events the endpoint\'s port + N',
+        ONLY_SERVE,
+        flags=("--data-parallel-rank", "-dpr"),
+        metavar="N",
+        details="vLLM's flag for replicas started one by one (deploy/cpud@.service passes "
+        '`CPUD_DATA_PARALLEL_RANK=%i`): the server\'s metrics carry `replica="N"` and its '
+        "supervisor, frontend and ranks log as `[replica N]`, as `--data-parallel-size` labels "
+        "its own replicas; with --kv-events-config it binds the endpoints' ports + N. Not with "
+        "--data-parallel-size above 1",
+    ),
     _serve(
         "router",
         bool,

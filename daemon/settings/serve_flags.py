@@ -38,6 +38,7 @@ def serve_args(args: argparse.Namespace) -> ServeArgs:
         router=args.router,
         router_args=args.router_args,
         kv_events=KVEventsConfig.parse(args.kv_events_config),
+        replica=data_parallel_rank(args),
         grammar=GrammarLimits(
             compile_timeout=args.grammar_compile_timeout,
             compile_threads=args.grammar_compile_threads,
@@ -49,6 +50,24 @@ def serve_args(args: argparse.Namespace) -> ServeArgs:
             headers=word_list(args.allowed_headers) or CORS_ALLOW_ANY,
         ),
     )
+
+
+def data_parallel_rank(args: argparse.Namespace) -> int | None:
+    """The replica index --data-parallel-rank gives this server; ConfigError for a negative one
+    or one beside --data-parallel-size N, whose replicas are numbered by cpud."""
+    from cpud.settings.errors import ConfigError
+
+    rank = args.data_parallel_rank
+    if rank is None:
+        return None
+    if rank < 0:
+        raise ConfigError(f"--data-parallel-rank must be 0 or more, got {rank}")
+    if args.data_parallel_size > 1:
+        raise ConfigError(
+            "--data-parallel-rank names one replica started on its own; --data-parallel-size "
+            f"{args.data_parallel_size} starts and numbers its replicas itself: give only one"
+        )
+    return rank
 
 
 def read_api_key_file(path: str) -> str:

@@ -3,14 +3,19 @@ systemd, as hardened as cpud.service, and in agreement with cpud and vllm-router
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from deploy_helpers import DEPLOY, UNIT, parse_unit, require_tool, run_tool
+
+from cpud_server_helpers import Server, free_port, wait_healthy
 
 TEMPLATE = DEPLOY / "cpud@.service"
 ROUTER = DEPLOY / "cpud-router.service"
@@ -68,6 +73,7 @@ def test_a_replica_instance_is_cpud_service_on_one_node():
     differing = {k for k in set(single) | set(instance) if single.get(k) != instance.get(k)}
     assert differing == INSTANCE_KEYS  # hardening and lifecycle cannot drift apart
     assert "CPU_VISIBLE_MEMORY_NODES=%i" in instance["Environment"]
+    assert "CPUD_DATA_PARALLEL_RANK=%i" in instance["Environment"]
     assert instance["EnvironmentFile"] == ["-/etc/cpud/cpud.env", "/etc/cpud/replica-%i.env"]
     assert instance["RuntimeDirectory"] == ["cpud-%i"]
     # one dynamic user for every instance: they share the model and cache directories
@@ -101,3 +107,49 @@ def test_router_unit_runs_vllm_router_in_front_of_the_replicas():
     # replica N listens on 8001 + N, as the template's comment has it
     assert "$((8001 + N))" in TEMPLATE.read_text()
     assert service["Restart"] == ["always"]
+
+
+@pytest.mark.slow
+def test_an_instance_labels_its_metrics_and_logs_with_its_replica(model_factory, tmp_path):
+    """cpud@1 as systemd starts it (its Environment= lines with %i = 1, its port from the
+    instance's env file): metrics carry replica="1", as -dp labels its replicas, and the
+    supervisor, the frontend and the rank tag their log lines. (This host has one NUMA node:
+    the node binding is left out.)"""
+    service = parse_unit(TEMPLATE.read_text())["Service"]
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CPUD_CACHE_DIR": str(tmp_path)}
+    for line in service["Environment"]:
+        name, value = line.replace("%i", "1").split("=", 1)
+        if name == "CPUD_DATA_PARALLEL_RANK":
+            env[name] = value
+    port = free_port()
+    env |= {"CPUD_PORT": str(port), "CPUD_MODEL": str(model_factory("qwen3"))}
+    env |= {"CPUD_SERVED_MODEL_NAME": "tiny", "CPUD_MAX_MODEL_LEN": "256"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([installed("cpud"), "serve"], env=env, stdout=log, stderr=log)
+    server = wait_healthy(Server(proc, f"http://127.0.0.1:{port}", log_path))
+    try:
+        body = {"model": "tiny", "prompt": "unit", "max_tokens": 2}
+        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).is_success
+        metrics = httpx.get(server.base_url + "/metrics").text
+        requests = [m for m in metrics.splitlines() if m.startswith("cpud_requests_total{")]
+        assert requests and all('replica="1"' in m for m in requests), requests
+    finally:
+        assert server.stop() == 0
+    text = log_path.read_text()
+    writers = ("cpud.supervisor", "cpud.access", r"rank \d+")  # supervisor, frontend, rank
+    for writer in writers:
+        assert re.search(writer + r"\[replica 1\] ", text), (writer, text[-3000:])
+
+
+def test_a_rank_is_not_given_beside_a_replica_count():
+    from cpud.cli import build_parser
+    from cpud.settings.errors import ConfigError
+    from cpud.settings.serve_flags import serve_args
+
+    parser = build_parser()
+    assert serve_args(parser.parse_args(["serve", "-dpr", "3"])).replica == 3
+    with pytest.raises(ConfigError, match="--data-parallel-rank .* --data-parallel-size 2"):
+        serve_args(parser.parse_args(["serve", "-dpr", "1", "-dp", "2"]))
+    with pytest.raises(ConfigError, match="--data-parallel-rank must be 0 or more"):
+        serve_args(parser.parse_args(["serve", "--data-parallel-rank", "-1"]))
