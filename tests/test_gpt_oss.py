@@ -11,9 +11,16 @@ import types
 
 import pytest
 import torch
-from family_checks import KERNELS, TransformersChecks, check_bf16_logits, greedy, prompt_of
+from family_checks import (
+    KERNELS,
+    NEW_TOKENS,
+    TransformersChecks,
+    check_bf16_logits,
+    greedy,
+    prompt_of,
+)
 
-from cpud import LLM
+from cpud import LLM, SamplingParams
 from cpud.model.hf_config import parse_model_config
 from cpud.model.load import load_model_config
 from cpud.model.recipe import LayerRecipe
@@ -286,12 +293,37 @@ def test_the_published_config_maps_as_transformers_reads_it():
     torch.testing.assert_close(table, want)
 
 
+# bf16 rounds the shards' partial sums in another order than one rank does: the logprob of a
+# greedy pick moves by up to 0.21 between TP=1 and TP=2 (measured on 8 prompts x 24 tokens, on
+# avx2 and avx512bf16 alike), and the greedy pick flips where two logits are a bf16 step apart
+# (gaps of 0.0625 here).  fp32 TP=2 equals TP=1 (test_tp2_logits_equal_tp1).
+TP2_BF16_LOGPROB_TOLERANCE = 0.3
+TP2_BF16_NEAR_TIE = 0.25
+
+
 @pytest.mark.slow
-def test_tp2_rank_processes_fused_bf16_equal_one_rank(model_dir):
+def test_tp2_rank_processes_fused_bf16_match_one_rank(model_dir):
     """bf16 in two rank processes (fused decoder over the shared-memory group; the experts'
-    down bias added on rank 0 only): one rank's greedy tokens."""
+    down bias added on rank 0 only): one rank's greedy tokens and their logprobs within bf16's
+    tolerance, up to the first step where the two picks are a near-tie (each run rates the
+    other's pick within TP2_BF16_NEAR_TIE of its own); the streams part there.  The prompts
+    hold no near-tie of the router's top-k: such a tie moves the logits by whole units (the
+    9-token prompt of seed 9 at position 15: layer 0's 2nd and 3rd experts 0.02 apart in
+    fp32, flipped by bf16, transformers' own bf16 included)."""
     prompts = [prompt_of(n, seed=n) for n in (7, 33)]
-    one = LLM(model_dir, dtype="bfloat16").generate(prompts, greedy())
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    one = LLM(model_dir, dtype="bfloat16").generate(prompts, params)
     with LLM(model_dir, dtype="bfloat16", tp=2, bind="0|1") as llm:
-        two = llm.generate(prompts, greedy())
-    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        two = llm.generate(prompts, params)
+    compared = 0
+    for a, b in zip((o.outputs[0] for o in one), (o.outputs[0] for o in two)):
+        for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            lp_a, lp_b = a.logprobs[step], b.logprobs[step]
+            if ta != tb:
+                assert tb in lp_a and ta in lp_b, f"step {step}: {ta} / {tb} not a near-tie"
+                assert lp_a[ta].logprob - lp_a[tb].logprob <= TP2_BF16_NEAR_TIE
+                assert lp_b[tb].logprob - lp_b[ta].logprob <= TP2_BF16_NEAR_TIE
+                break
+            assert abs(lp_a[ta].logprob - lp_b[tb].logprob) < TP2_BF16_LOGPROB_TOLERANCE, step
+            compared += 1
+    assert compared >= 3 * NEW_TOKENS // 2, "the streams parted early"
