@@ -13,8 +13,9 @@ L + 1 .. L + n - 1, batched across the proposing sequences. Its KV is then valid
 a later work that starts earlier (a rewind) lowers that mark.
 
 Greedy rows propose the draft's argmax (after logit_bias); sampling rows draw from the draft's
-own distribution q under the request's temperature / top-k / top-p / min-p (no penalties), and
-return q per position so that rank 0 can verify by rejection sampling (ranks/spec_verify.py).
+own distribution q under the request's logit_bias, temperature, top-k, top-p and min-p (not
+its penalties: verification needs the q a proposal came from, not the target's), and return q
+per position so that rank 0 can verify by rejection sampling (ranks/spec_verify.py).
 """
 
 from __future__ import annotations
