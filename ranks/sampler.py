@@ -19,19 +19,22 @@ import torch
 
 from cpud.protocol.step import PromptLogprobs, SampledToken, SamplingSpec, SeqWork
 from cpud.ranks.ops import TorchOps
+from cpud.ranks.penalty_counts import PenaltyCounts
 
 
 @dataclass(frozen=True)
 class SamplingRow:
     """What sampling one sequence's next token needs: its settings (held by the rank since
-    its NewSeq), this step's seed, bans and grammar mask, and its token history."""
+    its NewSeq), this step's seed, bans and grammar mask, and its penalty counts."""
 
     seq_id: int
     sampling: SamplingSpec | None = None
     seed: int | None = None
     banned_token_ids: Sequence[int] = ()
-    prompt_token_ids: Sequence[int] = ()  # the history, only when penalties need it
-    output_token_ids: Sequence[int] = ()
+    penalty: PenaltyCounts | None = None  # the history's token counts, when penalties need it
+    uncounted: Sequence[
+        int
+    ] = ()  # counted output tokens this row does not see (proposals after it)
     allowed_mask: bytes = b""
     bias_token_ids: Sequence[int] = field(default=())
     bias_values: Sequence[float] = field(default=())
@@ -39,22 +42,9 @@ class SamplingRow:
 
 
 def apply_penalties(logits: torch.Tensor, works: list[SamplingRow]) -> None:
-    vocab = logits.shape[-1]
     for row, work in enumerate(works):
-        spec = work.sampling
-        if spec is None:
-            continue
-        if spec.repetition_penalty != 1.0:
-            seen = torch.tensor([*work.prompt_token_ids, *work.output_token_ids], dtype=torch.long)
-            seen = seen[seen < vocab].unique()
-            values = logits[row, seen]
-            penalty = spec.repetition_penalty
-            logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
-        if (spec.presence_penalty or spec.frequency_penalty) and work.output_token_ids:
-            ids = torch.tensor(list(work.output_token_ids), dtype=torch.long)
-            counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
-            logits[row] -= spec.frequency_penalty * counts
-            logits[row] -= spec.presence_penalty * (counts > 0).to(logits.dtype)
+        if work.sampling is not None and work.penalty is not None:
+            work.penalty.apply(logits[row], work.sampling, work.uncounted)
 
 
 def allowed_tokens(mask: bytes, vocab: int) -> np.ndarray:

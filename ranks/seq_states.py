@@ -1,13 +1,17 @@
 """What a rank keeps per sequence between steps: the plans are deltas (protocol/step.py), so
-the block table, the position the next step starts at, the sampling settings and, when
-penalties need it, the token history live here from the sequence's NewSeq until the plan
-drops it (finished, aborted, preempted)."""
+the block table (a list and a tensor row grown with each step's new blocks), the position the
+next step starts at, the sampling settings and, when penalties need them, the token history
+and its counts live here from the sequence's NewSeq until the plan drops it (finished,
+aborted, preempted)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from cpud.protocol.step import NewSeq, SamplingSpec, SeqWork, StepPlan
+from cpud.ranks.penalty_counts import PenaltyCounts
 
 
 def uses_penalties(spec: SamplingSpec | None) -> bool:
@@ -16,6 +20,34 @@ def uses_penalties(spec: SamplingSpec | None) -> bool:
         or spec.presence_penalty != 0.0
         or spec.frequency_penalty != 0.0
     )
+
+
+class BlockRow:
+    """A block table as an int32 tensor that grows by the blocks appended to its list: a step
+    copies only its new block ids, never the whole table."""
+
+    def __init__(self) -> None:
+        self._ids = torch.zeros(0, dtype=torch.int32)
+        self.length = 0  # list entries copied
+
+    def reset(self) -> None:
+        """The list was replaced: copy it again from its start."""
+        self.length = 0
+
+    def view(self, table: list[int]) -> torch.Tensor:
+        """The row [len(table)], after copying the entries appended since the last call."""
+        if len(table) < self.length:
+            self.length = 0
+        if len(table) > self.length:
+            if len(table) > self._ids.shape[0]:
+                grown = torch.zeros(max(len(table), 2 * self._ids.shape[0]), dtype=torch.int32)
+                grown[: self.length] = self._ids[: self.length]
+                self._ids = grown
+            self._ids[self.length : len(table)] = torch.tensor(
+                table[self.length :], dtype=torch.int32
+            )
+            self.length = len(table)
+        return self._ids[: self.length]
 
 
 @dataclass
@@ -28,16 +60,19 @@ class HeldSeq:
     bias_values: list[float] = field(default_factory=list)
     history: list[int] | None = None  # every token so far, kept only for penalties
     num_prompt_tokens: int = 0
+    counts: PenaltyCounts | None = None  # the history's, folded in as steps sample
+    table_row: BlockRow = field(default_factory=BlockRow)  # block_table as a tensor
 
     @classmethod
     def from_new(cls, new: NewSeq) -> HeldSeq:
-        history = list(new.history) if uses_penalties(new.sampling) else None
+        penalised = uses_penalties(new.sampling)
         return cls(
             sampling=new.sampling,
             bias_token_ids=list(new.bias_token_ids),
             bias_values=list(new.bias_values),
-            history=history,
+            history=list(new.history) if penalised else None,
             num_prompt_tokens=new.num_prompt_tokens,
+            counts=PenaltyCounts(new.num_prompt_tokens) if penalised else None,
         )
 
     def advance(self, work: SeqWork) -> None:
@@ -48,12 +83,15 @@ class HeldSeq:
         else:
             start = work.start_pos
             self.block_table[:] = work.block_ids
+            self.table_row.reset()
         if self.history is not None:
             if start > len(self.history):
                 raise ValueError(
                     f"seq {work.seq_id}: tokens from position {start} but its history holds "
                     f"{len(self.history)}"
                 )
+            if self.counts is not None:
+                self.counts.unwind(self.history, start)
             del self.history[start:]
             self.history.extend(work.token_ids)
         self.step_start = start

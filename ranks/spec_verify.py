@@ -50,7 +50,6 @@ def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
     last row)."""
     k = work.num_draft
     drafts = work.token_ids[len(work.token_ids) - k :]
-    output = base.output_token_ids
     masks = [base.allowed_mask, *work.draft_masks] if work.draft_masks else None
     seeds = [base.seed, *work.draft_seeds] if base.seed is not None else [None] * (k + 1)
     rows = []
@@ -61,7 +60,7 @@ def draft_rows(base: SamplingRow, work: SeqWork) -> list[SamplingRow]:
                 base,
                 seed=seed,
                 allowed_mask=masks[j] if masks is not None else base.allowed_mask,
-                output_token_ids=output[: len(output) - k + j] if output else output,
+                uncounted=drafts[j:] if base.penalty is not None else (),
                 draft_token=drafts[j] if j < k else None,
             )
         )

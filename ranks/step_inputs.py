@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.paged_kv import AttentionMetadata
@@ -30,19 +31,31 @@ class StepInputs:
 
 
 def sampling_row(work: SeqWork, held: HeldSeq) -> SamplingRow:
-    history = held.history
-    split = min(held.num_prompt_tokens, len(history)) if history is not None else 0
+    """The sequence's row; its penalty counts take in the tokens the rank added since."""
+    counts = held.counts
+    if counts is not None and held.history is not None:
+        counts.sync(held.history)
     return SamplingRow(
         work.seq_id,
         held.sampling,
         work.seed,
         work.banned_token_ids,
-        history[:split] if history is not None else (),
-        history[split:] if history is not None else (),
+        counts,
+        (),
         work.allowed_mask,
         held.bias_token_ids,
         held.bias_values,
     )
+
+
+def block_tables(held: list[HeldSeq]) -> torch.Tensor:
+    """The sequences' block tables padded with 0 to the longest: int32 [S, max(width, 1)], from
+    each one's tensor row (a step copies only its new block ids out of the lists)."""
+    rows = [state.table_row.view(state.block_table) for state in held]
+    width = max((row.shape[0] for row in rows), default=0)
+    if not width:
+        return torch.zeros((len(held), 1), dtype=torch.int32)
+    return pad_sequence(rows, batch_first=True)
 
 
 def build_step_inputs(
@@ -98,20 +111,17 @@ def build_step_inputs(
         elif work.sample and not work.embed:
             logits_indices.append(len(input_ids) - 1)
             rows.append(sampling_row(work, state))
-    width = max((len(h.block_table) for h in held), default=0) if kv else 0
-    tables = torch.zeros((len(plan.seqs), max(width, 1)), dtype=torch.long)
-    for row, state in enumerate(held if kv else ()):
-        tables[row, : len(state.block_table)] = torch.tensor(state.block_table, dtype=torch.long)
+    tables = block_tables(held) if kv else torch.zeros((len(plan.seqs), 1), dtype=torch.int32)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=tables,
+        block_tables=tables.long(),
         query_starts=starts,
         query_lens=lens,
         seq_lens=seq_lens,
         block_size=block_size,
         query_start_loc=torch.tensor(starts + [len(input_ids)], dtype=torch.int32),
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables_i32=tables.to(torch.int32),
+        block_tables_i32=tables,
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long),

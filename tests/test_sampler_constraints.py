@@ -11,6 +11,7 @@ import torch
 from cpud import SamplingParams
 from cpud.engine.step_planner import sampling_spec
 from cpud.protocol.step import NewSeq, wire_error
+from cpud.ranks.penalty_counts import PenaltyCounts
 from cpud.ranks.sampler import SamplingRow, allowed_tokens, sample
 
 VOCAB = 70  # logits width: the model's vocabulary, padded past the tokenizer's 64
@@ -59,7 +60,7 @@ def test_penalties_cannot_revive_a_masked_token():
     logits[0, 7] = -5.0
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
     row = work(params, pack([7]))
-    row = dataclasses.replace(row, output_token_ids=[3])
+    row = dataclasses.replace(row, penalty=PenaltyCounts.of([], [3]))
     assert sample(logits, [row], None)[0].token_id == 7
 
 

@@ -10,6 +10,7 @@ import torch
 from cpud import LLM, SamplingParams
 from cpud.engine.detokenizer import IncrementalDetokenizer
 from cpud.engine.step_planner import sampling_spec
+from cpud.ranks.penalty_counts import PenaltyCounts
 from cpud.ranks.sampler import SamplingRow, sample
 from cpud.settings.errors import RequestError
 from cpud.text.tokenizer import Tokenizer
@@ -18,7 +19,8 @@ VOCAB = 50
 
 
 def work(params: SamplingParams, seed=None, banned=(), prompt=(), output=()) -> SamplingRow:
-    return SamplingRow(0, sampling_spec(params), seed, list(banned), list(prompt), list(output))
+    counts = PenaltyCounts.of(prompt, output) if params.needs_penalties else None
+    return SamplingRow(0, sampling_spec(params), seed, list(banned), counts)
 
 
 def draws(logits: torch.Tensor, params: SamplingParams, count: int = 400) -> set[int]:
