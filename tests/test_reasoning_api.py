@@ -392,3 +392,59 @@ def test_harmony_calls_without_tools_to_call_are_left_out(gpt_oss):
         got = whole(client, messages=ASK, **tools)
         assert (got["reasoning"], got["content"], got["calls"]) == ("Need the tool.", "", [])
         assert got["finish"] == "stop"
+
+
+def _tokens(server, text: str) -> int:
+    return len(server.tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_usage(client, stream: bool, **kwargs):
+    """The usage of a whole answer, or of a stream's last chunk (include_usage)."""
+    if not stream:
+        return client.chat.completions.create(model="scripted", **kwargs).usage
+    options = {"include_usage": True}
+    chunks = list(
+        client.chat.completions.create(
+            model="scripted", stream=True, stream_options=options, **kwargs
+        )
+    )
+    return chunks[-1].usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["think", "harmony"])
+def test_usage_counts_the_reasoning_tokens(request, fmt, stream):
+    """A think block's tokens, tags included; a harmony analysis message's from its
+    <|message|> to its <|end|>; the answer's tokens are not reasoning."""
+    server, client, _ = request.getfixturevalue("think" if fmt == "think" else "gpt_oss")
+    if fmt == "think":
+        reasoning = "<think>\nParis is in France.\n</think>"
+        server.will_say(reasoning + "\n\nIt is sunny in Paris.")
+    else:
+        reasoning = "<|message|>The user asks about Paris.<|end|>"
+        server.will_say(HARMONY_ANSWER)
+    usage = chat_usage(client, stream, messages=ASK)
+    assert usage.completion_tokens_details.reasoning_tokens == _tokens(server, reasoning)
+    assert usage.completion_tokens > usage.completion_tokens_details.reasoning_tokens
+
+
+def test_usage_without_a_reasoning_split_has_no_reasoning_count(think):
+    server, client, _ = think
+    server.will_say("<think>\nhidden\n</think>\n\nSunny.")
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert (
+        chat_usage(client, False, messages=ASK, extra_body=kwargs).completion_tokens_details is None
+    )
+
+
+def test_responses_usage_counts_the_reasoning_tokens(gpt_oss):
+    server, client, _ = gpt_oss
+    server.will_say(HARMONY_ANSWER, HARMONY_ANSWER)
+    want = _tokens(server, "<|message|>The user asks about Paris.<|end|>")
+    whole = client.responses.create(model="scripted", input="Weather?").usage
+    with client.responses.stream(model="scripted", input="Weather?") as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_response().usage
+    assert whole.output_tokens_details.reasoning_tokens == want
+    assert streamed.output_tokens_details.reasoning_tokens == want

@@ -46,6 +46,11 @@ class HarmonyParser:
     def called(self) -> bool:
         return self.calls > 0
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside an analysis message's body."""
+        return self.state == "body" and self.kind == "reasoning"
+
     def feed(self, delta: str) -> Split:
         self.pending += delta
         out, self._opened = self._opened, Split()

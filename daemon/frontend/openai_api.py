@@ -33,9 +33,11 @@ from cpud.frontend.logprobs import (
     prompt_logprobs_json,
 )
 from cpud.frontend.reasoning_stream import ChatTextStream, read_all, reasoning_fields
+from cpud.frontend.reasoning_tokens import ReasoningTokenCounter, reasoning_token_count
 from cpud.frontend.requests import Prompt, check_kv_room
 from cpud.frontend.state import ServerState
 from cpud.frontend.tool_calls import new_call_id, parse
+from cpud.frontend.usage import Usage
 from cpud.settings.errors import RequestError
 
 ENGINE_ERRORS = (RequestError, QueueFullError, EngineDeadError, RequestFailedError, StoppingError)
@@ -53,24 +55,6 @@ class Choice:
     # Tokens (and their logprob entries) whose text is held back: they go with the next text.
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    details: bool = True  # prompt_tokens_details (--no-enable-prompt-tokens-details: left out)
-
-    def as_dict(self) -> dict:
-        usage = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-        if self.details:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
-        return usage
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -251,6 +235,13 @@ async def respond(state: ServerState, request: Request, job: Job) -> Response:
         cached_tokens=sum(f.num_cached_tokens for f in finals),
         details=state.config.prompt_tokens_details,
     )
+    if job.reasoning is not None:
+        decode = decoder(state)
+        usage.reasoning_tokens = sum(
+            reasoning_token_count(job.reasoning, out.token_ids, decode)
+            for final in finals
+            for out in final.outputs
+        )
     choices = []
     for p_index, (prompt, final) in enumerate(zip(job.prompts, finals)):
         for out in final.outputs:
@@ -373,11 +364,14 @@ async def stream_events(
     )
     cached: dict[int, int] = {}
     generated: dict[tuple[int, int], int] = {}
+    reasoning: dict[tuple[int, int], ReasoningTokenCounter] = {}
     object_name = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
 
     def current_usage() -> dict:
         usage.completion_tokens = sum(generated.values())
         usage.cached_tokens = sum(cached.values())
+        if job.reasoning is not None:
+            usage.reasoning_tokens = sum(counter.count for counter in reasoning.values())
         return usage.as_dict()
 
     def chunk(choice_rows: list[dict]) -> str:
@@ -406,6 +400,10 @@ async def stream_events(
             for out in output.outputs:
                 key = (p_index, out.index)
                 generated[key] = generated.get(key, 0) + len(out.token_ids)
+                if job.reasoning is not None and job.include_usage:
+                    if key not in reasoning:
+                        reasoning[key] = ReasoningTokenCounter(job.reasoning, decoder(state))
+                    reasoning[key].feed(out.token_ids)
                 choice = choices[(p_index, out.index)]
                 if choice.finished:
                     continue

@@ -26,6 +26,9 @@ class ReasoningParser(Protocol):
     @property
     def called(self) -> bool: ...  # a tool call has begun
 
+    @property
+    def in_reasoning(self) -> bool: ...  # the text read so far ends inside the reasoning
+
     def feed(self, delta: str) -> Split: ...
 
     def finish(self, cut: bool) -> Split: ...  # cut: max_tokens ended the output

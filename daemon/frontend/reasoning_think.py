@@ -24,6 +24,10 @@ class ThinkParser:
         self.reasoning_began = False
         self.content_began = False
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self.state == "reasoning" or (self.state == "start" and self.opened)
+
     def feed(self, delta: str) -> Split:
         self.pending += delta
         out = Split()

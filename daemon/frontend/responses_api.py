@@ -22,10 +22,12 @@ from cpud.frontend.jobs import Job, chat_job
 from cpud.frontend.openai_api import (
     ENGINE_ERRORS,
     collect_or_abort,
+    decoder,
     engine_error,
     start_requests,
 )
 from cpud.frontend.reasoning_stream import ChatTextStream, read_all
+from cpud.frontend.reasoning_tokens import ReasoningTokenCounter, reasoning_token_count
 from cpud.frontend.responses_logprobs import chat_fields, token_logprobs, wanted, with_logprobs
 from cpud.frontend.responses_reasoning import (
     ReasoningEvents,
@@ -196,6 +198,7 @@ class Answer:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0
     note: AccessNote = field(default_factory=AccessNote)  # the request's access line
     # report the prompt tokens the prefix cache served (else 0: a Response always has
     # input_tokens_details)
@@ -237,14 +240,15 @@ class Answer:
             "input_tokens": self.input_tokens,
             "input_tokens_details": {"cached_tokens": self.cached_tokens},
             "output_tokens": self.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.input_tokens + self.output_tokens,
         }
 
-    def measure(self, final: RequestOutput, output_tokens: int) -> None:
+    def measure(self, final: RequestOutput, output_tokens: int, reasoning_tokens: int) -> None:
         self.input_tokens = len(final.prompt_token_ids)
         self.cached_tokens = final.num_cached_tokens if self.details else 0
         self.output_tokens = output_tokens
+        self.reasoning_tokens = reasoning_tokens
         self.note.prompt_tokens = self.input_tokens
         self.note.completion_tokens = self.output_tokens
 
@@ -315,14 +319,20 @@ async def respond_responses(
     answer = Answer(body, job, note=access_note(request), details=details)
     answer.note.request_id, answer.note.model = answer.id, job.model
     if body.stream:
+        counter = (
+            None if job.reasoning is None else ReasoningTokenCounter(job.reasoning, decoder(state))
+        )
         return StreamingResponse(
-            EventStream(answer).events(streams[0]),
+            EventStream(answer, counter=counter).events(streams[0]),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     final = (await collect_or_abort(request, streams))[0]
     out = final.outputs[0]
-    answer.measure(final, len(out.token_ids))
+    decode = decoder(state)
+    answer.measure(
+        final, len(out.token_ids), reasoning_token_count(job.reasoning, out.token_ids, decode)
+    )
     cut = out.finish_reason == "length"
     read = read_all(job.reasoning, out.text, cut)
     if read.reasoning:
@@ -360,6 +370,7 @@ class EventStream:
     positions: dict[str, int] = field(default_factory=dict)  # output index by item id
     logprobs: list[dict] = field(default_factory=list)  # of the text sent (when included)
     tokens: int = 0  # output tokens so far
+    counter: ReasoningTokenCounter | None = None  # of reasoning tokens, when split off
     # Tokens (with their logprob entries) whose text is held back: their logprobs go out
     # with the next text.
     held_tokens: list[int] = field(default_factory=list)
@@ -399,7 +410,7 @@ class EventStream:
                 self.logprobs += self.new_logprobs(out)
             for chunk in self.close_items():
                 yield chunk
-            answer.measure(final, self.tokens)
+            answer.measure(final, self.tokens, self.counter.count if self.counter else 0)
             kind = "response.incomplete" if _status(out) == "incomplete" else "response.completed"
             yield self.event(kind, response=answer.snapshot(_status(out)))
         except ENGINE_ERRORS as exc:
@@ -415,6 +426,8 @@ class EventStream:
     def hold(self, out: CompletionOutput) -> None:
         """Count an output's new tokens and keep their logprob entries until text goes out."""
         self.tokens += len(out.token_ids)
+        if self.counter is not None:
+            self.counter.feed(out.token_ids)
         if wanted(self.answer.body):
             self.held_tokens += out.token_ids
             self.held_logprobs += out.logprobs or []
