@@ -12,6 +12,7 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
+from stub_engine import TokenWriter
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -19,7 +20,7 @@ from cpud.engine.llm_engine import LLMEngine
 from cpud.frontend.app import create_app
 from cpud.frontend.async_engine import AsyncEngine
 from cpud.frontend.state import ServerConfig, ServerState
-from cpud.protocol.step import SampledToken, StepPlan, StepResult
+from cpud.protocol.step import SampledToken, SeqWork
 from cpud.settings.config import EngineArgs, resolve_config
 from cpud.text.tokenizer import Tokenizer
 
@@ -67,7 +68,7 @@ def reasoning_model(source: Path, folder: Path) -> Path:
     return folder
 
 
-class ScriptedExecutor:
+class ScriptedExecutor(TokenWriter):
     """Each new sequence writes the next script's tokens, then an end token."""
 
     def __init__(self, end_token: int):
@@ -75,25 +76,11 @@ class ScriptedExecutor:
         self.scripts: deque[list[int]] = deque()
         self.writing: dict[int, deque[int]] = {}
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        tokens = []
-        for work in plan.seqs:
-            if not work.sample:
-                continue
-            if work.seq_id not in self.writing:
-                self.writing[work.seq_id] = deque(self.scripts.popleft())
-            script = self.writing[work.seq_id]
-            tokens.append(SampledToken(work.seq_id, script.popleft() if script else self.end_token))
-        return StepResult(plan.step_id, tokens)
-
-    def check_health(self) -> None:
-        return None
-
-    def rank_stats(self) -> list:
-        return []
-
-    def shutdown(self) -> None:
-        return None
+    def write(self, work: SeqWork) -> SampledToken:
+        if work.seq_id not in self.writing:
+            self.writing[work.seq_id] = deque(self.scripts.popleft())
+        script = self.writing[work.seq_id]
+        return SampledToken(work.seq_id, script.popleft() if script else self.end_token)
 
 
 class ScriptedServer:

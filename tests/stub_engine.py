@@ -12,12 +12,36 @@ import time
 
 from cpud.engine.llm_engine import LLMEngine
 from cpud.protocol.control import encoder
-from cpud.protocol.step import SampledToken, StepPlan, StepResult
+from cpud.protocol.step import SampledToken, SeqWork, StepPlan, StepResult
 from cpud.settings.config import EngineConfig
 from cpud.text.tokenizer import Tokenizer
 
 
-class StubExecutor:
+class TokenWriter:
+    """An executor with no model: its forward pass answers each sampling work of a plan with
+    the token `write` picks for it."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.take(plan)
+        return StepResult(plan.step_id, [self.write(work) for work in plan.seqs if work.sample])
+
+    def take(self, plan: StepPlan) -> None:
+        """Note what the plan says before its works are answered."""
+
+    def write(self, work: SeqWork) -> SampledToken:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        return None
+
+    def rank_stats(self) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        return None
+
+
+class StubExecutor(TokenWriter):
     def __init__(self, cycle: list[int]):
         self.cycle = cycle
         self.plan_bytes: list[int] = []  # encoded size of each plan
@@ -28,36 +52,24 @@ class StubExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.plan_bytes.append(len(encoder.encode(plan)))
         started = time.thread_time_ns()
-        for new in getattr(plan, "new_seqs", ()):
-            self._num_logprobs[new.seq_id] = new.sampling.num_logprobs if new.sampling else -1
-        tokens = []
-        for work in plan.seqs:
-            spec = getattr(work, "sampling", None)
-            if spec is not None:
-                self._num_logprobs[work.seq_id] = spec.num_logprobs
-            if not work.sample:
-                continue
-            k = self._counts.get(work.seq_id, work.seq_id)
-            self._counts[work.seq_id] = k + 1
-            token = self.cycle[k % len(self.cycle)]
-            num = self._num_logprobs.get(work.seq_id, -1)
-            if num < 0:
-                tokens.append(SampledToken(work.seq_id, token))
-                continue
-            tops = [self.cycle[(k + j) % len(self.cycle)] for j in range(1, num + 1)]
-            values = [-1.0 - j for j in range(num)]
-            tokens.append(SampledToken(work.seq_id, token, -0.5, 1, tops, values))
+        result = super().execute(plan)
         self.forward_ns.append(time.thread_time_ns() - started)
-        return StepResult(plan.step_id, tokens)
+        return result
 
-    def check_health(self) -> None:
-        return None
+    def take(self, plan: StepPlan) -> None:
+        for new in plan.new_seqs:
+            self._num_logprobs[new.seq_id] = new.sampling.num_logprobs if new.sampling else -1
 
-    def rank_stats(self) -> list:
-        return []
-
-    def shutdown(self) -> None:
-        return None
+    def write(self, work: SeqWork) -> SampledToken:
+        k = self._counts.get(work.seq_id, work.seq_id)
+        self._counts[work.seq_id] = k + 1
+        token = self.cycle[k % len(self.cycle)]
+        num = self._num_logprobs.get(work.seq_id, -1)
+        if num < 0:
+            return SampledToken(work.seq_id, token)
+        tops = [self.cycle[(k + j) % len(self.cycle)] for j in range(1, num + 1)]
+        values = [-1.0 - j for j in range(num)]
+        return SampledToken(work.seq_id, token, -0.5, 1, tops, values)
 
 
 def stub_engine(
