@@ -5,6 +5,7 @@ batch, and the configuration's errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -159,3 +160,18 @@ def test_config_errors_name_what_to_change(models, tmp_path):
         with pytest.raises(ConfigError, match="--speculative-config") as caught:
             LLM(models["target"], speculative_config=value, **ENGINE)
         assert words in str(caught.value)
+
+
+def test_kv_blocks_and_weights_count_the_draft(models):
+    from cpud.settings.config import EngineArgs, resolve_config
+
+    args = EngineArgs(dtype="float32", max_model_len=192, kv_cache_space_gib=0.01)
+    plain = resolve_config(args, models["target"])
+    with_draft = resolve_config(
+        dataclasses.replace(args, speculative_config=draft_config(models["unrelated"])),
+        models["target"],
+    )
+    # the same shape twice per block and in weights: half the blocks in the same space
+    assert with_draft.draft_kv_block_bytes > 0
+    assert with_draft.num_kv_blocks == plain.num_kv_blocks // 2
+    assert with_draft.weight_bytes_per_rank == 2 * plain.weight_bytes_per_rank

@@ -16,7 +16,7 @@ def spec_check(planning: Planning) -> Check:
         return Check(
             "speculative decoding",
             "ok",
-            "off (--speculative-config turns on n-gram proposals)",
+            "off (--speculative-config turns on n-gram or draft-model proposals)",
             {"method": None},
         )
     value = {
@@ -26,4 +26,7 @@ def spec_check(planning: Planning) -> Check:
         "prompt_lookup_max": spec.prompt_lookup_max,
         "disable_by_batch_size": spec.disable_by_batch_size,
     }
+    if spec.uses_draft_model:
+        value.update(draft_model=spec.model, draft_quantization=spec.quantization)
+        value["draft_kv_bytes_per_rank"] = config.num_kv_blocks * config.draft_kv_block_bytes
     return Check("speculative decoding", "ok", spec.describe(), value)

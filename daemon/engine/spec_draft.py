@@ -10,7 +10,7 @@ from typing import Any
 
 from cpud.model.model_config import ModelConfig
 from cpud.settings.errors import ConfigError
-from cpud.settings.speculative import FLAG, SpeculativeConfig
+from cpud.settings.speculative import FLAG, SpeculativeConfig, parse_speculative_config
 
 
 def check_draft_model(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
@@ -48,3 +48,13 @@ def draft_kv_block_bytes(
     from cpud.model.sizes import kv_block_bytes
 
     return kv_block_bytes(draft, 1, block_size, dtype, kv_cache_dtype)
+
+
+def draft_weight_bytes(speculative_config: str | None, draft: ModelConfig, dtype: str) -> int:
+    """Bytes of the draft's weights on each rank, as the memory plan counts the target's."""
+    from cpud.placement.memory_plan import quantized_weight_bytes
+
+    spec = parse_speculative_config(speculative_config)
+    if spec is None or spec.model is None:
+        return 0
+    return quantized_weight_bytes(draft, dtype, 1, spec.model, spec.quantization)

@@ -303,10 +303,12 @@ def plan_memory(
     gpu_memory_utilization: float | None = None,
     weights: int | None = None,
     kv_cache_dtype: str = "auto",
+    draft_block_bytes: int = 0,
 ) -> MemoryPlan:
     """Size every rank's memory, or raise ConfigError with the numbers and what would fit.
     `weights`: one rank's weight bytes where not `dtype` throughout (quantized_weight_bytes).
-    `kv_cache_dtype`: the KV cache's element type (--kv-cache-dtype; auto: dtype)."""
+    `kv_cache_dtype`: the KV cache's element type (--kv-cache-dtype; auto: dtype).
+    `draft_block_bytes`: what a speculative draft model's KV adds to each block."""
     tp = binding.tp
     warnings: list[str] = []
     notes: list[str] = []
@@ -321,7 +323,9 @@ def plan_memory(
     overhead = overhead_bytes(model, dtype, tp, max_model_len, max_num_batched_tokens, max_num_seqs)
     # An encoder keeps no KV cache: its blocks are bookkeeping only and take no memory.
     block_bytes = (
-        kv_block_bytes(model, tp, block_size, dtype, kv_cache_dtype) if model.generates else 0
+        kv_block_bytes(model, tp, block_size, dtype, kv_cache_dtype) + draft_block_bytes
+        if model.generates
+        else 0
     )
     blocks_per_seq = -(-max_model_len // block_size)
     budgets = _budgets(binding, topology)

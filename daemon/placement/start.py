@@ -82,6 +82,7 @@ def config_memory(
         kv_cache_fraction=kv_cache_fraction,
         weights=config.weight_bytes_per_rank,
         kv_cache_dtype=config.kv_cache_dtype,
+        draft_block_bytes=config.draft_kv_block_bytes,
     )
 
 

@@ -137,11 +137,24 @@ class EngineConfig:
     quantization: str = _ENGINE["quantization"]
     kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
     speculative_config: str | None = None  # checked JSON (cpud.settings.speculative); None: off
+    draft_model: ModelConfig | None = None  # the speculative draft model's (every rank has it)
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
-        return self.num_kv_blocks * kv_block_bytes(
-            self.model, self.tp, self.block_size, self.dtype, self.kv_cache_dtype
+        return self.num_kv_blocks * (
+            kv_block_bytes(self.model, self.tp, self.block_size, self.dtype, self.kv_cache_dtype)
+            + self.draft_kv_block_bytes
+        )
+
+    @property
+    def draft_kv_block_bytes(self) -> int:
+        """What the draft model's KV adds to each block on each rank (0 without one)."""
+        if self.draft_model is None:
+            return 0
+        from cpud.engine.spec_draft import draft_kv_block_bytes
+
+        return draft_kv_block_bytes(
+            self.draft_model, self.block_size, self.dtype, self.kv_cache_dtype
         )
 
     @property
@@ -149,9 +162,14 @@ class EngineConfig:
         """One rank's resident weight bytes (quantized matrices at their packed size)."""
         from cpud.placement.memory_plan import quantized_weight_bytes
 
-        return quantized_weight_bytes(
+        target = quantized_weight_bytes(
             self.model, self.dtype, self.tp, self.model_dir, self.quantization
         )
+        if self.draft_model is None:
+            return target
+        from cpud.engine.spec_draft import draft_weight_bytes
+
+        return target + draft_weight_bytes(self.speculative_config, self.draft_model, self.dtype)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -230,6 +248,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     check_kv_cache_dtype(args.kv_cache_dtype)
     speculative = parse_speculative_config(args.speculative_config)
     block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype, args.kv_cache_dtype)
+    draft = None
     if speculative is not None and speculative.uses_draft_model:  # its KV shares the block ids
         from cpud.engine.spec_draft import check_draft_model, draft_kv_block_bytes
 
@@ -268,6 +287,7 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=speculative.to_json() if speculative is not None else None,
+        draft_model=draft,
     )
 
 
