@@ -392,6 +392,35 @@ typedef struct fa_stream {
     int warm; /* the previous item prefetched this item's first FA_PF_DIST chunks */
 } fa_stream;
 
+/* Plans pf over `steps` fa_pf_step calls at chunk j0 of an item (keys [jlo, jhi]): the chunk
+ * FA_PF_DIST ahead in the stream st (a cold start first fetches the window before it). */
+static ALWAYS_INLINE void fa_pf_plan(fa_pf *pf, const att_item *it, const int32_t *bt,
+                                     int64_t max_blocks, const fa_cache *c, int64_t nkv,
+                                     int64_t bs, int64_t j0, int64_t jlo, int64_t jhi, int steps,
+                                     const fa_stream *st) {
+    const int64_t first = jlo & ~(int64_t)15, i = (j0 - first) / FA_CHUNK;
+    const int64_t n = (jhi - first) / FA_CHUNK + 1; /* chunks of this item */
+    pf->n = 0;
+    if (i == 0 && !st->warm) { /* a cold start fetches the window before it at once */
+        for (int64_t k = 1; k < FA_PF_DIST; k++)
+            fa_pf_add(pf, it, bt, max_blocks, c, nkv, bs, first + k * FA_CHUNK, jhi);
+        fa_pf_spread(pf, 1);
+        fa_pf_step(pf);
+        pf->n = 0;
+    }
+    if (i + FA_PF_DIST < n) {
+        fa_pf_add(pf, it, bt, max_blocks, c, nkv, bs, j0 + FA_PF_DIST * FA_CHUNK, jhi);
+    } else if (st->next) {
+        /* the next item's chunk in that place; an item of fewer than FA_PF_DIST chunks also
+         * takes, at its first chunk, those no chunk of it reaches */
+        const int64_t nfirst = st->next_lo & ~(int64_t)15, k_hi = i + FA_PF_DIST - n;
+        for (int64_t k = i == 0 ? 0 : k_hi; k <= k_hi; k++)
+            fa_pf_add(pf, st->next, bt, max_blocks, c, nkv, bs, nfirst + k * FA_CHUNK,
+                      st->next_hi);
+    }
+    fa_pf_spread(pf, steps);
+}
+
 #include "tier_flash_quant.h"
 
 /* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows (in the
@@ -422,27 +451,7 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
         kb[u] = ks;
         vq[u] = vr;
     }
-    const int64_t first = jlo & ~(int64_t)15, i = (j0 - first) / FA_CHUNK;
-    const int64_t n = (jhi - first) / FA_CHUNK + 1; /* chunks of this item */
-    pf->n = 0;
-    if (i == 0 && !st->warm) { /* a cold start fetches the window before it at once */
-        for (int64_t k = 1; k < FA_PF_DIST; k++)
-            fa_pf_add(pf, it, bt, max_blocks, c, nkv, bs, first + k * FA_CHUNK, jhi);
-        fa_pf_spread(pf, 1);
-        fa_pf_step(pf);
-        pf->n = 0;
-    }
-    if (i + FA_PF_DIST < n) {
-        fa_pf_add(pf, it, bt, max_blocks, c, nkv, bs, j0 + FA_PF_DIST * FA_CHUNK, jhi);
-    } else if (st->next) {
-        /* the next item's chunk in that place; an item of fewer than FA_PF_DIST chunks also
-         * takes, at its first chunk, those no chunk of it reaches */
-        const int64_t nfirst = st->next_lo & ~(int64_t)15, k_hi = i + FA_PF_DIST - n;
-        for (int64_t k = i == 0 ? 0 : k_hi; k <= k_hi; k++)
-            fa_pf_add(pf, st->next, bt, max_blocks, c, nkv, bs, nfirst + k * FA_CHUNK,
-                      st->next_hi);
-    }
-    fa_pf_spread(pf, steps);
+    fa_pf_plan(pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, steps, st);
     if (c->kvt == CPUD_BF16)
         fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd, pf);
     else
@@ -601,6 +610,11 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
                                 const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
                                 int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale,
                                 int64_t window, const float *sinks, int R, const fa_stream *st) {
+    if (c->kvt == CPUD_KV_INT8 && fa_i8_usable()) {
+        fa_item_run_few_i8(w, it, q, qs, c, qsl, seq_lens, bt, max_blocks, out, os, nh, nkv, hd,
+                           bs, scale, window, sinks, R, st);
+        return;
+    }
     const int64_t G = nh / nkv;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
@@ -689,3 +703,5 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
                        _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
     }
 }
+
+#include "tier_flash_int8.h"

@@ -87,3 +87,12 @@ static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, i
         }
     }
 }
+
+/* Int8 decode items in integers (tier_flash_int8.h, defined after the bf16 path it shares):
+ * where the CPU has AVX512-VNNI. */
+static inline int fa_i8_usable(void) { return __builtin_cpu_supports("avx512vnni"); }
+static __attribute__((target("avx512vnni"))) TGT void fa_item_run_few_i8(
+    fa_ws *w, const att_item *it, const void *q, int64_t qs, const fa_cache *c,
+    const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks, void *out,
+    int64_t os, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale, int64_t window,
+    const float *sinks, int R, const fa_stream *st);

@@ -1,0 +1,256 @@
+/* Decode items (fewer than FA_MIN_ROWS rows) on an int8 KV cache for the AVX512-BF16 tier, in
+ * integers (AVX512-VNNI).  Included at the end of tier_flash_bf16.h; fa_item_run_few enters it
+ * for int8 caches where the CPU has VNNI (every AVX512-BF16 CPU so far).
+ *
+ *   scores:  each query row rounded to int8 once per item (q ~ q8 * qd, qd = amax / 127), then
+ *            s = qd * kd * sum_d q8[d] k8[d] by vpdpbusd on (k8 + 128) (u8) x q8 (s8), less
+ *            128 * sum_d q8[d]; kd the key row's scale.
+ *   values:  the row scales vd folded into the probabilities, p' = p * vd, rounded to u8 per row
+ *            and chunk (p' ~ pu * c, c = max p' / 255); o += c * sum_j pu[j] v8[j] by vpdpbusd
+ *            on 4 keys at a time (values re-laid as 4-key quads of bytes).
+ * The cache is read once, as int8 (half the bytes of bf16), with no per-element conversion;
+ * the softmax state (m, l) and o stay f32 as in the bf16 path. Rows outside the item's key
+ * range get p = 0, which keeps whatever bytes they hold out of the integer sums. */
+
+#define FA_I8_TGT __attribute__((target("avx512vnni"))) TGT
+
+/* The d-order of o in the workspace: within each 64 values, element 16 g + 4 L + e holds
+ * d = 16 L + 4 g + e (quad vector g, 128-bit lane L, dword e of the re-laid values). */
+static ALWAYS_INLINE int64_t fa_i8_slot(int64_t d) {
+    const int64_t base = d & ~(int64_t)63, i = d & 63;
+    return base + 16 * ((i >> 2) & 3) + 4 * (i >> 4) + (i & 3);
+}
+
+/* Bytes [d, d + 64) of a row of hd: a load mask for what lies inside it. */
+static ALWAYS_INLINE __mmask64 fa_i8_mask(int64_t d, int64_t hd) {
+    return hd - d >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (hd - d)) - 1;
+}
+
+/* q8 rows [R][hdp] (zero past hd) of the R query rows qr, their scales qd (times scale) and
+ * 128 * their sums. */
+static ALWAYS_INLINE FA_I8_TGT void fa_i8_queries(const uint16_t *const *qr, int R, int64_t hd,
+                                                  int64_t hdp, float scale, int8_t *q8, float *qd,
+                                                  float *off) {
+    for (int r = 0; r < R; r++) {
+        vf amax = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 16)
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(vf_ld_bf16(qr[r] + d)));
+        const float a = _mm512_reduce_max_ps(amax);
+        const vf inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+        __m512i sum = _mm512_setzero_si512();
+        int8_t *dst = q8 + r * hdp;
+        memset(dst, 0, (size_t)hdp);
+        for (int64_t d = 0; d < hd; d += 16) {
+            const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(vf_ld_bf16(qr[r] + d), inv));
+            sum = _mm512_add_epi32(sum, i);
+            _mm_storeu_si128((__m128i *)(dst + d), _mm512_cvtsepi32_epi8(i));
+        }
+        qd[r] = a / 127.0f * scale;
+        off[r] = 128.0f * (float)_mm512_reduce_add_epi32(sum);
+    }
+}
+
+/* s[r] = sum_d (k8 + 128) q8 of 16 keys (row j at kr + j * rb) in lanes, for RC <= 4 query
+ * rows (q8: [RC][hdp]); one step of pf per 4 keys. */
+static ALWAYS_INLINE FA_I8_TGT void fa_i8_scores(const int8_t *q8, int64_t hdp, const char *kr,
+                                                 int64_t rb, int64_t hd, int RC, __m512 *s,
+                                                 fa_pf *pf) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 u[4][4];
+    for (int kg = 0; kg < 4; kg++) {
+        if (pf) fa_pf_step(pf);
+        __m512i acc[4][4];
+        for (int r = 0; r < RC; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_si512();
+        for (int64_t d = 0; d < hd; d += 64) {
+            const __mmask64 m = fa_i8_mask(d, hd);
+            __m512i qv[4];
+            for (int r = 0; r < RC; r++) qv[r] = _mm512_loadu_si512(q8 + r * hdp + d);
+            for (int j = 0; j < 4; j++) {
+                const __m512i kv = _mm512_xor_si512(
+                    _mm512_maskz_loadu_epi8(m, kr + (4 * kg + j) * rb + d), flip);
+                for (int r = 0; r < RC; r++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], kv, qv[r]);
+            }
+        }
+        for (int r = 0; r < RC; r++)
+            u[r][kg] = fa_red4(_mm512_cvtepi32_ps(acc[r][0]), _mm512_cvtepi32_ps(acc[r][1]),
+                               _mm512_cvtepi32_ps(acc[r][2]), _mm512_cvtepi32_ps(acc[r][3]));
+    }
+    for (int r = 0; r < RC; r++) s[r] = fa_red16(u[r]);
+}
+
+/* The f32 scales of 16 rows (row j at row0 + j * rb, scale after its hd bytes), in lanes. */
+static ALWAYS_INLINE FA_I8_TGT __m512 fa_i8_scales(const char *row0, int64_t rb, int64_t hd) {
+    const __m512i idx = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32((int)rb)),
+        _mm512_set1_epi32((int)hd));
+    return _mm512_i32gather_ps(idx, row0, 1);
+}
+
+/* o[r] (slot order, rows hdp apart) = o[r] * alpha[r] + c[r] * sum_j pu[r][j] v8[j] for RC <= 4
+ * rows over keys [0, nk) (vr[u]: row 0 of sub-chunk u, rows rb apart); pu: [R][FA_CHUNK] u8. */
+static ALWAYS_INLINE FA_I8_TGT void fa_i8_pv(float *o, int64_t hdp, const float *alpha,
+                                             const float *c, const uint8_t *pu, int RC,
+                                             const char *const *vr, int64_t rb, int nk,
+                                             int64_t hd) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+        const __mmask64 m = fa_i8_mask(d0, hd);
+        __m512i acc[4][4];
+        for (int r = 0; r < RC; r++)
+            for (int g = 0; g < 4; g++) acc[r][g] = _mm512_setzero_si512();
+        for (int kq = 0; kq < nk / 4; kq++) {
+            const char *row = vr[kq / 4] + (4 * kq % 16) * rb + d0;
+            const __m512i r0 = _mm512_maskz_loadu_epi8(m, row);
+            const __m512i r1 = _mm512_maskz_loadu_epi8(m, row + rb);
+            const __m512i r2 = _mm512_maskz_loadu_epi8(m, row + 2 * rb);
+            const __m512i r3 = _mm512_maskz_loadu_epi8(m, row + 3 * rb);
+            const __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
+            const __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
+            const __m512i v[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
+                                  _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+            for (int r = 0; r < RC; r++) {
+                int32_t quad;
+                memcpy(&quad, pu + r * FA_CHUNK + 4 * kq, sizeof quad);
+                const __m512i pb = _mm512_set1_epi32(quad);
+                for (int g = 0; g < 4; g++) acc[r][g] = _mm512_dpbusd_epi32(acc[r][g], pb, v[g]);
+            }
+        }
+        for (int r = 0; r < RC; r++) {
+            const vf al = _mm512_set1_ps(alpha[r]), cr = _mm512_set1_ps(c[r]);
+            for (int g = 0; g < 4; g++) {
+                float *dst = o + r * hdp + d0 + 16 * g;
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][g]), cr,
+                                                      _mm512_mul_ps(_mm512_loadu_ps(dst), al)));
+            }
+        }
+    }
+}
+
+/* fa_item_run_few on an int8 cache (arguments as there). */
+static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const void *q, int64_t qs,
+                                         const fa_cache *c, const int32_t *qsl,
+                                         const int32_t *seq_lens, const int32_t *bt,
+                                         int64_t max_blocks, void *out, int64_t os, int64_t nh,
+                                         int64_t nkv, int64_t hd, int64_t bs, float scale,
+                                         int64_t window, const float *sinks, int R,
+                                         const fa_stream *st) {
+    const int64_t G = nh / nkv, hdp = (hd + 63) & ~(int64_t)63, rb = c->rb;
+    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
+    const int64_t t0 = qsl[it->s] + it->q0;
+    const uint16_t *qb = q;
+    const uint16_t *qr[FA_LANES];
+    int64_t lo[FA_LANES], hi[FA_LANES];
+    float m[FA_LANES], l[FA_LANES], qd[FA_LANES], off[FA_LANES], cq[FA_LANES];
+    int8_t *q8 = (int8_t *)w->kst;    /* [R][hdp] */
+    uint8_t *pu = (uint8_t *)w->p;    /* [R][FA_CHUNK] */
+    float *o = w->o;                  /* [R][hdp], slot order */
+    for (int r = 0; r < R; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const int64_t p = ctx - q_len + it->q0 + qi;
+        hi[r] = p;
+        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        qr[r] = qb + (t0 + qi) * qs + h * hd;
+        m[r] = sinks ? sinks[h] : -INFINITY; /* the sink: a key of value 0 */
+        l[r] = sinks ? 1.0f : 0.0f;
+        memset(o + r * hdp, 0, sizeof(float) * (size_t)hdp);
+    }
+    fa_i8_queries(qr, R, hd, hdp, scale, q8, qd, off);
+    int64_t jlo, jhi;
+    att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
+    const vf ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
+        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
+        const char *kr[2], *vr[2];
+        for (int u = 0; u < nsub; u++) {
+            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
+            kr[u] = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, rb);
+            vr[u] = kv_row(c->v, phys, it->kvh, j % bs, nkv, bs, rb);
+        }
+        fa_pf pf;
+        fa_pf_plan(&pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, 4 * nsub, st);
+        __m512 s0[FA_LANES], s1[FA_LANES];
+        for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            const int rc = R - r0 < 4 ? R - r0 : 4;
+            fa_pf *pp = r0 ? NULL : &pf;
+#define FA_I8_S(RC)                                                                            \
+    fa_i8_scores(q8 + r0 * hdp, hdp, kr[0], rb, hd, RC, s0 + r0, pp);                          \
+    if (nsub == 2) fa_i8_scores(q8 + r0 * hdp, hdp, kr[1], rb, hd, RC, s1 + r0, pp);
+            if (rc == 4) {
+                FA_I8_S(4)
+            } else if (rc == 3) {
+                FA_I8_S(3)
+            } else if (rc == 2) {
+                FA_I8_S(2)
+            } else {
+                FA_I8_S(1)
+            }
+#undef FA_I8_S
+        }
+        const vf ks0 = fa_i8_scales(kr[0], rb, hd), vs0 = fa_i8_scales(vr[0], rb, hd);
+        const vf ks1 = nsub == 2 ? fa_i8_scales(kr[1], rb, hd) : _mm512_setzero_ps();
+        const vf vs1 = nsub == 2 ? fa_i8_scales(vr[1], rb, hd) : _mm512_setzero_ps();
+        float alpha[FA_LANES];
+        int any = 0;
+        for (int r = 0; r < R; r++) {
+            const int64_t a = (lo[r] > j0 ? lo[r] : j0) - j0;
+            const int64_t b = (hi[r] < j0 + nk - 1 ? hi[r] : j0 + nk - 1) - j0;
+            alpha[r] = 1.0f;
+            cq[r] = 0.0f;
+            memset(pu + r * FA_CHUNK, 0, FA_CHUNK);
+            if (a > b) continue;
+            any = 1;
+            const uint32_t bits = (b == 31 ? ~0u : (1u << (b + 1)) - 1) & ~((1u << a) - 1);
+            const __mmask16 m0 = (__mmask16)bits, m1 = (__mmask16)(bits >> 16);
+            const vf vo = _mm512_set1_ps(off[r]), vq = _mm512_set1_ps(qd[r]);
+            const vf x0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(s0[r], vo), vq), ks0);
+            const vf x1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(s1[r], vo), vq), ks1);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_mask_blend_ps(m0, ninf, x0), _mm512_mask_blend_ps(m1, ninf, x1)));
+            const float m_new = mx > m[r] ? mx : m[r];
+            alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            const vf vm = _mm512_set1_ps(m_new);
+            const vf p0 = _mm512_maskz_mov_ps(m0, vf_exp(_mm512_sub_ps(x0, vm)));
+            const vf p1 = _mm512_maskz_mov_ps(m1, vf_exp(_mm512_sub_ps(x1, vm)));
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = m_new;
+            /* p' = p * vd on the attended keys only (other rows' scales may be NaN bytes) */
+            const vf w0 = _mm512_maskz_mul_ps(m0, p0, vs0), w1 = _mm512_maskz_mul_ps(m1, p1, vs1);
+            const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
+            if (!(pmax > 0.0f)) continue;
+            const vf inv = _mm512_set1_ps(255.0f / pmax);
+            cq[r] = pmax / 255.0f;
+            _mm_storeu_si128((__m128i *)(pu + r * FA_CHUNK),
+                             _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv))));
+            _mm_storeu_si128((__m128i *)(pu + r * FA_CHUNK + 16),
+                             _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv))));
+        }
+        if (!any) continue;
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            const int rc = R - r0 < 4 ? R - r0 : 4;
+            float *orow = o + r0 * hdp;
+#define FA_I8_PV(RC)                                                                           \
+    fa_i8_pv(orow, hdp, alpha + r0, cq + r0, pu + r0 * FA_CHUNK, RC, vr, rb, nk, hd);
+            if (rc == 4) {
+                FA_I8_PV(4)
+            } else if (rc == 3) {
+                FA_I8_PV(3)
+            } else if (rc == 2) {
+                FA_I8_PV(2)
+            } else {
+                FA_I8_PV(1)
+            }
+#undef FA_I8_PV
+        }
+    }
+    uint16_t *ob = out;
+    for (int r = 0; r < R; r++) {
+        const int64_t qi = r / G, h = it->kvh * G + r % G;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        float row[hdp];
+        for (int64_t d = 0; d < hd; d++) row[d] = o[r * hdp + fa_i8_slot(d)] * inv;
+        for (int64_t d = 0; d < hd; d += 16)
+            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d, _mm512_loadu_ps(row + d));
+    }
+}
