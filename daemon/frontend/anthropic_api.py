@@ -220,7 +220,7 @@ def check_supported(body: MessagesFields | MessagesRequest) -> None:
 def thinking_kwargs(thinking: dict | None) -> dict | None:
     """The chat template's kwargs for `thinking`: disabled turns a think-block template's
     reasoning off (enable_thinking false); enabled and adaptive leave the template as it is
-    (cpud does not hold reasoning to budget_tokens)."""
+    (enabled's budget_tokens caps the reasoning: thinking_budget)."""
     kind = None if thinking is None else thinking.get("type")
     if kind not in (None, "disabled", "enabled", "adaptive"):
         raise bad_request(
@@ -234,6 +234,13 @@ def thinking_kwargs(thinking: dict | None) -> dict | None:
             "thinking.budget_tokens must be a positive integer", "thinking.budget_tokens"
         )
     return {"enable_thinking": False} if kind == "disabled" else None
+
+
+def thinking_budget(thinking: dict | None) -> int | None:
+    """budget_tokens of `thinking` enabled (checked by thinking_kwargs), else None."""
+    if thinking is None or thinking.get("type") != "enabled":
+        return None
+    return thinking["budget_tokens"]
 
 
 def output_format(body: MessagesRequest) -> ResponseFormat | None:
@@ -264,6 +271,7 @@ def chat_request(body: MessagesFields | MessagesRequest) -> tuple[ChatCompletion
         tool_choice=choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=thinking_kwargs(body.thinking),
+        thinking_token_budget=thinking_budget(body.thinking),
     )
     if isinstance(body, MessagesRequest):
         sampling = {
@@ -300,7 +308,9 @@ def counted_tokens(state: ServerState, body: CountTokensRequest) -> dict:
 
 async def respond_messages(state: ServerState, request: Request, body: MessagesRequest) -> Response:
     job = await state.off_loop(message_job, state, body)
-    streams = await start_requests(state, job.request_id, job.prompts, job.params, request)
+    streams = await start_requests(
+        state, job.request_id, job.prompts, job.params, request, job.reasoning_budget
+    )
     note = access_note(request)
     note.request_id, note.model = job.request_id, job.model
     note.prompt_tokens = len(job.prompts[0].token_ids)

@@ -16,6 +16,7 @@ from cpud.frontend.reasoning import (
     detect_reasoning_parser,
     plan_reasoning,
 )
+from cpud.frontend.reasoning_budget import ReasoningBudget, reasoning_budget
 from cpud.frontend.requests import Prompt, chat_prompt, completion_prompts, sampling_params
 from cpud.frontend.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from cpud.frontend.state import ServerState
@@ -43,6 +44,7 @@ class Job:
     tool_parser: str | None = None  # parse the output for tool calls in this format
     parallel_tool_calls: bool = True  # else the first call only
     reasoning: ReasoningPlan | None = None  # split the output's reasoning off this way
+    reasoning_budget: ReasoningBudget | None = None  # close the reasoning at this many tokens
     answer_prefix: str = ""  # vLLM's echo on chat: the answer starts with this text
 
 
@@ -157,6 +159,10 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         skip_special_tokens=keep_specials,
     )
     include_usage, continuous = usage_flags(body)
+    budget = None
+    if body.thinking_token_budget is not None:
+        read = reasoning or read_plan(state, body, prompt, plan)
+        budget = thinking_budget(state, body.thinking_token_budget, read)
     return Job(
         "chat",
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -172,6 +178,7 @@ def chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         parallel_tool_calls=body.parallel_tool_calls,
         answer_prefix=echoed_prefix(body.echo, body.messages),
         reasoning=reasoning,
+        reasoning_budget=budget,
     )
 
 
@@ -183,15 +190,40 @@ def chat_reasoning(
     call (none given, tool_choice none) are left out."""
     if body.separate_reasoning is False:
         return None
+    plan = read_plan(state, body, prompt, tools)
+    if plan is not None and body.include_reasoning is False:
+        plan = replace(plan, shown=False)
+    if plan is not None and body.stream_reasoning is False:
+        plan = replace(plan, streamed=False)
+    return plan
+
+
+def read_plan(
+    state: ServerState, body: ChatCompletionRequest, prompt: Prompt, tools: ToolPlan
+) -> ReasoningPlan | None:
+    """How the output's reasoning reads, whether or not it is split off."""
     parser = state.config.reasoning_parser or detect_reasoning_parser(state.tokenizer.chat_template)
     max_calls = None if body.parallel_tool_calls else 1
-    plan = plan_reasoning(
+    return plan_reasoning(
         parser,
         prompt.text or "",
         body.chat_template_kwargs,
         tools.spec is not None,
         max_calls if tools.parser is not None else 0,
     )
-    if plan is not None and body.include_reasoning is False:
-        plan = replace(plan, shown=False)
-    return plan
+
+
+def thinking_budget(
+    state: ServerState, tokens: int, plan: ReasoningPlan | None
+) -> ReasoningBudget | None:
+    """thinking_token_budget as a cap on the output's reasoning; None without reasoning to cap
+    (no reasoning format, thinking turned off, a constrained output)."""
+    if plan is None:
+        return None
+    tokenizer = state.tokenizer
+    return reasoning_budget(
+        plan,
+        tokens,
+        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        lambda token: tokenizer.decode([token], skip_special_tokens=False),
+    )

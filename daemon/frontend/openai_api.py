@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -32,6 +32,7 @@ from cpud.frontend.logprobs import (
     legacy_logprobs,
     prompt_logprobs_json,
 )
+from cpud.frontend.reasoning_budget import ReasoningBudget
 from cpud.frontend.reasoning_stream import ChatTextStream, read_all, reasoning_fields
 from cpud.frontend.reasoning_tokens import ReasoningTokenCounter, reasoning_token_count
 from cpud.frontend.requests import Prompt, check_kv_room
@@ -77,16 +78,21 @@ async def start_requests(
     prompts: list[Prompt],
     params: SamplingParams,
     request: Request | None = None,
+    budget: ReasoningBudget | None = None,
 ) -> list[AsyncIterator[RequestOutput]]:
     """Validate every prompt before anything runs, then start one engine request each with
     what its validation found. A server that would not admit them says so first (a stream
-    gets the status, not an error event). A client that leaves during validation ends it."""
+    gets the status, not an error event). A client that leaves during validation ends it.
+    `budget`: a cap on the outputs' reasoning, in the constraint slot an unconstrained
+    output leaves free."""
     try:
         state.engine.check_admission()
         admitted = await while_connected(request, validate_all(state, prompts, params))
         state.engine.check_admission()
     except ENGINE_ERRORS as exc:
         raise engine_error(exc) from None
+    if budget is not None:
+        admitted = [a if a.grammar is not None else replace(a, grammar=budget) for a in admitted]
     return [
         observed(state, state.engine.generate(f"{base_id}-{i}", admission, p.text))
         for i, (p, admission) in enumerate(zip(prompts, admitted))
@@ -219,7 +225,9 @@ def prompt_text(state: ServerState, prompt: Prompt) -> str:
 
 
 async def respond(state: ServerState, request: Request, job: Job) -> Response:
-    streams = await start_requests(state, job.request_id, job.prompts, job.params, request)
+    streams = await start_requests(
+        state, job.request_id, job.prompts, job.params, request, job.reasoning_budget
+    )
     note = access_note(request)
     note.request_id, note.model = job.request_id, job.model
     note.prompt_tokens = sum(len(p.token_ids) for p in job.prompts)

@@ -33,6 +33,7 @@ class ReasoningPlan:
     header: str | None = None
     max_calls: int | None = None  # harmony: calls read (1: parallel_tool_calls false, 0: no tools)
     shown: bool = True  # include_reasoning false: the reasoning is split off and dropped
+    streamed: bool = True  # stream_reasoning false: streamed in one piece when it ends
 
     @property
     def reads_calls(self) -> bool:

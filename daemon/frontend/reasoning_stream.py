@@ -16,6 +16,8 @@ class ChatTextStream:
     def __init__(self, plan: ReasoningPlan | None, tool_parser: str | None, max_calls: int | None):
         self.reasoning: ReasoningParser | None = None if plan is None else new_parser(plan)
         self.shown = plan is None or plan.shown
+        self.streamed = plan is None or plan.streamed
+        self.held_reasoning = ""  # not streamed: the reasoning so far, sent when it ends
         self.tools: ToolCallStream | None = None
         if tool_parser is not None and (plan is None or not plan.reads_calls):
             self.tools = ToolCallStream(tool_parser, max_calls)
@@ -36,6 +38,11 @@ class ChatTextStream:
                 news.extend(self.reasoning.finish(cut))
             if not self.shown:
                 news.reasoning = ""
+            elif not self.streamed:
+                self.held_reasoning += news.reasoning
+                ended = finished or not self.reasoning.in_reasoning
+                news.reasoning = self.held_reasoning if ended else ""
+                self.held_reasoning = "" if ended else self.held_reasoning
         if self.tools is None or not (news.content or finished):
             return news
         news.content, calls = self.tools.feed_delta(news.content, finished)

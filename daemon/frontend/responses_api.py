@@ -314,7 +314,9 @@ async def respond_responses(
     state: ServerState, request: Request, body: ResponsesRequest
 ) -> Response:
     job = await state.off_loop(lambda: chat_job(state, chat_request(body)))
-    streams = await start_requests(state, job.request_id, job.prompts, job.params, request)
+    streams = await start_requests(
+        state, job.request_id, job.prompts, job.params, request, job.reasoning_budget
+    )
     details = state.config.prompt_tokens_details
     answer = Answer(body, job, note=access_note(request), details=details)
     answer.note.request_id, answer.note.model = answer.id, job.model

@@ -288,9 +288,6 @@ Metadata = Annotated[dict[str, Any], Meta(description="accepted and ignored")]
 Ignored = Annotated[str, Meta(max_length=MAX_NAME_CHARS, description="accepted and ignored")]
 
 
-REASONING_STREAMED = Unsupported(
-    only(True), "cpud streams reasoning as it comes: send true or null"
-)
 EFFORTS = ("low", "medium", "high")
 EFFORT = Unsupported(
     only(*EFFORTS), "send low, medium or high (the chat template reads it as reasoning_effort)"
@@ -300,7 +297,6 @@ EFFORT = Unsupported(
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     unsupported: ClassVar[Mapping[str, Unsupported]] = {
         **SamplingFields.unsupported,
-        "stream_reasoning": REASONING_STREAMED,
         "service_tier": ONE_TIER,
         "modalities": TEXT_ONLY,
         "audio": NOT_SUPPORTED,
@@ -342,7 +338,23 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     separate_reasoning: (
         Annotated[bool, Meta(description="false: the reasoning stays in the content")] | None
     ) = None
-    stream_reasoning: Annotated[bool, Meta(description="vllm-router: true only")] | None = None
+    stream_reasoning: (
+        Annotated[
+            bool, Meta(description="SGLang: false streams the reasoning in one piece when it ends")
+        ]
+        | None
+    ) = None
+    thinking_token_budget: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=MAX_COUNT,
+                description="vLLM: reasoning tokens after which the reasoning is closed",
+            ),
+        ]
+        | None
+    ) = None
     include_reasoning: (
         Annotated[bool, Meta(description="vLLM: false leaves the reasoning out")] | None
     ) = None

@@ -196,7 +196,6 @@ def test_no_stop_trim_keeps_the_stop_string(server):
     [
         ("/v1/chat/completions", "return_hidden_states", True),
         ("/v1/completions", "return_hidden_states", True),
-        ("/v1/chat/completions", "stream_reasoning", False),
         ("/v1/chat/completions", "priority", 1),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "length_penalty", 0.5),
