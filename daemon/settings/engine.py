@@ -343,14 +343,17 @@ ENGINE_SETTINGS = (
         str,
         None,
         "speculative decoding as vLLM's JSON object, e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (default: off)',
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (default: off)',
         EVERYWHERE,
         flags=("--speculative-config",),
         metavar="JSON",
         shown_default="off",
         details="`method` `ngram` (prompt lookup: the last `prompt_lookup_max` down to "
         "`prompt_lookup_min` tokens, default 5 and 2, are looked up in the prompt and output "
-        "so far and what followed is proposed), `num_speculative_tokens` proposals verified "
+        "so far and what followed is proposed) or `draft_model` (`model`: a smaller model "
+        "sharing the tokenizer, GGUF or HF directory, run whole in every rank; optional "
+        "`quantization`), `num_speculative_tokens` proposals verified "
         "together in one step (greedy output unchanged, sampling by rejection sampling, so "
         "the distribution is the model's), `disable_by_batch_size` (default 8): no sequence "
         "speculates while more run. `LLM(speculative_config={...})` takes the same object",
