@@ -12,6 +12,7 @@ import pytest
 import scripted_engine
 from scripted_engine import (
     HARMONY_TEMPLATE,
+    OPEN_THINK_TEMPLATE,
     THINK_TEMPLATE,
     ScriptedExecutor,
     reasoning_model,
@@ -155,3 +156,27 @@ def test_budget_constraint_proposals_stop_where_the_budget_is_spent(think):
         constraint.advance(token)
     assert constraint.allowed_mask() == one_token_mask(budget.close[0])
     assert constraint.draft_masks(said[3:]) == ([], [one_token_mask(budget.close[0])])
+
+
+def test_a_real_model_writes_the_closing_token_at_the_budget(model):
+    """The mask reaches the rank's sampler: the fixture model (prompt opening the think block)
+    writes `</think>` as its 5th token under budget 5, then goes on with its answer."""
+    from cpud.engine.executor import InProcessExecutor
+    from cpud.settings.config import EngineArgs, resolve_config
+
+    config = resolve_config(EngineArgs(model=model, dtype="float32", max_model_len=512), model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scripted_engine, "ScriptedExecutor", lambda _: InProcessExecutor(config))
+        with scripted_clients(model, OPEN_THINK_TEMPLATE) as (_, client, _):
+            answer = client.chat.completions.create(
+                model="scripted",
+                messages=ASK,
+                max_tokens=10,
+                temperature=0,
+                logprobs=True,
+                extra_body={"thinking_token_budget": 5, "ignore_eos": True},
+            )
+    tokens = [entry.token for entry in answer.choices[0].logprobs.content]
+    assert tokens[4] == "</think>" and "</think>" not in tokens[:4]
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 5
+    assert answer.usage.completion_tokens == 10 and answer.choices[0].message.content
