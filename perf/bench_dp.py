@@ -14,11 +14,18 @@ reports every layout's output tok/s and its ratio to 1x2 measured in the same ro
 perf/results/dp.json. Run it on a quiet machine: it measures.
 
 --prefix: `cpud -dp 2 --router` under each vllm-router policy (kv_aware with cpud's KV-cache
-events), a multi-turn chat workload whose conversations each carry a long prompt of their own
-(turn after turn the prefix grows): the prefix-cache hit rate from the replicas' metrics
-(cpud_prefix_cache_hits / cpud_prefix_cache_queries, summed over the `replica` label) and
-output tok/s per policy, and each policy's ratio to round_robin.
-Results: perf/results/dp_prefix.json.
+events), a multi-turn chat workload (perf/dp_conversations.py): many conversations at once, each
+over a long document of its own, every turn resending the history. --workload evicting (the
+default) sizes each replica's KV cache to 0.6 of the conversations' working set, so a replica
+holds more than half of them but not all; --workload earlier is the shape measured first (1 GiB
+per replica). Per policy: the prefix-cache hit rate from the replicas' metrics
+(cpud_prefix_cache_hits / cpud_prefix_cache_queries, summed over the `replica` label), the
+share of prompt tokens the answers' usage reports cached, output tok/s, and each policy's ratio
+to round_robin; policies interleave within each round. The result states the cache size and
+the working set. Results: perf/results/dp_prefix.json.
+
+The layouts use --kv-cache-space 2 per rank (the qwen3-0.6b-shaped fixture's 32 streams of
+256 + 128 tokens need 1.3 GiB on one rank).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,7 @@ sys.path.insert(0, str(HERE))
 
 import loadgen  # noqa: E402
 from bench_engine import model_dir  # noqa: E402
+from dp_conversations import WORKLOADS, Workload, cache_size, conversations  # noqa: E402
 from serving_server import Server, Target, base_env, free_port  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -46,9 +55,12 @@ LAYOUTS = ("dp2", "1x2", "tp2")
 BASELINE = "1x2"
 
 
-def command(layout: str, model: Path, port: int, via: str) -> list[str]:
+def command(
+    layout: str, model: Path, port: int, via: str, kv_gib: float, max_model_len: int = 4096
+) -> list[str]:
     cmd = ["cpud", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--dtype", "bfloat16", "--kv-cache-space", "1", "--max-num-seqs", "32"]
+    cmd += ["--dtype", "bfloat16", "--kv-cache-space", f"{kv_gib:.6f}", "--max-num-seqs", "32"]
+    cmd += ["--max-model-len", str(max_model_len)]
     cmd += ["--served-model-name", "bench", "--no-kv-cache-pretouch"]
     if layout == "dp2":
         cmd += ["--data-parallel-size", "2"]
@@ -111,7 +123,8 @@ def load(urls: list[str], clients: int, requests: int, isl: int, osl: int) -> di
 
 def run_layout(layout: str, model: Path, args: argparse.Namespace, log_dir: Path) -> dict:
     port = free_port()
-    target = Target(layout, command(layout, model, port, args.via), base_env(), port, "bench")
+    cmd = command(layout, model, port, args.via, args.kv_cache_space)
+    target = Target(layout, cmd, base_env(), port, "bench")
     server = Server(target, log_dir)
     try:
         server.start()
@@ -125,8 +138,8 @@ def run_layout(layout: str, model: Path, args: argparse.Namespace, log_dir: Path
         server.stop()
 
 
-def router_command(model: Path, port: int, policy: str, kv_port: int) -> list[str]:
-    cmd = command("dp2", model, port, "router")
+def router_command(model: Path, port: int, policy: str, kv_port: int, kv_gib: float) -> list[str]:
+    cmd = command("dp2", model, port, "router", kv_gib, max_model_len=4096)
     cmd[cmd.index("--router-args") + 1] = f"--policy {policy}"
     if policy == "kv_aware":
         config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{kv_port}"}
@@ -150,53 +163,19 @@ def prefix_figures(urls: list[str]) -> dict[str, float]:
             text = reply.read().decode()
         hits += counter(text, "cpud_prefix_cache_hits")
         queries += counter(text, "cpud_prefix_cache_queries")
-    return {"prefix_hits": hits, "prefix_queries": queries, "hit_rate": hits / max(queries, 1)}
+    return {"prefix_hits": hits, "prefix_queries": queries}
 
 
-async def conversations(url: str, count: int, turns: int, words: int, osl: int) -> dict:
-    """`count` conversations at once, each `turns` chat turns over its own long system prompt;
-    every turn resends the whole history (as chat clients and agents do)."""
-    import httpx
-
-    salt = int(time.time()) % 100_000
-    tokens = 0
-
-    async def one(index: int, client: httpx.AsyncClient) -> None:
-        nonlocal tokens
-        system = f"Conversation {salt}-{index}. " + " ".join(
-            f"w{(index * 7919 + i * 104729) % 5000}" for i in range(words)
-        )
-        messages = [{"role": "system", "content": system}]
-        for turn in range(turns):
-            messages.append({"role": "user", "content": f"Question {turn} of {index}?"})
-            body = {"model": "bench", "messages": messages, "max_tokens": osl}
-            reply = await client.post(url + "/v1/chat/completions", json=body)
-            reply.raise_for_status()
-            data = reply.json()
-            tokens += data["usage"]["completion_tokens"]
-            messages.append(
-                {"role": "assistant", "content": data["choices"][0]["message"]["content"]}
-            )
-
-    started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(one(i, client) for i in range(count)))
-    wall = time.perf_counter() - started
-    return {"output_tok_s": tokens / wall, "duration_s": wall, "completion_tokens": tokens}
-
-
-def run_policy(policy: str, model: Path, args: argparse.Namespace, log_dir: Path) -> dict:
+def run_policy(policy: str, model: Path, work: Workload, cache: dict, log_dir: Path) -> dict:
     port = free_port()
-    cmd = router_command(model, port, policy, free_port())
+    cmd = router_command(model, port, policy, free_port(), cache["kv_cache_space_gib"])
     server = Server(Target(f"router-{policy}", cmd, base_env(), port, "bench"), log_dir)
     replicas = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
     try:
         server.start()
         wait_ready([server.target.url, *replicas], server)
         before = prefix_figures(replicas)
-        load = asyncio.run(
-            conversations(server.target.url, args.clients, args.turns, args.words, args.osl)
-        )
+        load = asyncio.run(conversations(server.target.url, work))
         server.check_alive("the load")
         after = prefix_figures(replicas)
         hits = after["prefix_hits"] - before["prefix_hits"]
@@ -206,30 +185,71 @@ def run_policy(policy: str, model: Path, args: argparse.Namespace, log_dir: Path
         server.stop()
 
 
+def prefix_workload(args: argparse.Namespace) -> Workload:
+    work = WORKLOADS[args.workload]
+    given = {
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "words": args.words,
+        "cache_share": args.cache_share,
+    }
+    return replace(work, **{k: v for k, v in given.items() if v is not None})
+
+
 def prefix_main(args: argparse.Namespace, model: Path, log_dir: Path) -> None:
+    work = prefix_workload(args)
+    cache = cache_size(model, work)
+    print(
+        f"{work.name}: {work.conversations} conversations x {work.turns} turns, working set "
+        f"~{cache['working_set_tokens_estimate']} tokens, KV cache "
+        f"{cache['cache_tokens_per_replica']} tokens per replica",
+        flush=True,
+    )
     rounds = []
     for index in range(args.rounds):
-        results = {p: run_policy(p, model, args, log_dir) for p in args.policies}
+        results = {p: run_policy(p, model, work, cache, log_dir) for p in args.policies}
         base = results.get("round_robin")
         for policy, result in results.items():
             if base:
                 result["hit_rate_vs_round_robin"] = result["hit_rate"] / max(base["hit_rate"], 1e-9)
                 result["tok_s_vs_round_robin"] = result["output_tok_s"] / base["output_tok_s"]
             print(
-                f"round {index + 1} {policy}: prefix hit rate {result['hit_rate']:.1%}, "
-                f"{result['output_tok_s']:.1f} tok/s",
+                f"round {index + 1} {policy}: prefix hit rate {result['hit_rate']:.1%} "
+                f"(cached prompt tokens {result['cached_share_of_prompt_tokens']:.1%}), "
+                f"{result['output_tok_s']:.1f} tok/s, working set {result['working_set_tokens']}",
                 flush=True,
             )
         rounds.append(results)
+    summary = {}
+    for policy in args.policies:
+        summary[policy] = {
+            key: statistics.median(r[policy][key] for r in rounds)
+            for key in ("hit_rate", "cached_share_of_prompt_tokens", "output_tok_s")
+        }
+    base = summary.get("round_robin")
+    for row in summary.values():
+        if base:
+            row["hit_rate_vs_round_robin"] = row["hit_rate"] / max(base["hit_rate"], 1e-9)
+            row["tok_s_vs_round_robin"] = row["output_tok_s"] / base["output_tok_s"]
+    measured = statistics.median(r[p]["working_set_tokens"] for r in rounds for p in r)
+    cache["working_set_tokens_measured"] = measured
+    cache["cache_over_working_set"] = cache["cache_tokens_per_replica"] / measured
     out = args.json if args.json != RESULTS / "dp.json" else RESULTS / "dp_prefix.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"model": str(model), "args": {**vars(args), "json": str(out)}, "rounds": rounds}
+    report = {"model": str(model), "workload": asdict(work), "cache": cache}
+    report |= {"args": {**vars(args), "json": str(out)}, "summary": summary, "rounds": rounds}
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print("| policy | prefix hit rate (median) | output tok/s (median) |\n|---|---|---|")
-    for policy in args.policies:
-        rate = statistics.median(r[policy]["hit_rate"] for r in rounds)
-        tok_s = statistics.median(r[policy]["output_tok_s"] for r in rounds)
-        print(f"| {policy} | {rate:.1%} | {tok_s:.1f} |")
+    print(
+        f"KV cache per replica {cache['cache_tokens_per_replica']} tokens, working set "
+        f"{measured:.0f} tokens ({cache['cache_over_working_set']:.2f}x)"
+    )
+    print("| policy | prefix hit rate | vs round_robin | output tok/s | vs round_robin |")
+    print("|---|---|---|---|---|")
+    for policy, row in summary.items():
+        print(
+            f"| {policy} | {row['hit_rate']:.1%} | {row.get('hit_rate_vs_round_robin', 0):.2f}x "
+            f"| {row['output_tok_s']:.1f} | {row.get('tok_s_vs_round_robin', 0):.2f}x |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,8 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "dp.json")
     parser.add_argument("--prefix", action="store_true", help="router policies, multi-turn chat")
     parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin", "kv_aware"])
-    parser.add_argument("--turns", type=int, default=4, help="--prefix: turns per conversation")
-    parser.add_argument("--words", type=int, default=300, help="--prefix: system prompt words")
+    parser.add_argument("--kv-cache-space", type=float, default=2.0, help="GiB per rank")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="evicting")
+    parser.add_argument("--conversations", type=int, help="--prefix: instead of the workload's")
+    parser.add_argument("--turns", type=int, help="--prefix: instead of the workload's")
+    parser.add_argument("--words", type=int, help="--prefix: document words, instead of ...")
+    parser.add_argument("--cache-share", type=float, help="--prefix: KV cache / working set")
     args = parser.parse_args(argv)
     model = model_dir(args.arch, args.preset, args.model)
     log_dir = Path("/tmp") / "cpud-bench-dp"
