@@ -1,6 +1,8 @@
 """Per-sequence token counts for repetition, presence and frequency penalties, kept on the rank
-between steps: each step folds in only the tokens its plan added, so a penalised step costs
-its new tokens plus one vocabulary row, however long the sequence is.
+between steps: the counts follow the sequence's history list (held by the rank, changed in
+place) and take in only the positions added since they were last applied, so a penalised step
+costs its new tokens plus one vocabulary row, however long the sequence is. Only the rank that
+samples applies them, so only it fills the tables.
 
 Repetition penalises every token seen (prompt or output); presence and frequency read the
 output tokens' counts. The tables grow with the largest token id seen (a vocabulary row at
@@ -19,8 +21,10 @@ GROW = 4096  # table sizes are multiples of this many ids
 
 
 class PenaltyCounts:
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, history: list[int]) -> None:
+        """history: the sequence's tokens so far, which the owner changes in place."""
         self.num_prompt_tokens = num_prompt_tokens
+        self.history = history
         self.prompt_seen = torch.zeros(0, dtype=torch.bool)  # [ids] in the prompt
         self.output_counts = torch.zeros(0, dtype=torch.int32)  # [ids] times in the output
         self.counted = 0  # history positions folded in
@@ -29,12 +33,13 @@ class PenaltyCounts:
     @classmethod
     def of(cls, prompt: Sequence[int], output: Sequence[int]) -> PenaltyCounts:
         """The counts of a prompt and an output given whole."""
-        counts = cls(len(prompt))
-        counts.sync([*prompt, *output])
+        counts = cls(len(prompt), [*prompt, *output])
+        counts.sync()
         return counts
 
-    def sync(self, history: Sequence[int]) -> None:
-        """Fold in the positions of `history` (the sequence's tokens so far) not yet counted."""
+    def sync(self) -> None:
+        """Fold in the history's positions not yet counted."""
+        history = self.history
         if self.counted > len(history):
             raise ValueError(
                 f"{self.counted} positions counted but the history holds {len(history)}"
@@ -46,8 +51,8 @@ class PenaltyCounts:
         self._add_output(history[split:], 1)
         self.counted = len(history)
 
-    def unwind(self, history: Sequence[int], start: int) -> None:
-        """The positions of `history` from `start` on are about to be dropped (a rewind past
+    def unwind(self, start: int) -> None:
+        """The history's positions from `start` on are about to be dropped (a rewind past
         rejected proposals, a restart): stop counting them."""
         if start >= self.counted:
             return
@@ -56,7 +61,7 @@ class PenaltyCounts:
             self.output_counts.zero_()
             self.counted = self.num_output = 0
             return
-        self._add_output(history[start : self.counted], -1)
+        self._add_output(self.history[start : self.counted], -1)
         self.counted = start
 
     def apply(
@@ -64,6 +69,7 @@ class PenaltyCounts:
     ) -> None:
         """Penalise one row of logits [V] in place, as if the output's `uncounted` tokens (the
         last ones counted: proposals after the row's position) were not there."""
+        self.sync()
         width = min(logits.shape[0], self.output_counts.shape[0])
         counts = self.output_counts[:width]
         num_output = self.num_output - len(uncounted)

@@ -60,19 +60,19 @@ class HeldSeq:
     bias_values: list[float] = field(default_factory=list)
     history: list[int] | None = None  # every token so far, kept only for penalties
     num_prompt_tokens: int = 0
-    counts: PenaltyCounts | None = None  # the history's, folded in as steps sample
+    counts: PenaltyCounts | None = None  # the history's, over the same list
     table_row: BlockRow = field(default_factory=BlockRow)  # block_table as a tensor
 
     @classmethod
     def from_new(cls, new: NewSeq) -> HeldSeq:
-        penalised = uses_penalties(new.sampling)
+        history = list(new.history) if uses_penalties(new.sampling) else None
         return cls(
             sampling=new.sampling,
             bias_token_ids=list(new.bias_token_ids),
             bias_values=list(new.bias_values),
-            history=list(new.history) if penalised else None,
+            history=history,
             num_prompt_tokens=new.num_prompt_tokens,
-            counts=PenaltyCounts(new.num_prompt_tokens) if penalised else None,
+            counts=PenaltyCounts(new.num_prompt_tokens, history) if history is not None else None,
         )
 
     def advance(self, work: SeqWork) -> None:
@@ -91,7 +91,7 @@ class HeldSeq:
                     f"{len(self.history)}"
                 )
             if self.counts is not None:
-                self.counts.unwind(self.history, start)
+                self.counts.unwind(start)
             del self.history[start:]
             self.history.extend(work.token_ids)
         self.step_start = start

@@ -31,16 +31,12 @@ class StepInputs:
 
 
 def sampling_row(work: SeqWork, held: HeldSeq) -> SamplingRow:
-    """The sequence's row; its penalty counts take in the tokens the rank added since."""
-    counts = held.counts
-    if counts is not None and held.history is not None:
-        counts.sync(held.history)
     return SamplingRow(
         work.seq_id,
         held.sampling,
         work.seed,
         work.banned_token_ids,
-        counts,
+        held.counts,
         (),
         work.allowed_mask,
         held.bias_token_ids,

@@ -72,14 +72,14 @@ def test_counts_kept_step_by_step_penalise_as_the_whole_history():
     rng = random.Random(3)
     num_prompt = 40
     history = [rng.randrange(VOCAB) for _ in range(num_prompt)]
-    kept = PenaltyCounts(num_prompt)
-    kept.sync(history)
+    kept = PenaltyCounts(num_prompt, history)
+    kept.sync()
     for _ in range(60):
         history.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6)))
-        kept.sync(history)
+        kept.sync()
         if rng.random() < 0.4:  # proposals rejected: the rank goes back past them
             start = len(history) - rng.randrange(0, min(4, len(history) - num_prompt) + 1)
-            kept.unwind(history, start)
+            kept.unwind(start)
             del history[start:]
     logits = torch.randn(VOCAB + 8)  # the model's padded vocabulary: ids past the counts
     expected, got = logits.clone(), logits.clone()
