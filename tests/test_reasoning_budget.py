@@ -180,3 +180,16 @@ def test_a_real_model_writes_the_closing_token_at_the_budget(model):
     assert tokens[4] == "</think>" and "</think>" not in tokens[:4]
     assert answer.usage.completion_tokens_details.reasoning_tokens == 5
     assert answer.usage.completion_tokens == 10 and answer.choices[0].message.content
+
+
+def test_anthropic_thinking_disabled_closes_harmony_analysis_at_once(gpt_oss):
+    server, _, http = gpt_oss
+    server.will_say(ANALYSIS)
+    message = anthropic_client(http).messages.create(
+        model="scripted", max_tokens=64, messages=ASK, thinking={"type": "disabled"}
+    )
+    said = tokens(server, ANALYSIS)
+    start = said.index(tokens(server, "<|message|>")[0]) + 1
+    assert [(b.type, b.text) for b in message.content] == [
+        ("text", server.tokenizer.decode(said[start:]))
+    ]

@@ -237,10 +237,13 @@ def thinking_kwargs(thinking: dict | None) -> dict | None:
 
 
 def thinking_budget(thinking: dict | None) -> int | None:
-    """budget_tokens of `thinking` enabled (checked by thinking_kwargs), else None."""
-    if thinking is None or thinking.get("type") != "enabled":
-        return None
-    return thinking["budget_tokens"]
+    """The reasoning's cap: budget_tokens of `thinking` enabled (checked by thinking_kwargs);
+    0 for disabled (a format the template cannot turn off, harmony, closes its analysis at
+    once), else None."""
+    kind = None if thinking is None else thinking.get("type")
+    if kind == "disabled":
+        return 0
+    return thinking["budget_tokens"] if kind == "enabled" else None
 
 
 def output_format(body: MessagesRequest) -> ResponseFormat | None:
