@@ -148,6 +148,7 @@ class FusedDecoder:
         # bytes of weights the dense linears read per step, and their time summed over steps
         self.linear_bytes = 0
         self.linear_seconds = 0.0
+        self.team_steps = 0  # steps run as one native thread team (decode of quantized layers)
         # the attention sinks [heads] fp32 of each layer, where it has them (gpt-oss)
         sinks = [getattr(layer.self_attn, "sinks", None) for layer in model.model.layers]
         self._layers = self._layer_table(kv_caches, sinks)
@@ -286,6 +287,7 @@ class FusedDecoder:
             self._isa, self._dims, self._layers, layers, step, handle, timeout_ns, peer
         )
         self.linear_seconds += step.linear_ns / 1e9
+        self.team_steps += step.team
         if step.allreduce_calls and hasattr(self.group, "seconds"):
             self.group.seconds += step.allreduce_ns / 1e9  # TimedGroup's all-reduce time
             self.group.calls += step.allreduce_calls

@@ -103,7 +103,7 @@ int cpud_slots_ok(const int64_t *slots, int64_t T, int64_t capacity) {
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
                      int64_t nkv, int64_t hd, int64_t bs, int es) {
     const size_t row = (size_t)(hd * es);
-#pragma omp parallel for schedule(static) if (T * nkv * hd >= CPUD_PAR_MIN && T > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(T * nkv * hd, T))
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
@@ -120,7 +120,7 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
         return;
     }
     const int64_t rb = kv_row_bytes(kvt, hd);
-#pragma omp parallel for schedule(static) if (T * nkv * hd >= CPUD_PAR_MIN && T > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(T * nkv * hd, T))
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;

@@ -5,6 +5,7 @@
 #define CPUD_COMMON_H
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -22,6 +23,11 @@
 #endif
 /* Below this many elements a kernel runs on the calling thread only. */
 #define CPUD_PAR_MIN 32768
+/* Whether a row-wise kernel over `rows` rows and `work` elements opens its own parallel region:
+ * not when small, nor inside a team (a decoder's threads each pass it their share of rows). */
+static inline int cpud_par_ok(int64_t work, int64_t rows) {
+    return work >= CPUD_PAR_MIN && rows > 1 && !omp_in_parallel();
+}
 /* Largest rotary dimension the kernels accept. */
 #define CPUD_ROT_MAX 1024
 
@@ -68,6 +74,8 @@ static ALWAYS_INLINE float rnd1(float v, int dt) {
     return dt == CPUD_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
 }
 
+struct att_plan;
+
 /* One tier's kernels; argument meanings as in cpud_native.h, pointers typed. */
 typedef struct cpud_ops {
     void (*rms_norm)(int dt, const void *x, int64_t xs, void *out, int64_t os, const void *w,
@@ -88,6 +96,14 @@ typedef struct cpud_ops {
                            const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
                            int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
                            float scale, int64_t window, const float *sinks);
+    /* paged_attention without a parallel region: the items of plan (att_plan.h) thread tid
+     * takes; every thread of the caller's team calls it once */
+    int (*paged_attention_part)(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+                                const void *vc, const int32_t *qsl, const int32_t *seq_lens,
+                                const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
+                                int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale,
+                                int64_t window, const float *sinks, const struct att_plan *plan,
+                                int tid);
     int (*gemm_packed)(const void *x, int xdt, int64_t xs, const uint16_t *packed,
                        const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
                        int64_t N, int64_t K);

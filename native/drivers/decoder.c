@@ -3,7 +3,9 @@
  * one crossing from Python instead of a dozen per layer.  The recipe in cpud_decoder_dims and
  * the layer table (norm rounding, activation, rotary per layer, output norms, residual scale,
  * window per layer) picks the kernels; they and their order are those of the per-op path
- * (ranks/models/decoder.py, moe.py), so both give the same bits. */
+ * (ranks/models/decoder.py, moe.py), so both give the same bits.  Decode steps of dense
+ * quantized layers run as one thread team (decoder_team.h); other steps op by op, each kernel
+ * in its own parallel region. */
 #include "dispatch.h"
 #include "kv_formats.h"
 #include "moe.h"
@@ -127,12 +129,14 @@ static void block_out(const cpud_ops *ops, const cpud_decoder_dims *d, char *x, 
     if (w) ops->rms_norm(dt, x, H, x, H, (const void *)w, d->norm_wdt, T, 1, H, d->eps);
     if (d->residual_scale == 1.0f) return;
     const float scale = d->residual_scale;
-#pragma omp parallel for schedule(static) if (T * H >= CPUD_PAR_MIN && T > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(T * H, T))
     for (int64_t t = 0; t < T; t++) {
         void *row = x + t * H * dtype_size(dt);
         for (int64_t i = 0; i < H; i++) st1(row, i, ld1(row, i, dt) * scale, dt);
     }
 }
+
+#include "decoder_team.h"
 
 int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_layer *layers,
                         int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
@@ -144,10 +148,16 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     s->allreduce_calls = 0;
     s->failed_collective = 0;
     s->linear_ns = 0;
+    s->team = 0;
     for (int64_t i = 0; i < n_layers; i++)
         if (!layer_ok(d, &layers[i])) return CPUD_EARG;
     if (!step_ok(d, s, widest_window(layers, n_layers))) return CPUD_EARG;
     if (s->T == 0) return CPUD_OK;
+    const cpud_qops *qops = cpud_qops_for(isa, d->quant_flags);
+    if (team_fits(qops, d, layers, n_layers, s->T)) {
+        s->team = 1;
+        return decoder_team(ops, qops, d, layers, n_layers, s, tp, timeout_ns, peer);
+    }
 
     const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);
     const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;

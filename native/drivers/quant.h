@@ -89,6 +89,10 @@ typedef struct cpud_qops {
     /* the vector kernels over np parts side by side in out's columns, one parallel region */
     void (*gemm_parts)(const qpart *p, int np, const qact *a, void *out, int odt, int64_t os,
                        int64_t M);
+    /* gemm_parts without a parallel region: thread tid of nth of the caller's team computes
+     * its share; every thread of the team calls it once */
+    void (*gemm_parts_part)(const qpart *p, int np, const qact *a, void *out, int odt,
+                            int64_t os, int64_t M, int tid, int nth);
     double (*probe)(int64_t iters, float *sink);
     /* out rows [m0, m1) x weight group g (its 16 rows of N; qs, sc at the weights' first
      * group) on the calling thread, no parallel region: a share of a caller's work list */

@@ -207,19 +207,16 @@ static const tile_fn q_tiles[][3] = {
 };
 
 /* Tasks: per part, its groups of 16 w rows times chunks of QMC x rows, parts one after another;
- * a thread's share is a run of them (one stream through the weights). */
-static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out, int odt,
-                               int64_t os, int64_t M) {
+ * thread tid of nth takes the run [tasks * tid / nth, tasks * (tid + 1) / nth) (one stream
+ * through the weights).  No parallel region: the caller's team runs it, every thread once. */
+static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void *out, int odt,
+                                    int64_t os, int64_t M, int tid, int nth) {
     const int64_t nmc = (M + QMC - 1) / QMC;
-    int64_t first[CPUD_QPARTS_MAX + 1], rows = 0;
+    int64_t first[CPUD_QPARTS_MAX + 1];
     first[0] = 0;
-    for (int i = 0; i < np; i++) {
-        first[i + 1] = first[i] + (p[i].N + QR - 1) / QR * nmc;
-        rows += p[i].N;
-    }
-    const int64_t tasks = first[np];
-#pragma omp parallel for schedule(static) if (tasks > 1 && M * rows * a->K >= QPAR_MIN)
-    for (int64_t task = 0; task < tasks; task++) {
+    for (int i = 0; i < np; i++) first[i + 1] = first[i] + (p[i].N + QR - 1) / QR * nmc;
+    const int64_t tasks = first[np], t1 = tasks * (tid + 1) / nth;
+    for (int64_t task = tasks * tid / nth; task < t1; task++) {
         int i = 0;
         while (task >= first[i + 1]) i++;
         const qpart *pp = p + i;
@@ -238,6 +235,19 @@ static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out,
             t.m0 += mr;
         }
     }
+}
+
+/* qgemm_parts_part_k in its own parallel region. */
+static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out, int odt,
+                               int64_t os, int64_t M) {
+    const int64_t nmc = (M + QMC - 1) / QMC;
+    int64_t tasks = 0, rows = 0;
+    for (int i = 0; i < np; i++) {
+        tasks += (p[i].N + QR - 1) / QR * nmc;
+        rows += p[i].N;
+    }
+#pragma omp parallel if (tasks > 1 && M * rows * a->K >= QPAR_MIN)
+    qgemm_parts_part_k(p, np, a, out, odt, os, M, omp_get_thread_num(), omp_get_num_threads());
 }
 
 static QTGT void qrows_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,
@@ -264,7 +274,7 @@ static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t
 static QTGT void quantize_k(const void *x, int dt, int64_t xs, int64_t M, int64_t K, int8_t *q,
                             float *d, int32_t *s) {
     const int es = dtype_size(dt);
-#pragma omp parallel for schedule(static) if (M * K >= CPUD_PAR_MIN && M > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(M * K, M))
     for (int64_t m = 0; m < M; m++)
         q_quant_row((const char *)x + m * xs * es, dt, K, q + m * K, d + m * (K / 32), s + m * (K / 16));
 }
@@ -279,6 +289,11 @@ static QTGT __attribute__((unused)) double probe_k(int64_t iters, float *sink) {
 }
 
 #define QUANT_OPS(sym, label)                                                                      \
-    const cpud_qops sym = {.name = label, .quantize = quantize_k, .gemm = qgemm_k,                 \
-                           .gemm_parts = qgemm_parts_k, .probe = probe_k, .rows = qrows_k,  \
+    const cpud_qops sym = {.name = label,                                                          \
+                           .quantize = quantize_k,                                                 \
+                           .gemm = qgemm_k,                                                        \
+                           .gemm_parts = qgemm_parts_k,                                            \
+                           .gemm_parts_part = qgemm_parts_part_k,                                  \
+                           .probe = probe_k,                                                       \
+                           .rows = qrows_k,                                                        \
                            .mrows = 1}

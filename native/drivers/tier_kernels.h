@@ -136,7 +136,7 @@ static TGT void rotary_k(int dt, const int64_t *pos, void *q, int64_t qs, void *
                          const float *cos_sin, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                          int64_t rot, int neox) {
     const int64_t heads = nh + (k ? nkv : 0);
-#pragma omp parallel for schedule(static) if (T * heads * rot >= CPUD_PAR_MIN && T > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(T * heads * rot, T))
     for (int64_t t = 0; t < T; t++) {
         const float *cs = cos_sin + pos[t] * rot;
         if (dt == CPUD_BF16) {
@@ -196,20 +196,12 @@ static TGT void argmax_rows_k(int dt, const void *x, int64_t xs, int64_t rows, i
 
 #include "tier_kv.h"
 
-/* (query, head) rows handled by one work item: ATT_ROWS / G queries of one
- * sequence times the G heads of one kv head (one query when G > ATT_ROWS). */
-#define ATT_ROWS 64
+#include "att_plan.h"
+
 /* Rows per group of the tiled block path: 6 rows x 16 keys (or 16 dims) of accumulators, the
  * GEMM micro-kernel's shape; it runs when hd and bs are multiples of 16. */
 #define ATT_MR 6
 #define ATT_NC (16 / VW) /* vectors per 16 keys or dims */
-
-typedef struct att_item {
-    int32_t s;   /* sequence */
-    int32_t q0;  /* first query of the tile, index within the sequence */
-    int32_t nq;  /* queries in the tile */
-    int32_t kvh; /* kv head */
-} att_item;
 
 /* Keys [*jlo, *jhi] that any query of an item attends (causal, sliding window). */
 static ALWAYS_INLINE void att_item_keys(const att_item *it, const int32_t *qsl,
@@ -511,39 +503,25 @@ static ALWAYS_INLINE TGT void att_item_run(
 #include "tier_flash_bf16.h"
 #endif
 
-/* Arguments as cpud_paged_attention (kvt: the caches' kv_dtype); returns 0 or CPUD_ENOMEM.
+/* Arguments as cpud_paged_attention (kvt: the caches' kv_dtype): the items of plan (built for
+ * these query_start_loc and heads) that thread tid takes, its own range first; no parallel
+ * region: every thread of the caller's team calls it once.  Returns 0 or CPUD_ENOMEM (no
+ * workspace: the items this thread took are not computed).
  * The caller has validated query_start_loc, seq_lens and every block id that is read. */
-static TGT int paged_attention_k(int dt, int kvt, const void *q, int64_t qs, const void *kc,
-                                 const void *vc, const int32_t *qsl, const int32_t *seq_lens,
-                                 const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
-                                 int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
-                                 float scale, int64_t window, const float *sinks) {
-    const int64_t G = nh / nkv, tile = ATT_ROWS / G > 0 ? ATT_ROWS / G : 1;
-    int64_t n_items = 0;
-    for (int64_t s = 0; s < S; s++) n_items += nkv * ((qsl[s + 1] - qsl[s] + tile - 1) / tile);
+static TGT int paged_attention_part_k(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+                                      const void *vc, const int32_t *qsl,
+                                      const int32_t *seq_lens, const int32_t *bt,
+                                      int64_t max_blocks, void *out, int64_t os, int64_t nh,
+                                      int64_t nkv, int64_t hd, int64_t bs, float scale,
+                                      int64_t window, const float *sinks, const att_plan *plan,
+                                      int tid) {
+    const int64_t G = nh / nkv, n_items = plan->n;
+    const att_item *items = plan->items;
+    work_range *ranges = plan->ranges;
+    const int nr = plan->nr;
     if (n_items == 0) return CPUD_OK;
-    att_item *items = malloc(sizeof(att_item) * (size_t)n_items);
-    if (!items) return CPUD_ENOMEM;
-    int64_t n = 0;
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t q_len = qsl[s + 1] - qsl[s];
-        for (int64_t q0 = 0; q0 < q_len; q0 += tile)
-            for (int64_t h = 0; h < nkv; h++)
-                items[n++] = (att_item){(int32_t)s, (int32_t)q0,
-                                        (int32_t)(q_len - q0 < tile ? q_len - q0 : tile),
-                                        (int32_t)h};
-    }
-    /* one range per thread the region may get; ranges of threads it does not get are stolen */
-    const int nr = n_items > 1 ? omp_get_max_threads() : 1;
-    work_range *ranges = work_ranges_new(n_items, nr);
-    if (!ranges) {
-        free(items);
-        return CPUD_ENOMEM;
-    }
     int failed = 0;
-#pragma omp parallel if (n_items > 1) reduction(| : failed)
     {
-        const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
 #if TIER_ID >= 3
         /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
         const int fa = fa_usable(dt, hd, bs);
@@ -601,7 +579,29 @@ static TGT int paged_attention_k(int dt, int kvt, const void *q, int64_t qs, con
         if (fa) fa_ws_free(&fw);
 #endif
     }
-    free(ranges);
-    free(items);
+    return failed ? CPUD_ENOMEM : CPUD_OK;
+}
+
+/* Arguments as cpud_paged_attention (kvt: the caches' kv_dtype); returns 0 or CPUD_ENOMEM:
+ * paged_attention_part_k in its own parallel region. */
+static TGT int paged_attention_k(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+                                 const void *vc, const int32_t *qsl, const int32_t *seq_lens,
+                                 const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
+                                 int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
+                                 float scale, int64_t window, const float *sinks) {
+    /* one range per thread the region may get; ranges of threads it does not get are stolen */
+    const int nr = omp_get_max_threads();
+    att_plan plan;
+    if (att_plan_new(qsl, S, nh, nkv, nr, &plan)) return CPUD_ENOMEM;
+    if (plan.n == 0) return CPUD_OK;
+    int failed = 0;
+#pragma omp parallel if (plan.n > 1) reduction(| : failed)
+    {
+        const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
+        failed |= paged_attention_part_k(dt, kvt, q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
+                                         out, os, nh, nkv, hd, bs, scale, window, sinks, &plan,
+                                         tid) != CPUD_OK;
+    }
+    att_plan_free(&plan);
     return failed ? CPUD_ENOMEM : CPUD_OK;
 }

@@ -50,7 +50,7 @@ static ALWAYS_INLINE TGT void rms_row(const void *x, void *out, const void *w, i
 static TGT void rms_norm_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
                            const void *w, int wdt, int64_t T, int64_t n, int64_t H, float eps) {
     const int64_t rows = T * n;
-#pragma omp parallel for schedule(static) if (rows * H >= CPUD_PAR_MIN && rows > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(rows * H, rows))
     for (int64_t r = 0; r < rows; r++) {
         const int64_t t = r / n, h = r % n;
         const void *xr = at(x, t * xs + h * H, dt);
@@ -76,7 +76,7 @@ static ALWAYS_INLINE TGT void add_rms_row(void *x, void *res, const void *w, int
 /* x: [T][H] (token stride xs), res: [T][H] (token stride rs), w: [H] wdt */
 static TGT void fused_add_rms_norm_k(int dt, void *x, int64_t xs, void *res, int64_t rs,
                                      const void *w, int wdt, int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T * H >= CPUD_PAR_MIN && T > 1)
+#pragma omp parallel for schedule(static) if (cpud_par_ok(T * H, T))
     for (int64_t t = 0; t < T; t++) {
         void *xr = at(x, t * xs, dt), *rr = at(res, t * rs, dt);
         if (dt == CPUD_F32)

@@ -9,6 +9,7 @@
         .gelu_tanh_and_mul = gelu_tanh_and_mul_k,                                                  \
         .argmax_rows = argmax_rows_k,                                                              \
         .paged_attention = paged_attention_k,                                                      \
+        .paged_attention_part = paged_attention_part_k,                                            \
         .gemm_packed = gemm_packed_k,                                                              \
         .read_probe = read_probe_k,                                                                \
         .compute_probe = compute_probe_k,                                                          \

@@ -30,6 +30,14 @@ static inline work_range *work_ranges_new(int64_t n, int nt) {
     return r;
 }
 
+/* The ranges of work_ranges_new(n, nt) as they were made; no thread may be taking items. */
+static inline void work_ranges_reset(work_range *r, int64_t n, int nt) {
+    for (int t = 0; t < nt; t++) {
+        const uint64_t first = (uint64_t)(n * t / nt), end = (uint64_t)(n * (t + 1) / nt);
+        atomic_store_explicit(&r[t].word, end << 32 | first, memory_order_relaxed);
+    }
+}
+
 /* Next item of range r from the front (owner) or back (thief); -1 when empty. */
 static inline int64_t work_take(work_range *r, int back) {
     uint64_t v = atomic_load_explicit(&r->word, memory_order_relaxed);

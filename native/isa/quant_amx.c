@@ -374,6 +374,7 @@ const cpud_qops cpud_qops_amx = {
     .quantize = quantize_k,
     .gemm = qgemm_amx,
     .gemm_parts = qgemm_parts_k,
+    .gemm_parts_part = qgemm_parts_part_k,
     .probe = probe_amx,
     .rows = qrows_k,
     .mrows = 16,

@@ -1,0 +1,232 @@
+/* The decode path of cpud_decoder_layers: one parallel region runs the whole layer stack.
+ * Included by decoder.c after its helpers.  Every thread of the team walks the same phases;
+ * in each it does its share of one op with the op's own partition (the quantized GEMM's run
+ * of tasks, attention's work ranges, a run of token rows for the row-wise ops), and a barrier
+ * ends a phase whose result other threads read next.  Row-wise ops on the same tokens follow
+ * each other without one (norm, then quantization of the normed rows).  x is quantized once
+ * per input and shared by every linear part that reads it.  Each element is computed by the
+ * same code on the same inputs as on the per-op path, so both give the same bits. */
+#include <stdatomic.h>
+
+#include "att_plan.h"
+#include "quant.h"
+
+/* Steps of at most this many tokens (decode) run as one team; larger ones op by op. */
+#define TEAM_MAX_T 32
+
+/* x quantized for the linears: [T][K] int8 with per-32 scales and per-16 sums (qact), K up to
+ * that of the widest input. */
+typedef struct team_xq {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+} team_xq;
+
+typedef struct team {
+    const cpud_ops *ops;
+    const cpud_qops *qops;
+    const cpud_decoder_dims *d;
+    const cpud_decoder_layer *layers;
+    int64_t n_layers;
+    cpud_decoder_step *s;
+    cpud_shm *tp;
+    int64_t timeout_ns;
+    int *peer;
+    att_plan att;
+    team_xq xq;
+    _Atomic int rc;              /* the first failure's code */
+    _Atomic int64_t failed_phase; /* the phase it happened in; INT64_MAX: none */
+} team;
+
+static int team_part_ok(int qt, intptr_t qs, intptr_t sc, int64_t n, int64_t K) {
+    return qt >= 0 && qt < Q_TYPES && qs && qs % 64 == 0 && sc && n >= 1 &&
+           K % q_fmt[qt].bs == 0 && K % 32 == 0;
+}
+
+/* A quantized linear of K inputs the team's GEMM can run as it is (cpud_quant_linear's checks
+ * pass and it would run gemm_parts). */
+static int team_linear_ok(const cpud_qlinear *q, int64_t K) {
+    if (q->parts < 1 || q->parts > CPUD_QPARTS_MAX) return 0;
+    for (int64_t p = 0; p < q->parts; p++)
+        if (!team_part_ok(q->qtype[p], q->qs[p], q->sc[p], q->n[p], K)) return 0;
+    return 1;
+}
+
+/* Whether this step runs as one team: few tokens, every layer dense with quantized linears,
+ * and the quantized GEMM's vector kernels for them (the amx tiles take 16 rows or more). */
+static int team_fits(const cpud_qops *qops, const cpud_decoder_dims *d,
+                     const cpud_decoder_layer *layers, int64_t n_layers, int64_t T) {
+    if (!qops || T > TEAM_MAX_T || (qops == &cpud_qops_amx && T >= 16)) return 0;
+    const int64_t H = d->hidden, qd = d->heads * d->head_dim, I = d->intermediate;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const cpud_decoder_layer *l = &layers[i];
+        if (l->moe || l->router || !team_linear_ok(&l->q_qkv, H) ||
+            !team_linear_ok(&l->q_o, qd) || !team_linear_ok(&l->q_gate_up, H) ||
+            !team_linear_ok(&l->q_down, I))
+            return 0;
+    }
+    return 1;
+}
+
+static void team_fail(team *tm, int rc, int64_t phase) {
+    int none = CPUD_OK;
+    atomic_compare_exchange_strong(&tm->rc, &none, rc);
+    int64_t seen = atomic_load(&tm->failed_phase);
+    while (phase < seen && !atomic_compare_exchange_weak(&tm->failed_phase, &seen, phase)) {
+    }
+}
+
+/* Ends phase *phase: a barrier, then whether any thread failed in it or before (every thread
+ * sees the same answer at the same barrier: a failure of the next phase is not counted). */
+static int team_sync(team *tm, int64_t *phase) {
+#pragma omp barrier
+    return atomic_load(&tm->failed_phase) <= (*phase)++;
+}
+
+/* Rows [r0, r1) of x [T][K] (row stride xs) quantized into tm->xq as rows of K. */
+static void team_quantize(team *tm, const char *x, int64_t xs, int64_t K, int64_t r0,
+                          int64_t r1) {
+    if (r1 <= r0) return;
+    const int es = dtype_size(tm->d->dtype);
+    tm->qops->quantize(x + r0 * xs * es, tm->d->dtype, xs, r1 - r0, K, tm->xq.q + r0 * K,
+                       tm->xq.d + r0 * (K / 32), tm->xq.s + r0 * (K / 16));
+}
+
+/* This thread's share of out [T][N] (row stride os) = xq (rows of K) W^T; thread 0 adds the
+ * phase's time (through the barrier that ends it) to s->linear_ns. */
+static int team_linear(team *tm, const cpud_qlinear *q, int64_t K, char *out, int64_t os,
+                       int tid, int nth, int64_t *phase) {
+    const int64_t t0 = tid == 0 ? cpud_now_ns() : 0;
+    qpart p[CPUD_QPARTS_MAX];
+    int64_t col = 0;
+    for (int i = 0; i < q->parts; i++) {
+        p[i] = (qpart){q->qtype[i], (const uint8_t *)q->qs[i], (const uint8_t *)q->sc[i],
+                       (const float *)q->bias[i], q->n[i], col};
+        col += q->n[i];
+    }
+    const qact a = {tm->xq.q, tm->xq.d, tm->xq.s, K};
+    tm->qops->gemm_parts_part(p, (int)q->parts, &a, out, tm->d->dtype, os, tm->s->T, tid, nth);
+    const int failed = team_sync(tm, phase);
+    if (tid == 0) tm->s->linear_ns += cpud_now_ns() - t0;
+    return failed;
+}
+
+/* The all-reduce of x on thread 0 (the others wait at the barrier); nothing without tp. */
+static int team_all_reduce(team *tm, char *x, int tid, int64_t *phase) {
+    if (!tm->tp) return 0;
+    if (tid == 0) {
+        const int rc = all_reduce(tm->tp, tm->d->dtype, x, tm->s->T * tm->d->hidden,
+                                  tm->timeout_ns, tm->peer, tm->s);
+        if (rc) team_fail(tm, rc, *phase);
+    }
+    return team_sync(tm, phase);
+}
+
+/* The layer stack as thread tid of nth; token rows [r0, r1) are this thread's share of the
+ * row-wise ops. */
+static void team_run(team *tm, int tid, int nth) {
+    const cpud_ops *ops = tm->ops;
+    const cpud_decoder_dims *d = tm->d;
+    cpud_decoder_step *s = tm->s;
+    const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);
+    const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
+    const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
+    const int64_t r0 = T * tid / nth, r1 = T * (tid + 1) / nth, n = r1 - r0;
+    const int64_t *pos = (const int64_t *)s->positions + r0, *slots = (const int64_t *)s->slots + r0;
+    const int32_t *qsl = (const int32_t *)s->query_start_loc;
+    const int32_t *sl = (const int32_t *)s->seq_lens, *bt = (const int32_t *)s->block_tables;
+    char *x = (char *)s->x, *qkv = (char *)s->qkv, *attn = (char *)s->attn;
+    char *gu = (char *)s->gate_up, *act = (char *)s->act;
+    /* this thread's rows */
+    char *xr = x + r0 * H * es, *rr = (char *)s->residual + r0 * H * es;
+    char *q = qkv + r0 * qn * es, *k = q + qd * es, *v = k + nkv * hd * es;
+    int64_t phase = 0;
+    int64_t i = 0;
+    for (; i < tm->n_layers; i++) {
+        const cpud_decoder_layer *l = &tm->layers[i];
+        if (n) {
+            if (i > 0) block_out(ops, d, xr, tm->layers[i - 1].ffn_out_norm, n);
+            ops->fused_add_rms_norm(dt, xr, H, rr, H, (const void *)l->input_norm, wdt, n, H,
+                                    d->eps);
+        }
+        team_quantize(tm, x, H, H, r0, r1);
+        if (team_sync(tm, &phase)) break;
+        if (team_linear(tm, &l->q_qkv, H, qkv, qn, tid, nth, &phase)) break;
+        if (n) {
+            if (l->q_norm) {
+                ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, wdt, n, nh, hd, d->eps);
+                ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, wdt, n, nkv, hd,
+                              d->eps);
+            }
+            if (l->cos_sin)
+                ops->rotary(dt, pos, q, qn, k, qn, (const float *)l->cos_sin, n, nh, nkv, hd,
+                            d->rot_dim, d->rotary_neox);
+            cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, n, nkv, hd,
+                          d->block_size);
+            cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, n, nkv, hd,
+                          d->block_size);
+        }
+        if (tid == 0) att_plan_rearm(&tm->att);
+        if (team_sync(tm, &phase)) break;
+        const int rc = ops->paged_attention_part(
+            dt, kvt, qkv, qn, (const void *)l->key_cache, (const void *)l->value_cache, qsl, sl,
+            bt, s->max_blocks, attn, qd, nh, nkv, hd, d->block_size, d->scale, l->window,
+            (const float *)l->sinks, &tm->att, tid);
+        if (rc) team_fail(tm, rc, phase);
+        if (team_sync(tm, &phase)) break;
+        team_quantize(tm, attn, qd, qd, r0, r1);
+        if (team_sync(tm, &phase)) break;
+        if (team_linear(tm, &l->q_o, qd, x, H, tid, nth, &phase)) break;
+        if (team_all_reduce(tm, x, tid, &phase)) break;
+        if (n) {
+            if (l->o_bias) add_bias(dt, xr, (const void *)l->o_bias, n, H);
+            block_out(ops, d, xr, l->attn_out_norm, n);
+            ops->fused_add_rms_norm(dt, xr, H, rr, H, (const void *)l->post_norm, wdt, n, H,
+                                    d->eps);
+        }
+        team_quantize(tm, x, H, H, r0, r1);
+        if (team_sync(tm, &phase)) break;
+        if (team_linear(tm, &l->q_gate_up, H, gu, 2 * I, tid, nth, &phase)) break;
+        if (n) {
+            char *gr = gu + r0 * 2 * I * es, *ar = act + r0 * I * es;
+            if (d->activation == 1)
+                ops->gelu_tanh_and_mul(dt, gr, 2 * I, ar, I, n, I);
+            else
+                ops->silu_and_mul(dt, gr, 2 * I, ar, I, n, I);
+        }
+        team_quantize(tm, act, I, I, r0, r1);
+        if (team_sync(tm, &phase)) break;
+        if (team_linear(tm, &l->q_down, I, x, H, tid, nth, &phase)) break;
+        if (team_all_reduce(tm, x, tid, &phase)) break;
+    }
+    if (i == tm->n_layers && i > 0 && n) block_out(ops, d, xr, tm->layers[i - 1].ffn_out_norm, n);
+}
+
+/* The step as one team (team_fits holds, T > 0); CPUD_OK or a kernel's or the all-reduce's
+ * code. */
+static int decoder_team(const cpud_ops *ops, const cpud_qops *qops, const cpud_decoder_dims *d,
+                        const cpud_decoder_layer *layers, int64_t n_layers, cpud_decoder_step *s,
+                        cpud_shm *tp, int64_t timeout_ns, int *peer) {
+    const int64_t T = s->T, qd = d->heads * d->head_dim;
+    int64_t K = d->hidden > qd ? d->hidden : qd;
+    if (d->intermediate > K) K = d->intermediate;
+    const size_t nq = ((size_t)(T * K) + 63) / 64 * 64, nd = (size_t)(T * K / 32) * sizeof(float);
+    char *buf = aligned_alloc(64, nq + nd + (size_t)(T * K / 16) * sizeof(int32_t));
+    if (!buf) return CPUD_ENOMEM;
+    const int nr = omp_get_max_threads();
+    team tm = {.ops = ops, .qops = qops, .d = d, .layers = layers, .n_layers = n_layers,
+               .s = s, .tp = tp, .timeout_ns = timeout_ns, .peer = peer};
+    tm.xq = (team_xq){(int8_t *)buf, (float *)(buf + nq), (int32_t *)(buf + nq + nd)};
+    atomic_init(&tm.rc, CPUD_OK);
+    atomic_init(&tm.failed_phase, INT64_MAX);
+    if (att_plan_new((const int32_t *)s->query_start_loc, s->S, d->heads, d->kv_heads, nr,
+                     &tm.att)) {
+        free(buf);
+        return CPUD_ENOMEM;
+    }
+#pragma omp parallel num_threads(nr)
+    team_run(&tm, omp_get_thread_num(), omp_get_num_threads());
+    att_plan_free(&tm.att);
+    free(buf);
+    return atomic_load(&tm.rc);
+}

@@ -1,0 +1,68 @@
+"""The fused decoder's decode path on quantized GGUF linears (one thread team for the layer
+stack, x quantized once per input) against the per-op path: the same logits bit for bit for a
+single decode, a batch of decodes and a decode beside a prefill chunk; a prefill larger than a
+team step takes per-op regions and matches too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from cpud.model.load import load_model_config
+from cpud.protocol.step import SeqWork, StepPlan
+from cpud.ranks.fused_decoder import FusedDecoder
+from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+from cpud.ranks.parallel import SingleRank
+
+PROMPTS = [[(37 * i + 11 * s) % 400 + 3 for i in range(20 + 7 * s)] for s in range(3)]
+
+
+def blocks(seq: int, tokens: int) -> list[int]:
+    return list(range(8 * seq, 8 * seq + -(-tokens // 16)))
+
+
+def both_paths(run: ModelRunner, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused logits, per-op logits) of one plan; both write the same KV slots."""
+    decoder = run.decoder
+    try:
+        run.decoder = None
+        per_op = run.prompt_logits(plan)
+    finally:
+        run.decoder = decoder
+    return run.prompt_logits(plan), per_op
+
+
+def steps() -> list[StepPlan]:
+    """Prefill of three prompts (over the team's token count), one decode, a decode of all
+    three, then a decode beside a 9-token chunk of the third prompt's continuation."""
+    lens = [len(p) for p in PROMPTS]
+    prefill = [SeqWork(s, p, 0, blocks(s, len(p) + 12), False) for s, p in enumerate(PROMPTS)]
+    one = [SeqWork(0, [5], lens[0], blocks(0, lens[0] + 12), True)]
+    three = [
+        SeqWork(s, [6 + s], lens[s] + (s == 0), blocks(s, lens[s] + 12), True) for s in range(3)
+    ]
+    mixed = [
+        SeqWork(0, [9], lens[0] + 2, blocks(0, lens[0] + 12), True),
+        SeqWork(2, list(range(40, 49)), lens[2] + 1, blocks(2, lens[2] + 12), True),
+    ]
+    return [StepPlan(i, seqs) for i, seqs in enumerate((prefill, one, three, mixed))]
+
+
+@pytest.mark.parametrize(
+    ("qtype", "dtype"),
+    [(T.Q8_0, torch.bfloat16), (T.Q4_K, torch.bfloat16), (T.Q4_1, torch.float32)],
+    ids=["Q8_0-bf16", "Q4_K-bf16", "Q4_1-fp32"],
+)
+def test_team_decode_equals_the_per_op_path(qtype, dtype, gguf_file):
+    path = gguf_file("qwen3", qtype)
+    config = RunnerConfig(path, dtype, 512, 16, 32, kernels="native", kv_pretouch=False)
+    run = ModelRunner(config, load_model_config(path), SingleRank())
+    assert isinstance(run.decoder, FusedDecoder)
+    for plan in steps():
+        teams = run.decoder.team_steps
+        fused, per_op = both_paths(run, plan)
+        assert torch.isfinite(fused).all()
+        assert torch.equal(fused, per_op), plan.step_id
+        tokens = sum(len(seq.token_ids) for seq in plan.seqs)
+        assert run.decoder.team_steps - teams == (tokens <= 32), plan.step_id
