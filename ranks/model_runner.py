@@ -119,7 +119,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
         self.seqs = SeqStates()  # what the plans said about each sequence the rank holds
-        self.draft = make_draft(config)  # speculative decoding's draft model, if any
+        self.draft = make_draft(config, group.rank)  # speculative decoding's draft model, if any
 
     def _quant_plan(self) -> tuple[dict, bool]:
         """The linears kept quantized (native kernels, bf16 or fp32): a GGUF file's blocks, or

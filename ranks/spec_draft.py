@@ -21,6 +21,7 @@ per position so that rank 0 can verify by rejection sampling (ranks/spec_verify.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from cpud.settings.speculative import parse_speculative_config
 if TYPE_CHECKING:
     from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 
+log = logging.getLogger("cpud.rank")
 DRAFT_SEED_PURPOSE = 1  # mixed into a position's seed for the draft's own draw there
 
 
@@ -208,7 +210,7 @@ def greedy(row: SamplingRow) -> bool:
     return row.sampling is None or row.sampling.temperature == 0
 
 
-def make_draft(config: RunnerConfig) -> DraftProposer | None:
+def make_draft(config: RunnerConfig, rank: int) -> DraftProposer | None:
     """The rank's draft model as the config's speculative_config says (None: none): the whole
     model at TP 1, in the target's dtype and kernels, with as many KV blocks as the target."""
     spec = parse_speculative_config(config.speculative_config)
@@ -229,4 +231,11 @@ def make_draft(config: RunnerConfig) -> DraftProposer | None:
         speculative_config=None,
     )
     runner = ModelRunner(draft_config, load_model_config(path), SingleRank())
+    if rank == 0:
+        log.info(
+            "speculative draft %s in every rank: %d proposals per step, KV cache %.1f MiB",
+            path,
+            spec.num_speculative_tokens,
+            runner.kv_cache_bytes / 2**20,
+        )
     return DraftProposer(runner, config.seed)
