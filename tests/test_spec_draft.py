@@ -175,3 +175,33 @@ def test_kv_blocks_and_weights_count_the_draft(models):
     assert with_draft.draft_kv_block_bytes > 0
     assert with_draft.num_kv_blocks == plain.num_kv_blocks // 2
     assert with_draft.weight_bytes_per_rank == 2 * plain.weight_bytes_per_rank
+
+
+def test_engine_reserves_placeholders_with_the_off_switches():
+    from types import SimpleNamespace
+
+    from cpud.engine.spec_decode import DRAFT_PLACEHOLDER, PAUSE_STEPS, SpecDecoder
+    from cpud.settings.speculative import parse_speculative_config
+
+    config = parse_speculative_config(draft_config(Path("d"), disable_by_batch_size=2))
+    decoder = SpecDecoder(config, max_model_len=100)
+    assert decoder.needs_history
+    seq = SimpleNamespace(
+        seq_id=1,
+        embed=False,
+        constraint=None,
+        num_output_tokens=4,
+        max_tokens=50,
+        num_tokens=12,
+        params=SimpleNamespace(min_tokens=0),
+    )
+    assert decoder.propose(seq, num_running=2) == [DRAFT_PLACEHOLDER] * K
+    assert decoder.propose(seq, num_running=3) == []  # above the batch size
+    while not decoder.seqs[1].paused:  # nothing accepted, step after step
+        decoder.record(1, K, 0)
+    assert decoder.seqs[1].paused == PAUSE_STEPS
+    assert all(decoder.propose(seq, 1) == [] for _ in range(PAUSE_STEPS))
+    seq.max_tokens = 7  # room for two proposals and the model's own token
+    assert decoder.propose(seq, num_running=1) == [DRAFT_PLACEHOLDER] * 2
+    seq.constraint = object()  # a grammar: the engine cannot mask proposals it does not see
+    assert decoder.propose(seq, num_running=1) == []
