@@ -4,10 +4,10 @@ Each revision is checked out into a git worktree with its own native build and i
 through a small import root (cpud -> its daemon/, cpud.ranks -> its ranks/, ...), so both run
 the same measurement (perf/ab_revisions_child.py) on the same machine in the same minutes:
 one rank, native kernels, fused decoder, decode of 1 and of 32 streams straight on ModelRunner
-steps. The working tree itself is revision "work".
+steps, and prefill of one 512-token prompt. The working tree itself is revision "work".
 
-    python3 perf/ab_revisions.py --before 8176cbd --model qwen3-0.6b-bf16 --model smollm2 \
-        --rounds 3
+    python3 perf/ab_revisions.py --before 47ef048 --model smollm2 --model qwen3-0.6b-Q8_0 \
+        --model qwen3-0.6b-Q4_K_M --rounds 3
 """
 
 from __future__ import annotations
@@ -52,9 +52,19 @@ def import_root(tree: Path, workdir: Path, name: str) -> Path:
     return root
 
 
+def q4_k_m(name: str, shape: tuple[int, ...]) -> object:
+    """llama.cpp's Q4_K_M mix on a dense model: attn_v, ffn_down and output in Q6_K, the rest
+    Q4_K."""
+    from gguf import GGMLQuantizationType
+
+    if ".attn_v." in name or ".ffn_down." in name or name.startswith("output."):
+        return GGMLQuantizationType.Q6_K
+    return GGMLQuantizationType.Q4_K
+
+
 def model_path(name: str, workdir: Path) -> Path:
     """smollm2: the default model's GGUF; qwen3-0.6b-bf16: the realistic fixture; qwen3-0.6b-Q4_K
-    (or another GGUF type): that fixture as a GGUF of that type."""
+    (or another GGUF type, or Q4_K_M: llama.cpp's mix): that fixture as a GGUF of that type."""
     if name == "smollm2":
         from cpud.model.default_model import default_model_path
 
@@ -73,7 +83,7 @@ def model_path(name: str, workdir: Path) -> Path:
         from gguf import GGMLQuantizationType
         from gguf_writer import write_gguf
 
-        write_gguf(source, out, GGMLQuantizationType[qtype])
+        write_gguf(source, out, q4_k_m if qtype == "Q4_K_M" else GGMLQuantizationType[qtype])
     return out
 
 

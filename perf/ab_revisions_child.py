@@ -1,6 +1,7 @@
 """One measurement for perf/ab_revisions.py, run under the revision its PYTHONPATH selects:
-decode tok/s of 1 and of 32 streams on one rank (native kernels, fused decoder), printed as
-one JSON line. Uses only APIs every compared revision has.
+decode tok/s of 1 and of 32 streams and prefill tok/s of one 512-token prompt on one rank
+(native kernels, fused decoder), printed as one JSON line. Uses only APIs every compared
+revision has.
 
     PYTHONPATH=IMPORT_ROOT python3 perf/ab_revisions_child.py MODEL STEPS THREADS
 """
@@ -21,6 +22,7 @@ from cpud.ranks.parallel import SingleRank
 
 BLOCK = 16
 STREAMS = 32
+PREFILL = 512
 
 
 def decode(run: ModelRunner, streams: int, steps: int, first_id: int) -> float:
@@ -37,10 +39,22 @@ def decode(run: ModelRunner, streams: int, steps: int, first_id: int) -> float:
     return streams * steps / (time.perf_counter() - t0)
 
 
+def prefill(run: ModelRunner, tokens: int, first_id: int, rounds: int = 2) -> float:
+    """Prompt tokens per second of one `tokens`-long prompt, the best of `rounds`."""
+    table = list(range(-(-tokens // BLOCK)))
+    prompt = [(37 * i + 11) % 500 + 3 for i in range(tokens)]
+    best = 0.0
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        run.execute(StepPlan(r, [SeqWork(first_id + r, prompt, 0, table, True)]))
+        best = max(best, tokens / (time.perf_counter() - t0))
+    return best
+
+
 def main() -> None:
     path, steps, threads = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(threads)
-    blocks = STREAMS * (-(-(steps + 24) // BLOCK)) + 8
+    blocks = max(STREAMS * (-(-(steps + 24) // BLOCK)), -(-PREFILL // BLOCK)) + 8
     config = RunnerConfig(
         path, torch.bfloat16, 1024, BLOCK, blocks, kernels="native", kv_pretouch=False
     )
@@ -51,6 +65,7 @@ def main() -> None:
     result = {
         "decode_1": decode(run, 1, steps, 100),
         "decode_32": decode(run, STREAMS, max(4, steps // 4), 200),
+        "prefill_512": prefill(run, PREFILL, 300),
     }
     print(json.dumps(result))
 
