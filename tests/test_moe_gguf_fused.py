@@ -18,6 +18,7 @@ from test_moe_gguf_quant import quant_moe, stack_types, tp_logits  # noqa: F401 
 
 from cpud.model.gguf_model import check_gguf_split, read_gguf_model
 from cpud.model.load import load_model_config
+from cpud.placement.memory_plan import quantized_weight_bytes
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 from cpud.ranks.parallel import SingleRank
 from cpud.settings.errors import ConfigError
@@ -74,6 +75,9 @@ def test_fused_file_checks_and_names_its_stack(files):
     assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
     assert read_gguf_model(fused).config == read_gguf_model(plain).config
     check_gguf_split(read_gguf_model(fused), 2)
+    cfg = read_gguf_model(plain).config
+    plans = [quantized_weight_bytes(cfg, "bfloat16", 2, path, "auto") for path in files]
+    assert plans[0] == plans[1]  # the memory plan counts the fused stack at its bytes too
 
 
 def test_fused_experts_stay_in_blocks_and_equal_the_separate_file(files):
