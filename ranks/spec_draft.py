@@ -32,14 +32,17 @@ from cpud.protocol.step import SeqWork, StepPlan
 from cpud.ranks.sampler import SamplingRow, draw, restrict_support
 from cpud.ranks.seq_states import HeldSeq
 from cpud.ranks.spec_verify import mixed_seed, processed_logits
-from cpud.ranks.step_inputs import build_step_inputs
+from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 from cpud.settings.speculative import parse_speculative_config
 
 if TYPE_CHECKING:
     from cpud.ranks.model_runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger("cpud.rank")
-DRAFT_SEED_PURPOSE = 1  # mixed into a position's seed for the draft's own draw there
+DRAFT_SEED_PURPOSE = 1
+# Most positions per sequence one draft forward catches up on (a long prompt goes in chunks:
+# the activations stay bounded like a prefill chunk's).
+CATCH_UP_CHUNK = 256  # mixed into a position's seed for the draft's own draw there
 
 
 @dataclass
@@ -150,6 +153,7 @@ class DraftProposer:
     def _propose(
         self, step_id: int, proposing: list[_Proposing]
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        self._catch_up(step_id, proposing)
         drafts: list[list[int]] = [[] for _ in proposing]
         probs: list[list[torch.Tensor]] = [[] for _ in proposing]
         for j in range(max(item.work.num_draft for item in proposing)):
@@ -176,14 +180,37 @@ class DraftProposer:
         stacked = [torch.stack(p) if p else None for p in probs]
         return drafts, stacked
 
+    def _catch_up(self, step_id: int, proposing: list[_Proposing]) -> None:
+        """Draft KV for all but the last CATCH_UP_CHUNK unseen positions before each proposing
+        sequence's last token, CATCH_UP_CHUNK positions per sequence and forward."""
+        while True:
+            works, states = [], []
+            for item in proposing:
+                seq = self.seqs[item.work.seq_id]
+                if item.last + 1 - seq.computed <= CATCH_UP_CHUNK:
+                    continue
+                start = seq.computed
+                tokens = seq.span(start, start + CATCH_UP_CHUNK)
+                works.append(SeqWork(item.work.seq_id, tokens, start, [], False))
+                states.append(HeldSeq(item.held.block_table, start + len(tokens), start))
+                seq.computed = start + len(tokens)
+            if not works:
+                return
+            self._hidden(StepPlan(step_id, works), states)
+
     def _logits(self, plan: StepPlan, states: list[HeldSeq]) -> torch.Tensor:
+        hidden, inputs = self._hidden(plan, states)
+        return self.runner.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _hidden(self, plan: StepPlan, states: list[HeldSeq]) -> tuple[torch.Tensor, StepInputs]:
+        """The draft's hidden states of the plan's tokens (their KV written), and its inputs."""
         runner = self.runner
         inputs = build_step_inputs(plan, states, runner.config.block_size)
         if runner.decoder is not None:
             hidden = runner.decoder.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
-        return runner.model.compute_logits(hidden[inputs.logits_indices])
+        return hidden, inputs
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow]

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_spec_decode import assert_same, run
 
 from cpud import LLM, SamplingParams
+from cpud.ranks import spec_draft
 from cpud.settings.errors import ConfigError
 
 K = 4
@@ -95,8 +96,9 @@ def reference(models):
         pytest.param("unrelated", {"max_num_batched_tokens": 48}, id="unrelated"),
     ],
 )
-def test_greedy_tokens_equal_without_speculation(models, reference, draft, engine):
+def test_greedy_tokens_equal_without_speculation(models, reference, draft, engine, monkeypatch):
     schedule, want = reference
+    monkeypatch.setattr(spec_draft, "CATCH_UP_CHUNK", 24)  # long prompts catch up in chunks
     llm = LLM(models["target"], speculative_config=draft_config(models[draft]), **ENGINE, **engine)
     assert_same(want, run(llm, schedule))
     stats = llm.engine.spec.stats
