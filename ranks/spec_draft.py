@@ -168,7 +168,7 @@ class DraftProposer:
                 else:
                     start, tokens = item.last + j, [drafts[m][-1]]
                 works.append(SeqWork(item.work.seq_id, tokens, start, [], True))
-                states.append(HeldSeq(item.held.block_table, start + len(tokens), start))
+                states.append(_at(item.held, start, len(tokens)))
                 rows.append(item.rows[j])
                 members.append(m)
             logits = self._logits(StepPlan(step_id, works), states)
@@ -192,7 +192,7 @@ class DraftProposer:
                 start = seq.computed
                 tokens = seq.span(start, start + CATCH_UP_CHUNK)
                 works.append(SeqWork(item.work.seq_id, tokens, start, [], False))
-                states.append(HeldSeq(item.held.block_table, start + len(tokens), start))
+                states.append(_at(item.held, start, len(tokens)))
                 seq.computed = start + len(tokens)
             if not works:
                 return
@@ -231,6 +231,12 @@ class DraftProposer:
         for i, token in zip(sampling, drawn):
             tokens[i] = int(token)
         return tokens, full
+
+
+def _at(held: HeldSeq, start: int, count: int) -> HeldSeq:
+    """The target's sequence as a draft forward over `count` tokens from `start` sees it: the
+    same block table (and its tensor row)."""
+    return HeldSeq(held.block_table, start + count, start, table_row=held.table_row)
 
 
 def greedy(row: SamplingRow) -> bool:
