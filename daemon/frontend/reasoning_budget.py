@@ -15,13 +15,13 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cpud.frontend.harmony import END, MESSAGE, START
+from cpud.frontend.harmony import CHANNEL, END, MESSAGE, START
 from cpud.frontend.reasoning import HARMONY, ReasoningPlan
 from cpud.frontend.reasoning_split import ReasoningParser
 from cpud.frontend.reasoning_think import THINK_CLOSE
 from cpud.frontend.reasoning_tokens import ReasoningTokenCounter
 
-HARMONY_FINAL = f"{START}assistant<|channel|>final{MESSAGE}"
+HARMONY_FINAL = f"{START}assistant{CHANNEL}final{MESSAGE}"
 
 
 def one_token_mask(token: int) -> bytes:
