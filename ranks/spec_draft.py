@@ -217,6 +217,8 @@ class DraftProposer:
     ) -> tuple[list[int], torch.Tensor | None]:
         """The draft's token per row, and its distributions q (None when every row is greedy):
         argmax for greedy rows, a draw from q for sampling rows."""
+        if all(greedy(row) and not row.bias_token_ids for row in rows):
+            return self.runner.ops.argmax(logits).tolist(), None
         processed = processed_logits(logits, rows)
         tokens = processed.argmax(dim=-1).tolist()
         sampling = [i for i, row in enumerate(rows) if not greedy(row)]
