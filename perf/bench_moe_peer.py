@@ -3,10 +3,14 @@ llama.cpp, cpud, ...): prefill 512 (llama-bench pp512), decode 1 stream (tg64) a
 streams (llama-batched-bench S_TG) beside perf/bench_moe.py's figures on the same file.
 
     python perf/bench_moe_peer.py --quant Q4_K_M [--rounds 2] [--json OUT]
+    python perf/bench_moe_peer.py --preset gpt-oss-20b-4l [--rounds 2] [--json OUT]
     python perf/bench_moe_peer.py --gguf FILE.gguf
 
 --quant makes (once) the qwen3-30b-a3b-6l fixture as a GGUF file of that mix in --workdir, as
-bench_moe.py does. llama.cpp comes from perf/peers/llamacpp.py (b11434).
+bench_moe.py does; --preset gpt-oss-20b-4l the gpt-oss fixture as a GGUF file with MXFP4
+experts (perf/bench_moe_gptoss.py). cpud's side also reports its resident memory against the
+file's size, decode 1's phases and read rates against the read probe. llama.cpp comes from
+perf/peers/llamacpp.py (b11434); perf/bench_moe_check.py checks both read the file alike.
 """
 
 from __future__ import annotations
@@ -29,13 +33,19 @@ def cpud_round(gguf: Path, threads: int, steps: int) -> dict:
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     summary = json.loads(out[out.index("{") :])
     median = summary["median"]
+    decode_1 = median["decode_1"]
     return {
         "read_probe_gbs": summary["read_probe_gbs"],
         "decode_1_of_probe": summary["decode_1_of_probe"],
         "prefill_512": median["prefill_512"],
-        "decode_1": median["decode_1"]["tok_s"],
+        "decode_1": decode_1["tok_s"],
         "decode_32": median["decode_32"]["tok_s"],
-        "decode_1_read_gbs": median["decode_1"]["weight_read_gbs"],
+        "decode_1_read_gbs": decode_1["weight_read_gbs"],
+        "decode_1_phase_ms": decode_1.get("phase_ms"),
+        "decode_1_lm_head_read_gbs": decode_1.get("lm_head_read_gbs"),
+        "decode_1_layers_read_gbs": decode_1.get("layers_read_gbs"),
+        "rss_bytes": summary["rss_bytes"],
+        "rss_of_file": summary.get("rss_of_file"),
     }
 
 
@@ -52,6 +62,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--quant", default="Q4_K_M")
+    ap.add_argument(
+        "--preset",
+        choices=("qwen3-30b-a3b-6l", "gpt-oss-20b-4l"),
+        default="qwen3-30b-a3b-6l",
+        help="the fixture made into the file (gpt-oss-20b-4l: MXFP4 experts; --quant unused)",
+    )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
@@ -59,6 +75,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     gguf = args.gguf
+    if gguf is None and args.preset == "gpt-oss-20b-4l":
+        from bench_moe_gptoss import make_gpt_oss_gguf
+
+        gguf = make_gpt_oss_gguf(args.workdir)
     if gguf is None:
         import bench_moe
 
