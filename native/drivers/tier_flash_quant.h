@@ -1,7 +1,7 @@
 /* The bf16 flash path's reads of quantized KV caches (int8, e5m2): keys converted to bf16 rows
  * 16 at a time, values straight into the key-pair layout of fa_value_pairs.  Included by
- * tier_flash_bf16.h after fa_value_pairs; every value is rounded to bf16 once, as
- * rnd_dt(dequantized) of tier_kv.h. */
+ * tier_flash_bf16.h after fa_value_pairs; every value is rounded to bf16 once (int8: q * d in
+ * f32, then rounded).  Decode items on int8 caches take tier_flash_int8.h instead. */
 
 /* Values [d, d + 16) of a quantized row (kvt) as f32, or zeros for no row. */
 static ALWAYS_INLINE TGT __m512 fa_qvals(const char *row, int64_t d, int kvt, float scale) {
@@ -68,7 +68,7 @@ static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *
 }
 
 /* Rows [a, b] of 16 quantized rows (row j at row0 + j * rb, of kvt) -> the same rows of dst:
- * [16][hd] bf16 (hd % 16 == 0), each value rounded to bf16 (kv_ldq). */
+ * [16][hd] bf16 (hd % 16 == 0), each value (kv_ldq's f32) rounded to bf16. */
 static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, int64_t rb,
                                               int kvt, int64_t a, int64_t b, int64_t hd) {
     for (int64_t j = a; j <= b; j++) {

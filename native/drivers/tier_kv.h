@@ -1,6 +1,7 @@
-/* Reading KV cache rows of any kv_formats.h type as the activations' dtype, vectorised for the
- * tier (included by tier_kernels.h after the tier's simd_*.h).  A quantized value reads as
- * rnd_dt(dequantized): int8 q * scale rounded to dt, e5m2 exactly (it fits bf16). */
+/* Reading KV cache rows of any kv_formats.h type as f32, vectorised for the tier (included by
+ * tier_kernels.h after the tier's simd_*.h).  A quantized value reads as its f32 value: int8
+ * q * scale (one f32 product, not rounded to the activations' dtype: that rounding cost more
+ * than the halved reads saved), e5m2 exactly. */
 
 #include "kv_formats.h"
 
@@ -34,22 +35,23 @@ static ALWAYS_INLINE TGT vf kv_ld_e5m2(const uint8_t *p) {
 #endif
 }
 
-/* Values [i, i + VW) of a quantized row (kvt int8 with scale d, or e5m2), rounded to dt. */
-static ALWAYS_INLINE TGT vf kv_ldq(const char *row, int64_t i, int kvt, vf d, int dt) {
-    if (kvt == CPUD_KV_INT8) return rndv(vf_mul(kv_ld_i8((const int8_t *)row + i), d), dt);
+/* Values [i, i + VW) of a quantized row (kvt int8 with scale d, or e5m2) as f32. */
+static ALWAYS_INLINE TGT vf kv_ldq(const char *row, int64_t i, int kvt, vf d) {
+    if (kvt == CPUD_KV_INT8) return vf_mul(kv_ld_i8((const int8_t *)row + i), d);
     return kv_ld_e5m2((const uint8_t *)row + i);
 }
 
 /* Value i of a quantized row, as kv_ldq. */
-static ALWAYS_INLINE float kv_ldq1(const char *row, int64_t i, int kvt, float d, int dt) {
-    if (kvt == CPUD_KV_INT8) return rnd1((float)((const int8_t *)row)[i] * d, dt);
+static ALWAYS_INLINE float kv_ldq1(const char *row, int64_t i, int kvt, float d) {
+    if (kvt == CPUD_KV_INT8) return (float)((const int8_t *)row)[i] * d;
     return kv_e5m2_to_f32(((const uint8_t *)row)[i]);
 }
 
-/* Rows [a, b] (row j at row0 + j * rb, of kvt) -> dst: rows [a, b] of [.][hd] f32, each value
- * as dt reads it. */
+/* Rows [a, b] (row j at row0 + j * rb, of kvt) -> dst: rows [a, b] of [.][hd] f32 (dt, the
+ * activations' dtype, changes nothing: quantized values are not rounded to it). */
 static ALWAYS_INLINE TGT void kv_rows_f32(const char *row0, int64_t rb, int kvt, int dt,
                                           int64_t a, int64_t b, int64_t hd, float *dst) {
+    (void)dt;
     for (int64_t j = a; j <= b; j++) {
         const char *row = row0 + j * rb;
         float *o = dst + j * hd;
@@ -60,7 +62,7 @@ static ALWAYS_INLINE TGT void kv_rows_f32(const char *row0, int64_t rb, int kvt,
         const float d1 = kvt == CPUD_KV_INT8 ? kv_int8_scale(row, hd) : 1.0f;
         const vf d = vf_set1(d1);
         int64_t i = 0;
-        for (; i + VW <= hd; i += VW) vf_st(o + i, kv_ldq(row, i, kvt, d, dt));
-        for (; i < hd; i++) o[i] = kv_ldq1(row, i, kvt, d1, dt);
+        for (; i + VW <= hd; i += VW) vf_st(o + i, kv_ldq(row, i, kvt, d));
+        for (; i < hd; i++) o[i] = kv_ldq1(row, i, kvt, d1);
     }
 }

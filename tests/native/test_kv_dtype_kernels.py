@@ -57,12 +57,11 @@ def test_quantized_rows_read_back_close():
     assert ((fp8 - x).abs() <= x.abs() / 8 + 1e-5).all()  # 2 mantissa bits: half-ulp 1/8
 
 
-def reads_int8_in_integers(kern, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """The bf16 flash tiers decode on an int8 cache in integers (tier_flash_int8.h: queries
-    rounded to int8, probabilities to u8): close to the dequantized cache, not bit-equal."""
-    return (
-        kern.isa in ("avx512bf16", "amx") and dtype == torch.bfloat16 and cache_dtype == torch.int8
-    )
+def int8_reads_unrounded(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """An int8 cache under bf16 activations is read as q * scale in f32 (not rounded to bf16),
+    and the bf16 flash tiers decode on it in integers (tier_flash_int8.h: queries rounded to
+    int8, probabilities to u8): close to a cache of the dequantized values, not bit-equal."""
+    return dtype == torch.bfloat16 and cache_dtype == torch.int8
 
 
 def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0):
@@ -82,7 +81,7 @@ def test_paged_attention_reads_quantized_caches(kern, dtype, cache_dtype, nh, nk
     scale = hd**-0.5
     out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
     same_values = kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, scale)
-    if reads_int8_in_integers(kern, dtype, cache_dtype):
+    if int8_reads_unrounded(dtype, cache_dtype):
         assert_close(out, same_values, dtype)
     else:  # the same bits as a dtype cache holding the values the quantized one reads as
         assert torch.equal(out, same_values)
