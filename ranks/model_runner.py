@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from cpud.ranks.parallel import TPGroup
 from cpud.ranks.pooling import embeddings, pool
 from cpud.ranks.sampler import score_prompts
 from cpud.ranks.seq_states import SeqStates
-from cpud.ranks.spec_draft import make_draft
+from cpud.ranks.spec_draft import DraftProposer
 from cpud.ranks.spec_verify import sample_or_verify
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
 from cpud.settings import ENGINE, defaults
@@ -119,7 +119,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator().manual_seed(config.seed + group.rank)
         self.seqs = SeqStates()  # what the plans said about each sequence the rank holds
-        self.draft = make_draft(config, group.rank)  # speculative decoding's draft model, if any
+        self.draft = build_draft(config, group.rank)  # speculative decoding's draft, if any
 
     def _quant_plan(self) -> tuple[dict, bool]:
         """The linears kept quantized (native kernels, bf16 or fp32): a GGUF file's blocks, or
@@ -298,3 +298,34 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return inputs, hidden, draft_probs
+
+
+def build_draft(config: RunnerConfig, rank: int) -> DraftProposer | None:
+    """The rank's speculative draft model as config.speculative_config says (None: none): the
+    whole model at TP 1, in the target's dtype and kernels, with as many KV blocks as the
+    target (ranks/spec_draft.py)."""
+    from cpud.settings.speculative import parse_speculative_config
+
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None or not spec.uses_draft_model or spec.model is None:
+        return None
+    from cpud.model.load import load_model_config
+    from cpud.ranks.parallel import SingleRank
+
+    path = Path(spec.model)
+    draft_config = replace(
+        config,
+        model_dir=path,
+        quantization=spec.quantization,
+        kv_pretouch=False,
+        speculative_config=None,
+    )
+    runner = ModelRunner(draft_config, load_model_config(path), SingleRank())
+    if rank == 0:
+        log.info(
+            "speculative draft %s in every rank: %d proposals per step, KV cache %.1f MiB",
+            path,
+            spec.num_speculative_tokens,
+            runner.kv_cache_bytes / 2**20,
+        )
+    return DraftProposer(runner, config.seed)

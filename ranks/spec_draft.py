@@ -21,9 +21,8 @@ per position so that rank 0 can verify by rejection sampling (ranks/spec_verify.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -33,16 +32,22 @@ from cpud.ranks.sampler import SamplingRow, draw, restrict_support
 from cpud.ranks.seq_states import HeldSeq
 from cpud.ranks.spec_verify import mixed_seed, processed_logits
 from cpud.ranks.step_inputs import StepInputs, build_step_inputs
-from cpud.settings.speculative import parse_speculative_config
 
-if TYPE_CHECKING:
-    from cpud.ranks.model_runner import ModelRunner, RunnerConfig
-
-log = logging.getLogger("cpud.rank")
 DRAFT_SEED_PURPOSE = 1
 # Most positions per sequence one draft forward catches up on (a long prompt goes in chunks:
 # the activations stay bounded like a prefill chunk's).
 CATCH_UP_CHUNK = 256  # mixed into a position's seed for the draft's own draw there
+
+
+class DraftRunner(Protocol):
+    """What the proposer uses of the draft's ModelRunner (ranks/model_runner.py)."""
+
+    config: Any  # RunnerConfig: block_size
+    model: Any  # the model: forward, compute_logits
+    decoder: Any  # FusedDecoder or None
+    kv_caches: list
+    ops: Any  # argmax
+    kv_cache_bytes: int
 
 
 @dataclass
@@ -77,7 +82,7 @@ class _Proposing:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, seed: int) -> None:
+    def __init__(self, runner: DraftRunner, seed: int) -> None:
         self.runner = runner
         # The same seed on every rank: unseeded draft draws agree across ranks.
         self.generator = torch.Generator().manual_seed(seed)
@@ -243,34 +248,3 @@ def _at(held: HeldSeq, start: int, count: int) -> HeldSeq:
 
 def greedy(row: SamplingRow) -> bool:
     return row.sampling is None or row.sampling.temperature == 0
-
-
-def make_draft(config: RunnerConfig, rank: int) -> DraftProposer | None:
-    """The rank's draft model as the config's speculative_config says (None: none): the whole
-    model at TP 1, in the target's dtype and kernels, with as many KV blocks as the target."""
-    spec = parse_speculative_config(config.speculative_config)
-    if spec is None or not spec.uses_draft_model:
-        return None
-    from pathlib import Path
-
-    from cpud.model.load import load_model_config
-    from cpud.ranks.model_runner import ModelRunner
-    from cpud.ranks.parallel import SingleRank
-
-    path = Path(spec.model)
-    draft_config = dataclasses.replace(
-        config,
-        model_dir=path,
-        quantization=spec.quantization,
-        kv_pretouch=False,
-        speculative_config=None,
-    )
-    runner = ModelRunner(draft_config, load_model_config(path), SingleRank())
-    if rank == 0:
-        log.info(
-            "speculative draft %s in every rank: %d proposals per step, KV cache %.1f MiB",
-            path,
-            spec.num_speculative_tokens,
-            runner.kv_cache_bytes / 2**20,
-        )
-    return DraftProposer(runner, config.seed)

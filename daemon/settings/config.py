@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -137,7 +138,6 @@ class EngineConfig:
     quantization: str = _ENGINE["quantization"]
     kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
     speculative_config: str | None = None  # checked JSON (cpud.settings.speculative); None: off
-    draft_model: ModelConfig | None = None  # the speculative draft model's (every rank has it)
 
     @property
     def kv_cache_bytes_per_rank(self) -> int:
@@ -146,12 +146,19 @@ class EngineConfig:
             + self.draft_kv_block_bytes
         )
 
+    @functools.cached_property
+    def draft_model(self) -> ModelConfig | None:
+        """The speculative draft model's config (every rank runs it); None without one."""
+        from cpud.settings.draft_model import draft_model_config
+
+        return draft_model_config(self.speculative_config)
+
     @property
     def draft_kv_block_bytes(self) -> int:
         """What the draft model's KV adds to each block on each rank (0 without one)."""
         if self.draft_model is None:
             return 0
-        from cpud.engine.spec_draft import draft_kv_block_bytes
+        from cpud.settings.draft_model import draft_kv_block_bytes
 
         return draft_kv_block_bytes(
             self.draft_model, self.block_size, self.dtype, self.kv_cache_dtype
@@ -167,7 +174,7 @@ class EngineConfig:
         )
         if self.draft_model is None:
             return target
-        from cpud.engine.spec_draft import draft_weight_bytes
+        from cpud.settings.draft_model import draft_weight_bytes
 
         return target + draft_weight_bytes(self.speculative_config, self.draft_model, self.dtype)
 
@@ -248,11 +255,10 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
     check_kv_cache_dtype(args.kv_cache_dtype)
     speculative = parse_speculative_config(args.speculative_config)
     block_bytes = kv_block_bytes(model, args.tp, args.block_size, dtype, args.kv_cache_dtype)
-    draft = None
     if speculative is not None and speculative.uses_draft_model:  # its KV shares the block ids
-        from cpud.engine.spec_draft import check_draft_model, draft_kv_block_bytes
+        from cpud.settings.draft_model import check_draft_model, draft_kv_block_bytes
 
-        draft = check_draft_model(speculative, model)
+        draft = check_draft_model(speculative, model, check_model_files)
         block_bytes += draft_kv_block_bytes(draft, args.block_size, dtype, args.kv_cache_dtype)
     blocks_per_seq = -(-max_model_len // args.block_size)
     if args.num_kv_blocks is not None:
@@ -287,7 +293,6 @@ def resolve_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=speculative.to_json() if speculative is not None else None,
-        draft_model=draft,
     )
 
 

@@ -1,10 +1,11 @@
 """The draft model of speculative decoding, checked before any rank starts: its files read as
-the target's are, its vocabulary the target's, its --quantization applicable, and what one KV
-block of it costs each rank (the draft's KV uses the target's block ids, so every rank holds
-as many draft blocks as target blocks)."""
+the target's are, its vocabulary the target's, its --quantization applicable, and what it costs
+each rank: its weights (the whole draft runs in every rank) and its KV per block (the draft's
+KV uses the target's block ids, so every rank holds as many draft blocks as target blocks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,18 @@ from cpud.settings.errors import ConfigError
 from cpud.settings.speculative import FLAG, SpeculativeConfig, parse_speculative_config
 
 
-def check_draft_model(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
-    """The draft's config; ConfigError naming what to change when it cannot draft for target."""
+def check_draft_model(
+    spec: SpeculativeConfig, target: ModelConfig, check_files: Callable[[Path], ModelConfig]
+) -> ModelConfig:
+    """The draft's config (its files checked by check_files, as the target's are); ConfigError
+    naming what to change when it cannot draft for target."""
     from cpud.model.quant_check import check_gguf_dense, check_quantization
-    from cpud.settings.config import check_model_files
 
     path = Path(spec.model or "")
     if not path.exists():
         raise ConfigError(f'{FLAG}: the draft model "{path}" does not exist')
     try:
-        draft = check_model_files(path)
+        draft = check_files(path)
     except ConfigError as exc:
         raise ConfigError(f"{FLAG}: the draft model {path}: {exc}") from None
     if draft.vocab_size != target.vocab_size:
@@ -39,6 +42,16 @@ def check_draft_model(spec: SpeculativeConfig, target: ModelConfig) -> ModelConf
     except ConfigError as exc:
         raise ConfigError(f"{FLAG}: the draft's quantization: {exc}") from None
     return draft
+
+
+def draft_model_config(speculative_config: str | None) -> ModelConfig | None:
+    """The draft model's config of a checked --speculative-config (None: no draft model)."""
+    from cpud.model.load import load_model_config
+
+    spec = parse_speculative_config(speculative_config)
+    if spec is None or not spec.uses_draft_model or spec.model is None:
+        return None
+    return load_model_config(spec.model)
 
 
 def draft_kv_block_bytes(
