@@ -156,7 +156,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     const cpud_qops *qops = cpud_qops_for(isa, d->quant_flags);
     if (team_fits(qops, d, layers, n_layers, s->T)) {
         s->team = 1;
-        return decoder_team(ops, qops, d, layers, n_layers, s, tp, timeout_ns, peer);
+        return decoder_team(ops, isa, qops, d, layers, n_layers, s, tp, timeout_ns, peer);
     }
 
     const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);

@@ -4,11 +4,13 @@
  * of tasks, attention's work ranges, a run of token rows for the row-wise ops), and a barrier
  * ends a phase whose result other threads read next.  Row-wise ops on the same tokens follow
  * each other without one (norm, then quantization of the normed rows).  x is quantized once
- * per input and shared by every linear part that reads it.  Each element is computed by the
+ * per input and shared by every linear part that reads it; an expert layer runs its one
+ * region's body (moe.c) in the team.  Each element is computed by the
  * same code on the same inputs as on the per-op path, so both give the same bits. */
 #include <stdatomic.h>
 
 #include "att_plan.h"
+#include "moe.h"
 #include "quant.h"
 
 /* Steps of at most this many tokens (decode) run as one team; larger ones op by op. */
@@ -24,6 +26,7 @@ typedef struct team_xq {
 
 typedef struct team {
     const cpud_ops *ops;
+    int isa;
     const cpud_qops *qops;
     const cpud_decoder_dims *d;
     const cpud_decoder_layer *layers;
@@ -34,6 +37,7 @@ typedef struct team {
     int *peer;
     att_plan att;
     team_xq xq;
+    cpud_moe_job *moe; /* the expert layer's step in flight */
     _Atomic int rc;              /* the first failure's code */
     _Atomic int64_t failed_phase; /* the phase it happened in; INT64_MAX: none */
 } team;
@@ -52,17 +56,18 @@ static int team_linear_ok(const cpud_qlinear *q, int64_t K) {
     return 1;
 }
 
-/* Whether this step runs as one team: few tokens, every layer dense with quantized linears,
- * and the quantized GEMM's vector kernels for them (the amx tiles take 16 rows or more). */
+/* Whether this step runs as one team: few tokens, every layer's linears quantized (its
+ * feed-forward those or a cpud_moe expert layer), and the quantized GEMM's vector kernels for
+ * them (the amx tiles take 16 rows or more). */
 static int team_fits(const cpud_qops *qops, const cpud_decoder_dims *d,
                      const cpud_decoder_layer *layers, int64_t n_layers, int64_t T) {
     if (!qops || T > TEAM_MAX_T || (qops == &cpud_qops_amx && T >= 16)) return 0;
     const int64_t H = d->hidden, qd = d->heads * d->head_dim, I = d->intermediate;
     for (int64_t i = 0; i < n_layers; i++) {
         const cpud_decoder_layer *l = &layers[i];
-        if (l->moe || l->router || !team_linear_ok(&l->q_qkv, H) ||
-            !team_linear_ok(&l->q_o, qd) || !team_linear_ok(&l->q_gate_up, H) ||
-            !team_linear_ok(&l->q_down, I))
+        if (l->router || !team_linear_ok(&l->q_qkv, H) || !team_linear_ok(&l->q_o, qd))
+            return 0;
+        if (!l->moe && (!team_linear_ok(&l->q_gate_up, H) || !team_linear_ok(&l->q_down, I)))
             return 0;
     }
     return 1;
@@ -122,6 +127,24 @@ static int team_all_reduce(team *tm, char *x, int tid, int64_t *phase) {
     return team_sync(tm, phase);
 }
 
+/* The expert layer l on x in place (x complete): thread 0 routes and prepares, every thread
+ * runs its share, thread 0 frees; whether the team stops. */
+static int team_moe(team *tm, const cpud_decoder_layer *l, int tid, int64_t *phase) {
+    if (tid == 0) {
+        const int rc = cpud_moe_layer_begin(tm->ops, tm->isa, tm->d->dtype,
+                                            (const cpud_moe *)l->moe, (const void *)tm->s->x,
+                                            (void *)tm->s->x, tm->s->T, &tm->moe);
+        if (rc) team_fail(tm, rc, *phase);
+    }
+    if (team_sync(tm, phase)) return 1;
+    cpud_moe_layer_run(tm->moe);
+    if (tid == 0) {
+        const int rc = cpud_moe_layer_end(tm->moe);
+        if (rc) team_fail(tm, rc, *phase);
+    }
+    return 0;
+}
+
 /* The layer stack as thread tid of nth; token rows [r0, r1) are this thread's share of the
  * row-wise ops. */
 static void team_run(team *tm, int tid, int nth) {
@@ -132,7 +155,8 @@ static void team_run(team *tm, int tid, int nth) {
     const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
     const int64_t r0 = T * tid / nth, r1 = T * (tid + 1) / nth, n = r1 - r0;
-    const int64_t *pos = (const int64_t *)s->positions + r0, *slots = (const int64_t *)s->slots + r0;
+    const int64_t *pos = (const int64_t *)s->positions + r0;
+    const int64_t *slots = (const int64_t *)s->slots + r0;
     const int32_t *qsl = (const int32_t *)s->query_start_loc;
     const int32_t *sl = (const int32_t *)s->seq_lens, *bt = (const int32_t *)s->block_tables;
     char *x = (char *)s->x, *qkv = (char *)s->qkv, *attn = (char *)s->attn;
@@ -184,6 +208,11 @@ static void team_run(team *tm, int tid, int nth) {
             ops->fused_add_rms_norm(dt, xr, H, rr, H, (const void *)l->post_norm, wdt, n, H,
                                     d->eps);
         }
+        if (l->moe) {
+            if (team_sync(tm, &phase) || team_moe(tm, l, tid, &phase)) break;
+            if (team_all_reduce(tm, x, tid, &phase)) break;
+            continue;
+        }
         team_quantize(tm, x, H, H, r0, r1);
         if (team_sync(tm, &phase)) break;
         if (team_linear(tm, &l->q_gate_up, H, gu, 2 * I, tid, nth, &phase)) break;
@@ -204,9 +233,10 @@ static void team_run(team *tm, int tid, int nth) {
 
 /* The step as one team (team_fits holds, T > 0); CPUD_OK or a kernel's or the all-reduce's
  * code. */
-static int decoder_team(const cpud_ops *ops, const cpud_qops *qops, const cpud_decoder_dims *d,
-                        const cpud_decoder_layer *layers, int64_t n_layers, cpud_decoder_step *s,
-                        cpud_shm *tp, int64_t timeout_ns, int *peer) {
+static int decoder_team(const cpud_ops *ops, int isa, const cpud_qops *qops,
+                        const cpud_decoder_dims *d, const cpud_decoder_layer *layers,
+                        int64_t n_layers, cpud_decoder_step *s, cpud_shm *tp,
+                        int64_t timeout_ns, int *peer) {
     const int64_t T = s->T, qd = d->heads * d->head_dim;
     int64_t K = d->hidden > qd ? d->hidden : qd;
     if (d->intermediate > K) K = d->intermediate;
@@ -214,7 +244,7 @@ static int decoder_team(const cpud_ops *ops, const cpud_qops *qops, const cpud_d
     char *buf = aligned_alloc(64, nq + nd + (size_t)(T * K / 16) * sizeof(int32_t));
     if (!buf) return CPUD_ENOMEM;
     const int nr = omp_get_max_threads();
-    team tm = {.ops = ops, .qops = qops, .d = d, .layers = layers, .n_layers = n_layers,
+    team tm = {.ops = ops, .isa = isa, .qops = qops, .d = d, .layers = layers, .n_layers = n_layers,
                .s = s, .tp = tp, .timeout_ns = timeout_ns, .peer = peer};
     tm.xq = (team_xq){(int8_t *)buf, (float *)(buf + nq), (int32_t *)(buf + nq + nd)};
     atomic_init(&tm.rc, CPUD_OK);

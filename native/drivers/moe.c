@@ -13,6 +13,7 @@
  * bf16 items run the packed GEMM on their panels over all of the expert's rows. */
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -224,125 +225,162 @@ static int run_bf16_items(const cpud_ops *ops, int dt, const moe_item *items, in
     return failed;
 }
 
-static int experts_bf16(const cpud_ops *ops, int dtype, const cpud_moe *m, const void *x,
-                        int64_t T, const float *weights, const int32_t *id, void *out) {
-    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = T * k;
-    const int es = dtype_size(dtype);
-    const uint16_t *gate_up = (const uint16_t *)m->gate_up, *down = (const uint16_t *)m->down;
+/* A step of one expert layer: its routing (weights, ids: T x k), grouping, work lists and
+ * buffers.  job_prepare fills them, job_run computes (every thread of the enclosing parallel
+ * region calls it: the worksharing loops inside bind to that region), job_free frees. */
+struct cpud_moe_job {
+    const cpud_ops *ops;
+    const cpud_qops *q; /* NULL: bf16 stacks */
+    int dt;
+    const cpud_moe *m;
+    const void *x;
+    void *out;
+    int64_t T;
+    const float *weights;
+    const int32_t *id;
     grouping g;
-    moe_item *gu_items = NULL, *down_items = NULL;
-    int64_t n_gu = 0, n_down = 0;
-    char *xg = malloc((size_t)(pairs * H * es));
-    char *gu = malloc((size_t)(pairs * 2 * I * es));
-    char *act = malloc((size_t)(pairs * I * es));
-    float *y = malloc((size_t)(pairs * H) * sizeof *y);
-    int rc = group(id, pairs, E, &g), failed = 0;
-    /* every item spans all of its expert's rows: the GEMM then picks its kernel as for one
-     * call per expert, so the results are those of such calls, bit for bit */
-    if (rc || !xg || !gu || !act || !y ||
-        item_list(g.start, E, 2 * I, CPUD_GEMM_NB, pairs, &gu_items, &n_gu) ||
-        item_list(g.start, E, H, CPUD_GEMM_NB, pairs, &down_items, &n_down)) {
-        rc = CPUD_ENOMEM;
-        goto done;
+    qbuf qx, qg, qa;            /* quantized stacks */
+    moe_item *gu_items, *down_items;
+    int64_t n_gu, n_down;
+    char *xg, *gu, *act;        /* xg: bf16 stacks' gathered rows */
+    float *y;
+    char *logits;               /* cpud_moe_layer_begin's router logits, weights and ids */
+    float *w;
+    int32_t *ids;
+    _Atomic int failed;
+};
+
+static int job_prepare(cpud_moe_job *j) {
+    const cpud_moe *m = j->m;
+    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = j->T * k;
+    const int es = dtype_size(j->dt);
+    j->gu = malloc((size_t)(pairs * 2 * I * es));
+    j->act = malloc((size_t)(pairs * I * es));
+    j->y = malloc((size_t)(pairs * H) * sizeof *j->y);
+    if (group(j->id, pairs, E, &j->g) || !j->gu || !j->act || !j->y) return CPUD_ENOMEM;
+    if (!j->q) {
+        /* every item spans all of its expert's rows: the GEMM then picks its kernel as for one
+         * call per expert, so the results are those of such calls, bit for bit */
+        j->xg = malloc((size_t)(pairs * H * es));
+        if (!j->xg ||
+            item_list(j->g.start, E, 2 * I, CPUD_GEMM_NB, pairs, &j->gu_items, &j->n_gu) ||
+            item_list(j->g.start, E, H, CPUD_GEMM_NB, pairs, &j->down_items, &j->n_down))
+            return CPUD_ENOMEM;
+        return CPUD_OK;
     }
-#pragma omp parallel reduction(| : failed)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < pairs; r++) {
-            g.row_of[g.rows[r]] = r;
-            memcpy(xg + r * H * es, (const char *)x + g.rows[r] / k * H * es, (size_t)(H * es));
-        }
-        failed |= run_bf16_items(ops, dtype, gu_items, n_gu, xg, H, gate_up,
-                                 (2 * I + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * panel_elems(H),
-                                 m->gate_up_bias, gu, dtype, 2 * I);
-        int64_t r0, r1;
-        share(pairs, &r0, &r1);
-        activation_rows(ops, dtype, m, gu, act, r0, r1);
-#pragma omp barrier
-        failed |= run_bf16_items(ops, dtype, down_items, n_down, act, I, down,
-                                 (H + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * panel_elems(I),
-                                 m->down_bias, (char *)y, CPUD_F32, H);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) combine_token(dtype, y, g.row_of, id, weights, t, k, H, out);
-    }
-    if (failed) rc = CPUD_ENOMEM;
-done:
-    ungroup(&g);
-    free(gu_items);
-    free(down_items);
-    free(xg);
-    free(gu);
-    free(act);
-    free(y);
-    return rc;
+    if (qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
+        qbuf_alloc(&j->qa, pairs, I) ||
+        item_list(j->g.start, E, 2 * I, QR, QMC, &j->gu_items, &j->n_gu) ||
+        item_list(j->g.start, E, H, QR, QMC, &j->down_items, &j->n_down))
+        return CPUD_ENOMEM;
+    return CPUD_OK;
 }
 
-static int experts_quant(const cpud_ops *ops, const cpud_qops *q, int dt, const cpud_moe *m,
-                         const void *x, int64_t T, const float *weights, const int32_t *id,
-                         void *out) {
-    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = T * k;
-    const int es = dtype_size(dt), gqt = m->gate_up_qtype, dqt = m->down_qtype;
+static void job_run_bf16(cpud_moe_job *j) {
+    const cpud_moe *m = j->m;
+    const int64_t k = m->k, H = m->H, I = m->I, pairs = j->T * k;
+    const int dtype = j->dt, es = dtype_size(dtype);
+    const grouping *g = &j->g;
+    int failed = 0;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < pairs; r++) {
+        g->row_of[g->rows[r]] = r;
+        memcpy(j->xg + r * H * es, (const char *)j->x + g->rows[r] / k * H * es, (size_t)(H * es));
+    }
+    failed |= run_bf16_items(j->ops, dtype, j->gu_items, j->n_gu, j->xg, H,
+                             (const uint16_t *)m->gate_up,
+                             (2 * I + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * panel_elems(H),
+                             m->gate_up_bias, j->gu, dtype, 2 * I);
+    int64_t r0, r1;
+    share(pairs, &r0, &r1);
+    activation_rows(j->ops, dtype, m, j->gu, j->act, r0, r1);
+#pragma omp barrier
+    failed |= run_bf16_items(j->ops, dtype, j->down_items, j->n_down, j->act, I,
+                             (const uint16_t *)m->down,
+                             (H + CPUD_GEMM_NB - 1) / CPUD_GEMM_NB * panel_elems(I),
+                             m->down_bias, (char *)j->y, CPUD_F32, H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < j->T; t++)
+        combine_token(dtype, j->y, g->row_of, j->id, j->weights, t, k, H, j->out);
+    if (failed) atomic_store(&j->failed, 1);
+}
+
+static void job_run_quant(cpud_moe_job *j) {
+    const cpud_moe *m = j->m;
+    const cpud_qops *q = j->q;
+    const int64_t k = m->k, H = m->H, I = m->I, pairs = j->T * k;
+    const int dt = j->dt, gqt = m->gate_up_qtype, dqt = m->down_qtype;
     int64_t guq, gus, dq, dsb;
     q_bytes(gqt, 2 * I, H, &guq, &gus);
     q_bytes(dqt, H, I, &dq, &dsb);
-    grouping g;
-    qbuf qx = {0}, qg = {0}, qa = {0};
-    moe_item *gu_items = NULL, *down_items = NULL;
-    char *gu = malloc((size_t)(pairs * 2 * I * es));
-    char *act = malloc((size_t)(pairs * I * es));
-    float *y = malloc((size_t)(pairs * H) * sizeof *y);
-    int rc = group(id, pairs, E, &g);
-    if (rc || qbuf_alloc(&qx, T, H) || qbuf_alloc(&qg, pairs, H) || qbuf_alloc(&qa, pairs, I) ||
-        !gu || !act || !y) {
-        rc = CPUD_ENOMEM;
-        goto done;
-    }
-    int64_t n_gu, n_down;
-    if (item_list(g.start, E, 2 * I, QR, QMC, &gu_items, &n_gu) ||
-        item_list(g.start, E, H, QR, QMC, &down_items, &n_down)) {
-        rc = CPUD_ENOMEM;
-        goto done;
-    }
-    const qact ag = {qg.q, qg.d, qg.s, H}, aa = {qa.q, qa.d, qa.s, I};
-#pragma omp parallel
-    {
-        int64_t r0, r1;
-        share(T, &r0, &r1);
-        quantize_rows(q, dt, x, r0, r1 - r0, H, &qx);
+    const grouping *g = &j->g;
+    const qbuf *qx = &j->qx, *qg = &j->qg;
+    const qact ag = {qg->q, qg->d, qg->s, H}, aa = {j->qa.q, j->qa.d, j->qa.s, I};
+    int64_t r0, r1;
+    share(j->T, &r0, &r1);
+    quantize_rows(q, dt, j->x, r0, r1 - r0, H, qx);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < pairs; r++) {
-            const int64_t t = g.rows[r] / k;
-            g.row_of[g.rows[r]] = r;
-            memcpy(qg.q + r * H, qx.q + t * H, (size_t)H);
-            memcpy(qg.d + r * (H / 32), qx.d + t * (H / 32), (size_t)(H / 32) * sizeof(float));
-            memcpy(qg.s + r * (H / 16), qx.s + t * (H / 16), (size_t)(H / 16) * sizeof(int32_t));
-        }
-        run_items(q, gqt, gu_items, n_gu, &ag, (const uint8_t *)m->gate_up,
-                  (const uint8_t *)m->gate_up_sc, guq, gus, m->gate_up_bias, gu, dt, 2 * I);
-        share(pairs, &r0, &r1);
-        activation_rows(ops, dt, m, gu, act, r0, r1);
-        quantize_rows(q, dt, act, r0, r1 - r0, I, &qa);
-#pragma omp barrier
-        run_items(q, dqt, down_items, n_down, &aa, (const uint8_t *)m->down,
-                  (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, y, CPUD_F32, H);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) combine_token(dt, y, g.row_of, id, weights, t, k, H, out);
+    for (int64_t r = 0; r < pairs; r++) {
+        const int64_t t = g->rows[r] / k;
+        g->row_of[g->rows[r]] = r;
+        memcpy(qg->q + r * H, qx->q + t * H, (size_t)H);
+        memcpy(qg->d + r * (H / 32), qx->d + t * (H / 32), (size_t)(H / 32) * sizeof(float));
+        memcpy(qg->s + r * (H / 16), qx->s + t * (H / 16), (size_t)(H / 16) * sizeof(int32_t));
     }
-done:
-    ungroup(&g);
-    qbuf_free(&qx);
-    qbuf_free(&qg);
-    qbuf_free(&qa);
-    free(gu_items);
-    free(down_items);
-    free(gu);
-    free(act);
-    free(y);
-    return rc;
+    run_items(q, gqt, j->gu_items, j->n_gu, &ag, (const uint8_t *)m->gate_up,
+              (const uint8_t *)m->gate_up_sc, guq, gus, m->gate_up_bias, j->gu, dt, 2 * I);
+    share(pairs, &r0, &r1);
+    activation_rows(j->ops, dt, m, j->gu, j->act, r0, r1);
+    quantize_rows(q, dt, j->act, r0, r1 - r0, I, &j->qa);
+#pragma omp barrier
+    run_items(q, dqt, j->down_items, j->n_down, &aa, (const uint8_t *)m->down,
+              (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, j->y, CPUD_F32, H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < j->T; t++)
+        combine_token(dt, j->y, g->row_of, j->id, j->weights, t, k, H, j->out);
 }
 
-static int quantized(const cpud_moe *m) { return m->gate_up_qtype >= 0; }
+/* out = the routed experts' sum: every thread of the enclosing region calls it once (a
+ * prepared job); the last loop's barrier ends it. */
+static void job_run(cpud_moe_job *j) {
+    if (j->q)
+        job_run_quant(j);
+    else
+        job_run_bf16(j);
+}
+
+static void job_free(cpud_moe_job *j) {
+    ungroup(&j->g);
+    qbuf_free(&j->qx);
+    qbuf_free(&j->qg);
+    qbuf_free(&j->qa);
+    free(j->gu_items);
+    free(j->down_items);
+    free(j->xg);
+    free(j->gu);
+    free(j->act);
+    free(j->y);
+    free(j->logits);
+    free(j->w);
+    free(j->ids);
+}
+
+/* A job's fields before job_prepare: quant: the quantized kernels for isa, or NULL. */
+static int job_init(cpud_moe_job *j, const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
+                    const void *x, void *out, int64_t T) {
+    memset(j, 0, sizeof *j);
+    j->ops = ops;
+    j->dt = dtype;
+    j->m = m;
+    j->x = x;
+    j->out = out;
+    j->T = T;
+    atomic_init(&j->failed, 0);
+    if (m->gate_up_qtype < 0) return CPUD_OK;
+    j->q = cpud_qops_for(isa, m->quant_flags);
+    return j->q ? CPUD_OK : CPUD_EISA;
+}
 
 static int moe_ok(int dtype, const cpud_moe *m) {
     if (!m || (dtype != CPUD_F32 && dtype != CPUD_BF16) || m->H < 1 || m->I < 1 || m->E < 1 ||
@@ -362,10 +400,19 @@ static int moe_ok(int dtype, const cpud_moe *m) {
 static int routed(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m, const void *x,
                   int64_t T, const float *weights, const int32_t *id, void *out) {
     if (T == 0) return CPUD_OK;
-    if (!quantized(m)) return experts_bf16(ops, dtype, m, x, T, weights, id, out);
-    const cpud_qops *q = cpud_qops_for(isa, m->quant_flags);
-    if (!q) return CPUD_EISA;
-    return experts_quant(ops, q, dtype, m, x, T, weights, id, out);
+    cpud_moe_job j;
+    int rc = job_init(&j, ops, isa, dtype, m, x, out, T);
+    if (rc) return rc;
+    j.weights = weights;
+    j.id = id;
+    rc = job_prepare(&j);
+    if (!rc) {
+#pragma omp parallel
+        job_run(&j);
+        if (atomic_load(&j.failed)) rc = CPUD_ENOMEM;
+    }
+    job_free(&j);
+    return rc;
 }
 
 int cpud_moe_routed(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T,
@@ -396,7 +443,7 @@ static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, floa
                   int32_t *ids) {
     const int64_t E = m->E, k = m->k;
     const int flags = m->flags, raw = m->router_kind == CPUD_MOE_TOPK_SOFTMAX;
-#pragma omp parallel for schedule(static) if (T > 16)
+#pragma omp parallel for schedule(static) if (T > 16 && !omp_in_parallel())
     for (int64_t t = 0; t < T; t++) {
         const void *row = (const char *)logits + t * E * dtype_size(dt);
         float top[CPUD_MOE_MAX_K];
@@ -435,28 +482,60 @@ static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, floa
     }
 }
 
+int cpud_moe_layer_begin(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
+                         const void *x, void *out, int64_t T, cpud_moe_job **job) {
+    *job = NULL;
+    if (!moe_ok(dtype, m) || !m->router || T < 1) return CPUD_EARG;
+    cpud_moe_job *j = malloc(sizeof *j);
+    if (!j) return CPUD_ENOMEM;
+    int rc = job_init(j, ops, isa, dtype, m, x, out, T);
+    if (rc) {
+        free(j);
+        return rc;
+    }
+    const int64_t E = m->E, k = m->k;
+    j->logits = malloc((size_t)(T * E * dtype_size(dtype)));
+    j->w = malloc((size_t)(T * k) * sizeof *j->w);
+    j->ids = malloc((size_t)(T * k) * sizeof *j->ids);
+    rc = CPUD_ENOMEM;
+    if (j->logits && j->w && j->ids) {
+        rc = ops->gemm_packed(x, dtype, m->H, (const uint16_t *)m->router,
+                              (const void *)m->router_bias, CPUD_F32, j->logits, dtype, E, T, E,
+                              m->H);
+        if (!rc) {
+            route(dtype, j->logits, T, m, j->w, j->ids);
+            j->weights = j->w;
+            j->id = j->ids;
+            rc = job_prepare(j);
+        }
+    }
+    if (rc) {
+        cpud_moe_layer_end(j);
+        return rc;
+    }
+    *job = j;
+    return CPUD_OK;
+}
+
+void cpud_moe_layer_run(cpud_moe_job *job) { job_run(job); }
+
+int cpud_moe_layer_end(cpud_moe_job *job) {
+    const int rc = atomic_load(&job->failed) ? CPUD_ENOMEM : CPUD_OK;
+    job_free(job);
+    free(job);
+    return rc;
+}
+
 int cpud_moe_layer_ops(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
                        const void *x, void *out, int64_t T) {
     if (!moe_ok(dtype, m) || !m->router || T < 0) return CPUD_EARG;
     if (T == 0) return CPUD_OK;
-    const int64_t E = m->E, k = m->k;
-    char *logits = malloc((size_t)(T * E * dtype_size(dtype)));
-    float *w = malloc((size_t)(T * k) * sizeof *w);
-    int32_t *ids = malloc((size_t)(T * k) * sizeof *ids);
-    int rc = CPUD_ENOMEM;
-    if (logits && w && ids) {
-        rc = ops->gemm_packed(x, dtype, m->H, (const uint16_t *)m->router,
-                              (const void *)m->router_bias, CPUD_F32, logits, dtype, E, T, E,
-                              m->H);
-        if (!rc) {
-            route(dtype, logits, T, m, w, ids);
-            rc = routed(ops, isa, dtype, m, x, T, w, ids, out);
-        }
-    }
-    free(logits);
-    free(w);
-    free(ids);
-    return rc;
+    cpud_moe_job *j;
+    const int rc = cpud_moe_layer_begin(ops, isa, dtype, m, x, out, T, &j);
+    if (rc) return rc;
+#pragma omp parallel
+    cpud_moe_layer_run(j);
+    return cpud_moe_layer_end(j);
 }
 
 int cpud_moe_layer(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T, intptr_t out) {

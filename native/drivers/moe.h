@@ -12,4 +12,15 @@ int cpud_moe_ffn_ops(const cpud_ops *ops, int dtype, const void *x, void *out, i
 int cpud_moe_layer_ops(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
                        const void *x, void *out, int64_t T);
 
+/* cpud_moe_layer_ops in three steps, for a caller's thread team: begin (one thread; inside a
+ * parallel region its router GEMM runs on that thread alone) routes the T > 0 tokens and
+ * allocates the step's buffers into *job (CPUD_OK, else a code and no job); run: every thread
+ * of the team calls it once, it ends with a barrier and out complete; end (one thread) frees
+ * the job and returns CPUD_OK or CPUD_ENOMEM. */
+typedef struct cpud_moe_job cpud_moe_job;
+int cpud_moe_layer_begin(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
+                         const void *x, void *out, int64_t T, cpud_moe_job **job);
+void cpud_moe_layer_run(cpud_moe_job *job);
+int cpud_moe_layer_end(cpud_moe_job *job);
+
 #endif

@@ -124,7 +124,7 @@ static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t 
         free(xp);
         return CPUD_ENOMEM;
     }
-#pragma omp parallel if (items > 1) reduction(| : failed)
+#pragma omp parallel if (items > 1 && !omp_in_parallel()) reduction(| : failed)
     {
 #ifdef GEMM_WIDE
         if (wide) {

@@ -1,13 +1,15 @@
 """The fused decoder's decode path on quantized GGUF linears (one thread team for the layer
 stack, x quantized once per input) against the per-op path: the same logits bit for bit for a
-single decode, a batch of decodes and a decode beside a prefill chunk; a prefill larger than a
-team step takes per-op regions and matches too."""
+single decode, a batch of decodes and a decode beside a prefill chunk, on dense and on expert
+(quantized MoE) layers; a prefill larger than a team step takes per-op regions and matches
+too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from test_moe_gguf import write_moe_gguf
 
 from cpud.model.load import load_model_config
 from cpud.protocol.step import SeqWork, StepPlan
@@ -55,7 +57,16 @@ def steps() -> list[StepPlan]:
     ids=["Q8_0-bf16", "Q4_K-bf16", "Q4_1-fp32"],
 )
 def test_team_decode_equals_the_per_op_path(qtype, dtype, gguf_file):
-    path = gguf_file("qwen3", qtype)
+    assert_team_equals_per_op(gguf_file("qwen3", qtype), dtype)
+
+
+def test_team_runs_quantized_expert_layers_like_the_per_op_path(model_factory, tmp_path):
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(model_factory("qwen3_moe"), path, T.Q8_0, T.Q8_0, keep_values=False)
+    assert_team_equals_per_op(path, torch.bfloat16)
+
+
+def assert_team_equals_per_op(path, dtype: torch.dtype) -> None:
     config = RunnerConfig(path, dtype, 512, 16, 32, kernels="native", kv_pretouch=False)
     run = ModelRunner(config, load_model_config(path), SingleRank())
     assert isinstance(run.decoder, FusedDecoder)
