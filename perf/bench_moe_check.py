@@ -1,9 +1,15 @@
 """cpud and llama.cpp on one GGUF file: the same prompt (token ids, no template), greedy, and the
-top log-probabilities of each generated token from both (cpud's LLM with logprobs; llama.cpp's
-llama-server /completion with n_probs): a check that both read the file alike, not a parity
-test (bf16 activations on both sides, so near-ties may differ).
+top log-probabilities of each generated token from both (cpud's model runner, as a rank runs
+it; llama.cpp's llama-server /completion with n_probs): a check that both read the file alike,
+not a parity test.
+
+Two known differences besides rounding: llama.cpp computes activations in fp32 (cpud serves
+bf16 by default: --dtype float32 to match), and llama.cpp always rounds YaRN's correction range
+to whole dimensions while gpt-oss's config asks for none (truncate false, as transformers and
+cpud run it): --yarn-truncate runs cpud with llama.cpp's rounding.
 
     python perf/bench_moe_check.py --gguf FILE [--steps 8] [--threads 2]
+    python perf/bench_moe_check.py --gguf FILE --dtype float32 --yarn-truncate
 """
 
 from __future__ import annotations
@@ -28,18 +34,42 @@ TOP = 5
 PROMPT = [17, 29, 41, 53, 97, 101, 151, 199, 211, 307, 401, 499]  # within every fixture vocab
 
 
-def cpud_run(gguf: Path, steps: int) -> dict[str, Any]:
-    """Greedy tokens and, per step, {token id: logprob} of the top TOP."""
-    from cpud import LLM, SamplingParams
+def cpud_run(gguf: Path, steps: int, dtype: str, yarn_truncate: bool) -> dict[str, Any]:
+    """Greedy tokens and, per step, {token id: logprob} of the top TOP, from a model runner
+    (one rank, native kernels) on the file, its YaRN rounded as llama.cpp rounds it if asked."""
+    import dataclasses
 
-    llm = LLM(gguf, dtype="bfloat16", max_model_len=256, max_num_seqs=1)
-    try:
-        params = SamplingParams(max_tokens=steps, temperature=0, logprobs=TOP, ignore_eos=True)
-        out = llm.generate([PROMPT], params)[0].outputs[0]
-    finally:
-        llm.shutdown()
-    top = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in out.logprobs]
-    return {"tokens": list(out.token_ids), "top": top}
+    import torch
+
+    from cpud.model.load import load_model_config
+    from cpud.protocol.step import SeqWork, StepPlan
+    from cpud.ranks.model_runner import ModelRunner, RunnerConfig
+    from cpud.ranks.parallel import SingleRank
+
+    cfg = load_model_config(gguf)
+    if yarn_truncate and cfg.recipe is not None:
+        ropes = tuple(
+            dataclasses.replace(r, scaling=r.scaling | {"truncate": True}) if r.scaling else r
+            for r in cfg.recipe.ropes
+        )
+        cfg = dataclasses.replace(cfg, recipe=dataclasses.replace(cfg.recipe, ropes=ropes))
+    blocks = -(-(len(PROMPT) + steps) // 16)
+    config = RunnerConfig(
+        gguf, getattr(torch, dtype), 256, 16, blocks, kernels="native", kv_pretouch=False
+    )
+    run = ModelRunner(config, cfg, SingleRank())
+    table = list(range(blocks))
+    tokens: list[int] = []
+    top: list[dict[int, float]] = []
+    work = SeqWork(0, list(PROMPT), 0, table, True)
+    for i in range(steps):
+        logits = run.prompt_logits(StepPlan(i, [work]))[-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        values, ids = logprobs.topk(TOP)
+        top.append({int(t): float(v) for t, v in zip(ids, values)})
+        tokens.append(int(ids[0]))
+        work = SeqWork(0, [tokens[-1]], len(PROMPT) + i, table, True)
+    return {"dtype": dtype, "yarn_truncate": yarn_truncate, "tokens": tokens, "top": top}
 
 
 def _free_port() -> int:
@@ -96,10 +126,12 @@ def llamacpp_run(gguf: Path, steps: int, threads: int) -> dict[str, Any]:
     return {"tokens": [int(s["id"]) for s in steps_out], "top": top}
 
 
-def compare(gguf: Path, steps: int, threads: int) -> dict[str, Any]:
+def compare(
+    gguf: Path, steps: int, threads: int, dtype: str = "bfloat16", yarn_truncate: bool = False
+) -> dict[str, Any]:
     """Both runs and their agreement: equal greedy prefix, and the largest difference of the
     logprob of a token both sides list in the first step's top TOP."""
-    ours = cpud_run(gguf, steps)
+    ours = cpud_run(gguf, steps, dtype, yarn_truncate)
     theirs = llamacpp_run(gguf, steps, threads)
     same = 0
     for a, b in zip(ours["tokens"], theirs["tokens"]):
@@ -126,8 +158,11 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--yarn-truncate", action="store_true", help="YaRN rounded as llama.cpp does")
     args = ap.parse_args()
-    print(json.dumps(compare(args.gguf, args.steps, args.threads), indent=1))
+    result = compare(args.gguf, args.steps, args.threads, args.dtype, args.yarn_truncate)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
