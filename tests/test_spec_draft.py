@@ -210,3 +210,16 @@ def test_engine_reserves_placeholders_with_the_off_switches():
     assert decoder.propose(seq, num_running=1) == [DRAFT_PLACEHOLDER] * 2
     seq.constraint = object()  # a grammar: the engine cannot mask proposals it does not see
     assert decoder.propose(seq, num_running=1) == []
+
+
+def test_draft_seq_tracks_what_the_draft_has_seen():
+    from cpud.ranks.spec_draft import DraftSeq
+
+    seq = DraftSeq([1, 2, 3])  # the history before a prefix hit's first work
+    seq.take(3, [4, 5])
+    assert (seq.span(0, 5), seq.computed) == ([1, 2, 3, 4, 5], 0)
+    seq.computed = 5
+    seq.take(4, [9])  # a rewind past a rejected proposal
+    assert (seq.span(0, 5), seq.computed) == ([1, 2, 3, 4, 9], 4)
+    seq.take(8, [7])  # tokens it was never told: known from there on only
+    assert (seq.offset, seq.computed, seq.span(8, 9)) == (8, 8, [7])
