@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -133,6 +134,7 @@ def run_layout(layout: str, model: Path, args: argparse.Namespace, log_dir: Path
         result = load(urls, args.clients, args.requests, args.isl, args.osl)
         server.check_alive("the load")
         result["command"] = " ".join(target.cmd)
+        result["load_average_1m_after"] = os.getloadavg()[0]  # other work on the machine
         return result
     finally:
         server.stop()
@@ -180,7 +182,8 @@ def run_policy(policy: str, model: Path, work: Workload, cache: dict, log_dir: P
         after = prefix_figures(replicas)
         hits = after["prefix_hits"] - before["prefix_hits"]
         queries = after["prefix_queries"] - before["prefix_queries"]
-        return {**load, "hit_rate": hits / max(queries, 1), "prefix_queries": queries}
+        figures = {"hit_rate": hits / max(queries, 1), "prefix_queries": queries}
+        return {**load, **figures, "load_average_1m_after": os.getloadavg()[0]}
     finally:
         server.stop()
 
