@@ -43,34 +43,42 @@ def test_fused_decoder_on_a_quantized_cache_equals_the_per_op_path(kv, model_fac
     llm.shutdown()
 
 
-def prompt_and_greedy(model_dir, kv: str) -> tuple[torch.Tensor, list[int]]:
-    """Each prompt token's logprob (teacher forced: no divergence) and 6 greedy tokens."""
+def prompt_and_greedy(model_dir, kv: str) -> tuple[torch.Tensor, list[int], list[dict]]:
+    """Each prompt token's logprob (teacher forced: no divergence), 6 greedy tokens and their
+    top-2 logprobs."""
     llm = LLM(model_dir, dtype="bfloat16", kernels="native", kv_cache_dtype=kv)
     try:
-        params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0)
+        params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, logprobs=2)
         out = llm.generate([PROMPT], params)[0]
     finally:
         llm.shutdown()
     scored = zip(PROMPT[1:], out.prompt_logprobs[1:], strict=True)
-    return torch.tensor([e[t].logprob for t, e in scored]), list(out.outputs[0].token_ids)
+    greedy = out.outputs[0]
+    return torch.tensor([e[t].logprob for t, e in scored]), list(greedy.token_ids), greedy.logprobs
 
 
 # mean |logprob difference| against the bf16 cache, relative to the mean |logprob| (random
 # fixtures: about 0.7 % for int8, 6 % for e5m2's two mantissa bits)
 NLL_DRIFT = {"int8": 0.02, "fp8_e5m2": 0.12}
+# the bf16 cache's top-2 logprob gap below which int8's noise may swap the greedy pick
+# (measured: llama fixture, avx2, a gap of 0.19 swapped)
+INT8_NEAR_TIE = 0.25
 
 
 @pytest.mark.parametrize("kv", list(CACHE_DTYPES))
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_logprobs_stay_close_to_the_bf16_cache(kv, arch, model_factory):
     model_dir = model_factory(arch)
-    exact, exact_tokens = prompt_and_greedy(model_dir, "auto")
-    quant, quant_tokens = prompt_and_greedy(model_dir, kv)
+    exact, exact_tokens, exact_top = prompt_and_greedy(model_dir, "auto")
+    quant, quant_tokens, _ = prompt_and_greedy(model_dir, kv)
     drift = (quant - exact).abs().mean() / exact.abs().mean()
     assert drift < NLL_DRIFT[kv], drift
     assert quant_tokens[0] == exact_tokens[0]
-    if kv == "int8":
-        assert quant_tokens[:3] == exact_tokens[:3]
+    if kv == "int8":  # the same picks up to the bf16 cache's first near-tie
+        for want, got, top in list(zip(exact_tokens, quant_tokens, exact_top))[:3]:
+            if got != want:
+                assert got in top and top[want].logprob - top[got].logprob < INT8_NEAR_TIE
+                break
 
 
 def test_an_int8_cache_holds_about_twice_the_tokens(model_factory):
