@@ -65,7 +65,7 @@ def test_ngram_lookup_prefers_the_longest_latest_match():
     index = NgramIndex(1, 3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # [2, 3] (and [1, 2, 3] not: the end is [5, 2, 3]) last occurred before 7 8 ...
-    assert index.propose(tokens, 3) == [7, 8, 5]
+    assert index.propose(tokens, 3) == [7]  # a fresh match proposes one token
     tokens += [7]
     # 3-gram [2, 3, 7] occurred once, followed by 8 5 2 3 7
     assert index.propose(tokens, 2) == [8, 5]

@@ -172,7 +172,8 @@ def test_no_speculation_above_the_batch_size_or_while_acceptance_stays_low():
             min_tokens = 0
 
     seq = Seq()
-    assert decoder.propose(seq, num_running=2) == [1, 2, 3]
+    assert decoder.propose(seq, num_running=2) == [1]  # a fresh n-gram match: one token
+    assert decoder.propose(seq, num_running=2) == [1, 2, 3]  # where it continues: up to k
     assert decoder.propose(seq, num_running=3) == []
     for _ in range(5):  # nothing accepted, step after step
         decoder.record(seq.seq_id, 3, 0)
