@@ -73,7 +73,10 @@ def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0):
 @pytest.mark.parametrize("cache_dtype", QUANTIZED)
 @pytest.mark.parametrize(
     ("nh", "nkv", "hd", "bs"),
-    [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 1, 33, 16)],
+    # the last two: 6 and 3 query rows per kv head, hd 48 part-filling a 64-byte vector (the
+    # bf16 tiers' integer int8 decode: row blocks of 4 + 2 and of 3, masked lanes)
+    [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 1, 33, 16)]
+    + [(12, 2, 48, 16), (9, 3, 64, 16)],
 )
 def test_paged_attention_reads_quantized_caches(kern, dtype, cache_dtype, nh, nkv, hd, bs):
     q, kq, vq, qsl, seq_lens, bt = _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype)
