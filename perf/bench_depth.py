@@ -11,7 +11,9 @@ depth + 1, ... through the fused decoder, the LM head and the argmax.
     python perf/bench_depth.py --make Q4_K_M [--workdir /tmp/gguf-bench] [--depths 512,4096,16384]
     python perf/bench_depth.py --gguf FILE [--no-llamacpp] [--kv bf16,int8,fp8_e5m2]
 
-Do not run it beside other work: it is a timing.
+The first --make Q4_K_M writes the F32 fixture and runs llama-quantize (minutes on 2 cores);
+later runs reuse the file.  llama-bench fills its depth by a real prefill, so depth 16384 costs
+it a minute or more per round and KV type.  Do not run it beside other work: it is a timing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "peers"))
 
+from suite import machine  # noqa: E402
+
+from cpud import native  # noqa: E402
 from cpud.model.load import load_model_config  # noqa: E402
 from cpud.ranks.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from cpud.ranks.paged_kv import AttentionMetadata, quantize_kv  # noqa: E402
@@ -171,6 +176,8 @@ def main() -> None:
         peer = f"llama.cpp {LLAMACPP_KV[kv]}"
         ratios[f"cpud {kv} / {peer}"] = {d: tok_s[f"cpud {kv}"][d] / tok_s[peer][d] for d in depths}
     summary = {
+        "machine": machine(),
+        "isa": native.Kernels().isa,
         "file": str(path),
         "threads": args.threads,
         "rounds": args.rounds,
