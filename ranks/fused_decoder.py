@@ -148,7 +148,7 @@ class FusedDecoder:
         # bytes of weights the dense linears read per step, and their time summed over steps
         self.linear_bytes = 0
         self.linear_seconds = 0.0
-        self.team_steps = 0  # steps run as one native thread team (decode of quantized layers)
+        self.team_steps = 0  # steps run as one native thread team (decode)
         # the attention sinks [heads] fp32 of each layer, where it has them (gpt-oss)
         sinks = [getattr(layer.self_attn, "sinks", None) for layer in model.model.layers]
         self._layers = self._layer_table(kv_caches, sinks)

@@ -315,8 +315,8 @@ typedef struct cpud_decoder_step {
     int64_t allreduce_ns, allreduce_calls; /* out: time in and number of all-reduces */
     int failed_collective; /* out: 1 when the return code is an all-reduce's (CPUD_E*) */
     int64_t linear_ns;     /* out: time in the dense layers' linears (their GEMMs) */
-    int team;              /* out: 1 when the step ran as one thread team (decode steps of
-                              dense quantized layers), 0 when op by op */
+    int team;              /* out: 1 when the step ran as one thread team (decode steps: up to
+                              32 tokens, no router/experts_* expert layer), 0 when op by op */
 } cpud_decoder_step;
 
 /* Layers [0, n_layers) in order.  tp: the tensor-parallel group's handle, or

@@ -107,6 +107,11 @@ typedef struct cpud_ops {
     int (*gemm_packed)(const void *x, int xdt, int64_t xs, const uint16_t *packed,
                        const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
                        int64_t N, int64_t K);
+    /* gemm_packed without a parallel region: thread tid of nth computes its share; every
+     * thread of the caller's team calls it once */
+    int (*gemm_packed_part)(const void *x, int xdt, int64_t xs, const uint16_t *packed,
+                            const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
+                            int64_t N, int64_t K, int tid, int nth);
     uint64_t (*read_probe)(const void *buf, int64_t bytes);
     double (*compute_probe)(int64_t iters, float *sink);
 } cpud_ops;

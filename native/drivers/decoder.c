@@ -3,9 +3,9 @@
  * one crossing from Python instead of a dozen per layer.  The recipe in cpud_decoder_dims and
  * the layer table (norm rounding, activation, rotary per layer, output norms, residual scale,
  * window per layer) picks the kernels; they and their order are those of the per-op path
- * (ranks/models/decoder.py, moe.py), so both give the same bits.  Decode steps of dense
- * quantized layers run as one thread team (decoder_team.h); other steps op by op, each kernel
- * in its own parallel region. */
+ * (ranks/models/decoder.py, moe.py), so both give the same bits.  Decode steps run as one
+ * thread team (decoder_team.h); other steps op by op, each kernel in its own parallel
+ * region. */
 #include "dispatch.h"
 #include "kv_formats.h"
 #include "moe.h"

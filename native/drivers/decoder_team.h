@@ -47,27 +47,31 @@ static int team_part_ok(int qt, intptr_t qs, intptr_t sc, int64_t n, int64_t K) 
            K % q_fmt[qt].bs == 0 && K % 32 == 0;
 }
 
-/* A quantized linear of K inputs the team's GEMM can run as it is (cpud_quant_linear's checks
- * pass and it would run gemm_parts). */
-static int team_linear_ok(const cpud_qlinear *q, int64_t K) {
-    if (q->parts < 1 || q->parts > CPUD_QPARTS_MAX) return 0;
+/* A linear of K inputs the team can run as it is: packed bf16 (layer_ok has checked it), or
+ * quantized where cpud_quant_linear's checks pass and it would run gemm_parts (amx: the tiles
+ * take 16 rows or more). */
+static int team_linear_ok(const cpud_qops *qops, const cpud_qlinear *q, int64_t K, int64_t T) {
+    if (q->parts == 0) return 1;
+    if (q->parts < 1 || q->parts > CPUD_QPARTS_MAX || (qops == &cpud_qops_amx && T >= 16))
+        return 0;
     for (int64_t p = 0; p < q->parts; p++)
         if (!team_part_ok(q->qtype[p], q->qs[p], q->sc[p], q->n[p], K)) return 0;
     return 1;
 }
 
-/* Whether this step runs as one team: few tokens, every layer's linears quantized (its
- * feed-forward those or a cpud_moe expert layer), and the quantized GEMM's vector kernels for
- * them (the amx tiles take 16 rows or more). */
+/* Whether this step runs as one team: few tokens, every layer's linears as team_linear_ok
+ * says, its feed-forward those or a cpud_moe expert layer. */
 static int team_fits(const cpud_qops *qops, const cpud_decoder_dims *d,
                      const cpud_decoder_layer *layers, int64_t n_layers, int64_t T) {
-    if (!qops || T > TEAM_MAX_T || (qops == &cpud_qops_amx && T >= 16)) return 0;
+    if (!qops || T > TEAM_MAX_T) return 0;
     const int64_t H = d->hidden, qd = d->heads * d->head_dim, I = d->intermediate;
     for (int64_t i = 0; i < n_layers; i++) {
         const cpud_decoder_layer *l = &layers[i];
-        if (l->router || !team_linear_ok(&l->q_qkv, H) || !team_linear_ok(&l->q_o, qd))
+        if (l->router || !team_linear_ok(qops, &l->q_qkv, H, T) ||
+            !team_linear_ok(qops, &l->q_o, qd, T))
             return 0;
-        if (!l->moe && (!team_linear_ok(&l->q_gate_up, H) || !team_linear_ok(&l->q_down, I)))
+        if (!l->moe && (!team_linear_ok(qops, &l->q_gate_up, H, T) ||
+                        !team_linear_ok(qops, &l->q_down, I, T)))
             return 0;
     }
     return 1;
@@ -88,20 +92,33 @@ static int team_sync(team *tm, int64_t *phase) {
     return atomic_load(&tm->failed_phase) <= (*phase)++;
 }
 
-/* Rows [r0, r1) of x [T][K] (row stride xs) quantized into tm->xq as rows of K. */
-static void team_quantize(team *tm, const char *x, int64_t xs, int64_t K, int64_t r0,
-                          int64_t r1) {
-    if (r1 <= r0) return;
+/* Rows [r0, r1) of x [T][K] (row stride xs) quantized into tm->xq as rows of K for the
+ * linear q (nothing for a packed bf16 one: it reads x). */
+static void team_quantize(team *tm, const cpud_qlinear *q, const char *x, int64_t xs, int64_t K,
+                          int64_t r0, int64_t r1) {
+    if (r1 <= r0 || q->parts == 0) return;
     const int es = dtype_size(tm->d->dtype);
     tm->qops->quantize(x + r0 * xs * es, tm->d->dtype, xs, r1 - r0, K, tm->xq.q + r0 * K,
                        tm->xq.d + r0 * (K / 32), tm->xq.s + r0 * (K / 16));
 }
 
-/* This thread's share of out [T][N] (row stride os) = xq (rows of K) W^T; thread 0 adds the
- * phase's time (through the barrier that ends it) to s->linear_ns. */
-static int team_linear(team *tm, const cpud_qlinear *q, int64_t K, char *out, int64_t os,
+/* This thread's share of out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias):
+ * the packed bf16 GEMM, or the quantized one on xq; thread 0 adds the phase's time (through
+ * the barrier that ends it) to s->linear_ns. */
+static int team_linear(team *tm, const cpud_qlinear *q, intptr_t packed, intptr_t bias,
+                       const char *x, int64_t xs, int64_t K, char *out, int64_t os, int64_t N,
                        int tid, int nth, int64_t *phase) {
     const int64_t t0 = tid == 0 ? cpud_now_ns() : 0;
+    const int dt = tm->d->dtype;
+    if (q->parts == 0) {
+        const int rc = tm->ops->gemm_packed_part(x, dt, xs, (const uint16_t *)packed,
+                                                 (const void *)bias, CPUD_F32, out, dt, os,
+                                                 tm->s->T, N, K, tid, nth);
+        if (rc) team_fail(tm, rc, *phase);
+        const int failed = team_sync(tm, phase);
+        if (tid == 0) tm->s->linear_ns += cpud_now_ns() - t0;
+        return failed;
+    }
     qpart p[CPUD_QPARTS_MAX];
     int64_t col = 0;
     for (int i = 0; i < q->parts; i++) {
@@ -110,7 +127,7 @@ static int team_linear(team *tm, const cpud_qlinear *q, int64_t K, char *out, in
         col += q->n[i];
     }
     const qact a = {tm->xq.q, tm->xq.d, tm->xq.s, K};
-    tm->qops->gemm_parts_part(p, (int)q->parts, &a, out, tm->d->dtype, os, tm->s->T, tid, nth);
+    tm->qops->gemm_parts_part(p, (int)q->parts, &a, out, dt, os, tm->s->T, tid, nth);
     const int failed = team_sync(tm, phase);
     if (tid == 0) tm->s->linear_ns += cpud_now_ns() - t0;
     return failed;
@@ -173,9 +190,11 @@ static void team_run(team *tm, int tid, int nth) {
             ops->fused_add_rms_norm(dt, xr, H, rr, H, (const void *)l->input_norm, wdt, n, H,
                                     d->eps);
         }
-        team_quantize(tm, x, H, H, r0, r1);
+        team_quantize(tm, &l->q_qkv, x, H, H, r0, r1);
         if (team_sync(tm, &phase)) break;
-        if (team_linear(tm, &l->q_qkv, H, qkv, qn, tid, nth, &phase)) break;
+        if (team_linear(tm, &l->q_qkv, l->qkv, l->qkv_bias, x, H, H, qkv, qn, qn, tid, nth,
+                        &phase))
+            break;
         if (n) {
             if (l->q_norm) {
                 ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, wdt, n, nh, hd, d->eps);
@@ -198,9 +217,9 @@ static void team_run(team *tm, int tid, int nth) {
             (const float *)l->sinks, &tm->att, tid);
         if (rc) team_fail(tm, rc, phase);
         if (team_sync(tm, &phase)) break;
-        team_quantize(tm, attn, qd, qd, r0, r1);
+        team_quantize(tm, &l->q_o, attn, qd, qd, r0, r1);
         if (team_sync(tm, &phase)) break;
-        if (team_linear(tm, &l->q_o, qd, x, H, tid, nth, &phase)) break;
+        if (team_linear(tm, &l->q_o, l->o, 0, attn, qd, qd, x, H, H, tid, nth, &phase)) break;
         if (team_all_reduce(tm, x, tid, &phase)) break;
         if (n) {
             if (l->o_bias) add_bias(dt, xr, (const void *)l->o_bias, n, H);
@@ -213,9 +232,11 @@ static void team_run(team *tm, int tid, int nth) {
             if (team_all_reduce(tm, x, tid, &phase)) break;
             continue;
         }
-        team_quantize(tm, x, H, H, r0, r1);
+        team_quantize(tm, &l->q_gate_up, x, H, H, r0, r1);
         if (team_sync(tm, &phase)) break;
-        if (team_linear(tm, &l->q_gate_up, H, gu, 2 * I, tid, nth, &phase)) break;
+        if (team_linear(tm, &l->q_gate_up, l->gate_up, 0, x, H, H, gu, 2 * I, 2 * I, tid, nth,
+                        &phase))
+            break;
         if (n) {
             char *gr = gu + r0 * 2 * I * es, *ar = act + r0 * I * es;
             if (d->activation == 1)
@@ -223,9 +244,9 @@ static void team_run(team *tm, int tid, int nth) {
             else
                 ops->silu_and_mul(dt, gr, 2 * I, ar, I, n, I);
         }
-        team_quantize(tm, act, I, I, r0, r1);
+        team_quantize(tm, &l->q_down, act, I, I, r0, r1);
         if (team_sync(tm, &phase)) break;
-        if (team_linear(tm, &l->q_down, I, x, H, tid, nth, &phase)) break;
+        if (team_linear(tm, &l->q_down, l->down, 0, act, I, I, x, H, H, tid, nth, &phase)) break;
         if (team_all_reduce(tm, x, tid, &phase)) break;
     }
     if (i == tm->n_layers && i > 0 && n) block_out(ops, d, xr, tm->layers[i - 1].ffn_out_norm, n);

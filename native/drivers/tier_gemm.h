@@ -86,108 +86,188 @@ static TGT void gemm_tile(const uint16_t *panel, int64_t nkp, const xelem *x, in
     }
 }
 
-/* Arguments as cpud_gemm_packed; returns 0 or CPUD_ENOMEM. */
+/* One packed GEMM (arguments as cpud_gemm_packed) and how it runs: x prepared or read in
+ * place, tile kernel, rows per chunk of x, items (chunk, panel). */
+typedef struct gemm_job {
+    const void *x;
+    int xdt;
+    int64_t xs;
+    const uint16_t *packed;
+    const void *bias;
+    int bdt;
+    void *out;
+    int odt;
+    int64_t os, M, N, K;
+    int64_t nkp, kpad, np, xrows, mc, items;
+    int wide, direct, block;
+} gemm_job;
+
+static TGT gemm_job gemm_job_of(const void *x, int xdt, int64_t xs, const uint16_t *packed,
+                                const void *bias, int bdt, void *out, int odt, int64_t os,
+                                int64_t M, int64_t N, int64_t K) {
+    gemm_job j = {.x = x, .xdt = xdt, .xs = xs, .packed = packed, .bias = bias, .bdt = bdt,
+                  .out = out, .odt = odt, .os = os, .M = M, .N = N, .K = K};
+    j.nkp = (K + 1) / 2;
+    j.kpad = 2 * j.nkp;
+    j.np = (N + GEMM_NB - 1) / GEMM_NB;
+#ifdef GEMM_WIDE
+    j.wide = M >= GEMM_WIDE_MIN_M; /* x prepared in row groups for gemm_tile_wide */
+    j.xrows = j.wide ? (M + GEMM_WIDE_MR - 1) / GEMM_WIDE_MR * GEMM_WIDE_MR : M;
+#else
+    j.wide = 0;
+    j.xrows = M;
+#endif
+    j.direct = !j.wide && xdt == GEMM_XDT && K % 2 == 0;
+#ifdef GEMM_BLOCK
+    j.block = gemm_block_fits(M, j.nkp);
+    j.mc = j.block ? gemm_block_chunk_rows(M, j.kpad) : M;
+#else
+    j.block = 0;
+    j.mc = M;
+#endif
+    /* chunk-major, so a thread's contiguous range runs through all panels against one chunk
+     * of x, which stays in its L2 */
+    j.items = j.np * ((M + j.mc - 1) / j.mc);
+    return j;
+}
+
+/* x's rows (or row groups of the wide kernel) [u0, u1) into xp, as the kernels read it. */
+static TGT void gemm_prep_units(const gemm_job *j, xelem *xp, int64_t u0, int64_t u1) {
+#ifdef GEMM_WIDE
+    if (j->wide) {
+        for (int64_t u = u0; u < u1; u++)
+            gemm_prep_group(j->x, j->xdt, j->xs, u * GEMM_WIDE_MR, j->M, j->K,
+                            xp + u * GEMM_WIDE_MR * j->kpad, j->kpad);
+        return;
+    }
+#endif
+    for (int64_t m = u0; m < u1; m++)
+        gemm_prep_row(at(j->x, m * j->xs, j->xdt), j->xdt, j->K, xp + m * j->kpad, j->kpad);
+}
+
+/* Units gemm_prep_units prepares: rows, or the wide kernel's row groups. */
+static TGT int64_t gemm_prep_count(const gemm_job *j) {
+#ifdef GEMM_WIDE
+    if (j->wide) return (j->M + GEMM_WIDE_MR - 1) / GEMM_WIDE_MR;
+#endif
+    return j->M;
+}
+
+/* The items thread tid takes from ranges (nr of them: its own first, then others'), against x
+ * prepared in xp (or x itself where j->direct); returns 1 when its scratch was short. */
+static TGT int gemm_items_run(const gemm_job *j, const xelem *xp, work_range *ranges, int nr,
+                              int tid) {
+    const xelem *xv = j->direct ? (const xelem *)j->x : xp;
+    const int64_t xvs = j->direct ? j->xs : j->kpad, M = j->M, N = j->N, np = j->np;
+    const int64_t nkp = j->nkp, mc = j->mc;
+    int failed = 0;
+    float c[GEMM_MT * GEMM_NB] __attribute__((aligned(64)));
+    float b32[GEMM_NB] __attribute__((aligned(64)));
+#ifdef GEMM_BLOCK
+    /* the last, partial block of rows, padded with zero rows: the block kernel reads whole
+     * blocks */
+    const int block = j->block;
+    const int64_t kpad = j->kpad;
+    xelem *tail = NULL;
+    const int64_t tail0 = M / GEMM_MT * GEMM_MT;
+    if (block) {
+        gemm_block_begin();
+        if (tail0 < M && (tail = aligned_alloc(64, GEMM_MT * kpad * sizeof(xelem))) != NULL) {
+            memset(tail, 0, GEMM_MT * kpad * sizeof(xelem));
+            for (int64_t m = tail0; m < M; m++)
+                memcpy(tail + (m - tail0) * kpad, xv + m * xvs, j->K * sizeof(xelem));
+        }
+        if (tail0 < M && !tail) failed = 1;
+    }
+#endif
+    for (int64_t item; !failed && (item = work_next(ranges, nr, tid)) >= 0;) {
+        const int64_t p = item % np, m_end = item / np * mc + mc < M ? item / np * mc + mc : M;
+        const uint16_t *panel = j->packed + p * nkp * 2 * GEMM_NB;
+        for (int64_t i = 0; i < GEMM_NB; i++)
+            b32[i] = j->bias && p * GEMM_NB + i < N ? ld1(j->bias, p * GEMM_NB + i, j->bdt) : 0.0f;
+        for (int64_t m0 = item / np * mc; m0 < m_end; m0 += GEMM_MT) {
+            const int64_t mt = m_end - m0 < GEMM_MT ? m_end - m0 : GEMM_MT;
+#ifdef GEMM_BLOCK
+            if (block) {
+                if (m0 < tail0)
+                    gemm_block(panel, nkp, xv + m0 * xvs, xvs, mt, c, m0 == item / np * mc);
+                else
+                    gemm_block(panel, nkp, tail, kpad, mt, c, m0 == item / np * mc);
+            } else
+#endif
+#ifdef GEMM_WIDE
+            if (j->wide)
+                gemm_tile_wide(panel, nkp, xp + m0 * j->kpad, j->kpad, mt, c);
+            else
+#endif
+                gemm_tile(panel, nkp, xv + m0 * xvs, xvs, mt, c, &ranges[tid], item);
+            if (j->odt == CPUD_BF16)
+                gemm_store(c, mt, p * GEMM_NB, N, b32, at(j->out, m0 * j->os, j->odt), j->os,
+                           CPUD_BF16);
+            else
+                gemm_store(c, mt, p * GEMM_NB, N, b32, at(j->out, m0 * j->os, j->odt), j->os,
+                           CPUD_F32);
+        }
+    }
+#ifdef GEMM_BLOCK
+    if (block) gemm_block_end();
+    free(tail);
+#endif
+    return failed;
+}
+
+static TGT xelem *gemm_xp_alloc(const gemm_job *j) {
+    return aligned_alloc(64, ((size_t)(j->xrows * j->kpad) * sizeof(xelem) + 63) & ~(size_t)63);
+}
+
+/* Arguments as cpud_gemm_packed; returns 0 or CPUD_ENOMEM.  Its own parallel region: x
+ * prepared once, shared. */
 static TGT int gemm_packed_k(const void *x, int xdt, int64_t xs, const uint16_t *packed,
                              const void *bias, int bdt, void *out, int odt, int64_t os, int64_t M,
                              int64_t N, int64_t K) {
-    const int64_t nkp = (K + 1) / 2, kpad = 2 * nkp, np = (N + GEMM_NB - 1) / GEMM_NB;
-#ifdef GEMM_WIDE
-    const int wide = M >= GEMM_WIDE_MIN_M; /* x prepared in row groups for gemm_tile_wide */
-    const int64_t xrows = wide ? (M + GEMM_WIDE_MR - 1) / GEMM_WIDE_MR * GEMM_WIDE_MR : M;
-#else
-    const int wide = 0;
-    const int64_t xrows = M;
-#endif
-    const int direct = !wide && xdt == GEMM_XDT && K % 2 == 0;
+    const gemm_job j = gemm_job_of(x, xdt, xs, packed, bias, bdt, out, odt, os, M, N, K);
     xelem *xp = NULL;
-    if (!direct) {
-        const size_t bytes = ((size_t)(xrows * kpad) * sizeof(xelem) + 63) & ~(size_t)63;
-        xp = aligned_alloc(64, bytes);
-        if (!xp) return CPUD_ENOMEM;
-    }
-    const xelem *xv = direct ? (const xelem *)x : xp;
-    const int64_t xvs = direct ? xs : kpad;
-#ifdef GEMM_BLOCK
-    const int block = gemm_block_fits(M, nkp);
-    const int64_t mc = block ? gemm_block_chunk_rows(M, kpad) : M;
-#else
-    const int64_t mc = M;
-#endif
-    /* items: (chunk of mc rows, panel), chunk-major, so a thread's contiguous range runs
-     * through all panels against one chunk of x, which stays in its L2 */
-    const int64_t items = np * ((M + mc - 1) / mc);
+    if (!j.direct && !(xp = gemm_xp_alloc(&j))) return CPUD_ENOMEM;
     /* one range per thread the region may get; ranges of threads it does not get are stolen */
-    const int nr = items > 1 ? omp_get_max_threads() : 1;
+    const int nr = j.items > 1 ? omp_get_max_threads() : 1;
     int failed = 0;
-    work_range *ranges = work_ranges_new(items, nr);
+    work_range *ranges = work_ranges_new(j.items, nr);
     if (!ranges) {
         free(xp);
         return CPUD_ENOMEM;
     }
-#pragma omp parallel if (items > 1 && !omp_in_parallel()) reduction(| : failed)
+#pragma omp parallel if (j.items > 1 && !omp_in_parallel()) reduction(| : failed)
     {
-#ifdef GEMM_WIDE
-        if (wide) {
+        if (!j.direct) {
+            const int64_t units = gemm_prep_count(&j);
 #pragma omp for schedule(static)
-            for (int64_t m0 = 0; m0 < M; m0 += GEMM_WIDE_MR)
-                gemm_prep_group(x, xdt, xs, m0, M, K, xp + m0 * kpad, kpad);
-        } else
-#endif
-        if (!direct) {
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) gemm_prep_row(at(x, m * xs, xdt), xdt, K, xp + m * kpad, kpad);
+            for (int64_t u = 0; u < units; u++) gemm_prep_units(&j, xp, u, u + 1);
         }
         const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
-        float c[GEMM_MT * GEMM_NB] __attribute__((aligned(64)));
-        float b32[GEMM_NB] __attribute__((aligned(64)));
-#ifdef GEMM_BLOCK
-        /* the last, partial block of rows, padded with zero rows: the block kernel reads whole
-         * blocks */
-        xelem *tail = NULL;
-        const int64_t tail0 = M / GEMM_MT * GEMM_MT;
-        if (block) {
-            gemm_block_begin();
-            if (tail0 < M && (tail = aligned_alloc(64, GEMM_MT * kpad * sizeof(xelem))) != NULL) {
-                memset(tail, 0, GEMM_MT * kpad * sizeof(xelem));
-                for (int64_t m = tail0; m < M; m++)
-                    memcpy(tail + (m - tail0) * kpad, xv + m * xvs, K * sizeof(xelem));
-            }
-            if (tail0 < M && !tail) failed = 1;
-        }
-#endif
-        for (int64_t item; !failed && (item = work_next(ranges, nr, tid)) >= 0;) {
-            const int64_t p = item % np, m_end = item / np * mc + mc < M ? item / np * mc + mc : M;
-            const uint16_t *panel = packed + p * nkp * 2 * GEMM_NB;
-            for (int64_t i = 0; i < GEMM_NB; i++)
-                b32[i] = bias && p * GEMM_NB + i < N ? ld1(bias, p * GEMM_NB + i, bdt) : 0.0f;
-            for (int64_t m0 = item / np * mc; m0 < m_end; m0 += GEMM_MT) {
-                const int64_t mt = m_end - m0 < GEMM_MT ? m_end - m0 : GEMM_MT;
-#ifdef GEMM_BLOCK
-                if (block) {
-                    if (m0 < tail0)
-                        gemm_block(panel, nkp, xv + m0 * xvs, xvs, mt, c, m0 == item / np * mc);
-                    else
-                        gemm_block(panel, nkp, tail, kpad, mt, c, m0 == item / np * mc);
-                } else
-#endif
-#ifdef GEMM_WIDE
-                if (wide)
-                    gemm_tile_wide(panel, nkp, xp + m0 * kpad, kpad, mt, c);
-                else
-#endif
-                    gemm_tile(panel, nkp, xv + m0 * xvs, xvs, mt, c, &ranges[tid], item);
-                if (odt == CPUD_BF16)
-                    gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_BF16);
-                else
-                    gemm_store(c, mt, p * GEMM_NB, N, b32, at(out, m0 * os, odt), os, CPUD_F32);
-            }
-        }
-#ifdef GEMM_BLOCK
-        if (block) gemm_block_end();
-        free(tail);
-#endif
+        failed |= gemm_items_run(&j, xp, ranges, nr, tid);
     }
     free(ranges);
+    free(xp);
+    return failed ? CPUD_ENOMEM : CPUD_OK;
+}
+
+/* gemm_packed_k without a parallel region: thread tid of nth (every thread of the caller's team
+ * calls it once) computes the items [items * tid / nth, items * (tid + 1) / nth), from x
+ * prepared in its own scratch where the kernel needs it prepared (small M: decode). */
+static TGT int gemm_packed_part_k(const void *x, int xdt, int64_t xs, const uint16_t *packed,
+                                  const void *bias, int bdt, void *out, int odt, int64_t os,
+                                  int64_t M, int64_t N, int64_t K, int tid, int nth) {
+    const gemm_job j = gemm_job_of(x, xdt, xs, packed, bias, bdt, out, odt, os, M, N, K);
+    const int64_t first = j.items * tid / nth, end = j.items * (tid + 1) / nth;
+    if (end <= first) return CPUD_OK;
+    xelem *xp = NULL;
+    if (!j.direct) {
+        if (!(xp = gemm_xp_alloc(&j))) return CPUD_ENOMEM;
+        gemm_prep_units(&j, xp, 0, gemm_prep_count(&j));
+    }
+    work_range own; /* this thread's items alone: nothing to steal from or for others */
+    atomic_init(&own.word, (uint64_t)end << 32 | (uint64_t)first);
+    const int failed = gemm_items_run(&j, xp, &own, 1, 0);
     free(xp);
     return failed ? CPUD_ENOMEM : CPUD_OK;
 }

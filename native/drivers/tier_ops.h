@@ -11,6 +11,7 @@
         .paged_attention = paged_attention_k,                                                      \
         .paged_attention_part = paged_attention_part_k,                                            \
         .gemm_packed = gemm_packed_k,                                                              \
+        .gemm_packed_part = gemm_packed_part_k,                                                    \
         .read_probe = read_probe_k,                                                                \
         .compute_probe = compute_probe_k,                                                          \
     }

@@ -1,8 +1,8 @@
-"""The fused decoder's decode path on quantized GGUF linears (one thread team for the layer
-stack, x quantized once per input) against the per-op path: the same logits bit for bit for a
-single decode, a batch of decodes and a decode beside a prefill chunk, on dense and on expert
-(quantized MoE) layers; a prefill larger than a team step takes per-op regions and matches
-too."""
+"""The fused decoder's decode path (one thread team for the layer stack, x quantized once per
+input for quantized linears) against the per-op path: the same logits bit for bit for a
+single decode, a batch of decodes and a decode beside a prefill chunk, on quantized GGUF and
+packed bf16 linears and on quantized expert (MoE) layers; a prefill larger than a team step
+takes per-op regions and matches too."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ def steps() -> list[StepPlan]:
 )
 def test_team_decode_equals_the_per_op_path(qtype, dtype, gguf_file):
     assert_team_equals_per_op(gguf_file("qwen3", qtype), dtype)
+
+
+def test_team_decode_on_packed_bf16_linears_equals_the_per_op_path(model_factory):
+    assert_team_equals_per_op(model_factory("qwen3"), torch.bfloat16)
 
 
 def test_team_runs_quantized_expert_layers_like_the_per_op_path(model_factory, tmp_path):
