@@ -145,7 +145,7 @@ class PeerRunner:
         if args.method == "draft":
             spec = DraftSpec(model_file(args.draft_model), args.k)
         else:
-            spec = NgramSpec(args.k, args.peer_ngram_n)
+            spec = NgramSpec(args.k, args.peer_ngram_n, args.peer_ngram_kind)
         log = args.peer_log
         self.servers = {
             "llama plain": LlamaServer(ServerConfig(target, args.threads), log=log),
@@ -197,7 +197,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--peer", action="store_true", help="llama-server side by side, 1 stream")
-    parser.add_argument("--peer-ngram-n", type=int, default=2, help="ngram-simple lookup length")
+    parser.add_argument("--peer-ngram-n", type=int, default=2, help="n-gram lookup length")
+    parser.add_argument(
+        "--peer-ngram-kind",
+        default="ngram-simple",
+        choices=("ngram-simple", "ngram-map-k", "ngram-map-k4v"),
+        help="llama-server's n-gram --spec-type",
+    )
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t")
     parser.add_argument("--peer-log", type=Path, default=None, help="llama-server output here")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
