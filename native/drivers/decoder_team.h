@@ -218,7 +218,7 @@ static void team_run(team *tm, int tid, int nth) {
         if (rc) team_fail(tm, rc, phase);
         if (team_sync(tm, &phase)) break;
         team_quantize(tm, &l->q_o, attn, qd, qd, r0, r1);
-        if (team_sync(tm, &phase)) break;
+        if (l->q_o.parts && team_sync(tm, &phase)) break; /* bf16: attn is complete already */
         if (team_linear(tm, &l->q_o, l->o, 0, attn, qd, qd, x, H, H, tid, nth, &phase)) break;
         if (team_all_reduce(tm, x, tid, &phase)) break;
         if (n) {
