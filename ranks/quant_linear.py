@@ -26,6 +26,7 @@ from cpud.ranks.gguf_blocks import Blocks
 from cpud.ranks.gguf_experts import ExpertsQuant, expert_bytes, expert_layers, finish_experts
 from cpud.ranks.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cpud.ranks.layers.linear import ColumnParallelLinear, PackableLinear, RowParallelLinear
+from cpud.ranks.layers.moe import SparseMoeBlock
 from cpud.settings.errors import ConfigError
 
 MAX_PARTS = 3  # CPUD_QPARTS: runs of one type per fused linear (q, k, v at most)
@@ -48,11 +49,15 @@ class QuantPart:
 
 
 def quantizable_layers(model: nn.Module) -> dict[str, PackableLinear]:
-    """Every linear (LM head included) whose weight is still to be loaded, by module name."""
+    """Every linear (LM head included) whose weight is still to be loaded, by module name;
+    not the expert layers' routers: they stay dense (a quantized file's dequantized at load,
+    as llama.cpp keeps ffn_gate_inp in F32), since the native MoE layer and the fused decoder
+    run the router packed bf16. A router is a few KiB per layer."""
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, PackableLinear) and m.weight is not None
+        if isinstance(m, PackableLinear) and m.weight is not None and id(m) not in routers
     }
 
 
