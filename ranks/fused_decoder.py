@@ -67,8 +67,10 @@ def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
         return "shared experts (Qwen2-MoE) run op by op"
     for layer in model.decoder_weights().layers:
         if layer.experts is not None:
-            if layer.experts.stacks() is None or layer.router.packed is None:
+            if layer.experts.stacks() is None:
                 return "experts are neither packed for the native GEMM (bf16) nor kept quantized"
+            if layer.router.packed is None:
+                return "the experts' router is not packed for the native GEMM (bf16)"
             linears = (layer.qkv, layer.o)
         else:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)

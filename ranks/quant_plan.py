@@ -22,6 +22,7 @@ from cpud.ranks.quant_linear import QuantPart, plan_layer, quantizable_layers
 
 EMBEDDING = "token_embd.weight"
 LM_HEAD = "output.weight"
+ROUTER = ".ffn_gate_inp.weight"  # dense at run time (quantizable_layers)
 
 
 def gguf_quant_plan(model: nn.Module, path: str | Path) -> tuple[dict[str, list[QuantPart]], bool]:
@@ -141,7 +142,8 @@ def weight_formats(
     stacks: Counter[str] = Counter()
     for name, info in checked.tensors.items():
         if len(info.shape) == 2 and name != EMBEDDING:
-            counts[info.type] += 1
+            routed = name.endswith(ROUTER) and info.type not in FLOAT_TYPES
+            counts[f"{info.type} router" if routed else info.type] += 1
         elif len(info.shape) == 3:
             stacks[info.type] += 1
     if checked.config.tie_word_embeddings:

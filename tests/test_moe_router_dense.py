@@ -16,6 +16,7 @@ from test_parity import engine_logits
 
 from cpud import LLM
 from cpud.ranks.fused_decoder import FusedDecoder
+from cpud.ranks.quant_plan import weight_formats
 from hf_reference import hf_logits
 
 
@@ -30,6 +31,7 @@ def test_quantized_router_runs_dense_with_mxfp4_experts_fused(model_factory, tmp
     llm = LLM(path, dtype="bfloat16", kernels="native", quantization="auto", weight_cache="off")
     runner = llm.engine.executor.runner
     assert isinstance(runner.decoder, FusedDecoder)
+    assert ("Q8_0 router", 2, "dense GEMM (dequantized at load)") in weight_formats(path)
     for layer in runner.model.model.layers:
         assert layer.self_attn.qkv_proj.quant is not None
         assert [s.qtype for s in layer.mlp.experts.quant] == ["MXFP4", "MXFP4"]
