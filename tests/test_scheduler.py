@@ -129,3 +129,20 @@ def test_running_prefill_leaves_room_for_waiting_requests():
     assert run_step(scheduler) == [(0, 48), (1, 10)]  # a quarter left to admit seq 1
     # seq 1 decodes first; nothing waits, so seq 0 takes the rest of the budget again
     assert run_step(scheduler) == [(1, 1), (0, 63)]
+
+
+def test_prefix_lookup_counts_once_per_admission_not_per_waiting_step():
+    bm = BlockManager(4, 16, True)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_batched_tokens=512)
+    scheduler.add(make_seq(0, 48))  # 3 blocks: only one is left free
+    run_step(scheduler)
+    waiting = make_seq(1, 40)  # it needs 3 blocks
+    scheduler.add(waiting)
+    for _ in range(3):
+        run_step(scheduler)
+    assert waiting.status is SeqStatus.WAITING
+    assert (bm.prefix_queries, bm.prefix_hits) == (2, 0)  # seq 0's own lookup only
+    scheduler.finish(scheduler.running[0])
+    run_step(scheduler)
+    assert waiting.status is SeqStatus.RUNNING
+    assert bm.prefix_queries == 4  # its two full blocks, looked up once at admission

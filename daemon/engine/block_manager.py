@@ -67,6 +67,7 @@ class BlockTable:
 class PrefixHit:
     block_ids: list[int]
     hashes: list[bytes]
+    queried: int = 0  # full prompt blocks looked up
 
     @property
     def num_blocks(self) -> int:
@@ -122,9 +123,7 @@ class BlockManager:
                 break
             block_ids.append(block_id)
             hashes.append(parent)
-        self.prefix_queries += usable
-        self.prefix_hits += len(block_ids)
-        return PrefixHit(block_ids, hashes)
+        return PrefixHit(block_ids, hashes, usable)
 
     def can_allocate(
         self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None
@@ -136,8 +135,11 @@ class BlockManager:
         return needed <= self.num_free - revived_free
 
     def allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> None:
-        """Grow `table` to cover num_tokens; the caller checked can_allocate."""
+        """Grow `table` to cover num_tokens; the caller checked can_allocate.  A prefix lookup
+        counts in the hit-rate statistics here, once per admission, not per attempt."""
         if hit:
+            self.prefix_queries += hit.queried
+            self.prefix_hits += hit.num_blocks
             for block_id, digest in zip(hit.block_ids, hit.hashes):
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
