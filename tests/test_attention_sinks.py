@@ -66,7 +66,10 @@ def test_fused_sinks_equal_the_per_op_path_and_the_torch_reference(kv, model_fac
     finally:
         for attn in attn_layers:
             attn.ops = attn.ops.ops
+    # on an int8 cache with VNNI, decode computes Q.K and P.V in integers (queries int8,
+    # probabilities u8), the reference in floats on the dequantized rows
+    tolerance = 0.05 if kv == "int8" else 0.03
     for fused, reference in against_reference:
         scale = reference.float().abs().max()
-        assert (fused.float() - reference.float()).abs().max() < 0.03 * scale
+        assert (fused.float() - reference.float()).abs().max() < tolerance * scale
     llm.shutdown()

@@ -81,8 +81,15 @@ NEED_ENGINE = frozenset(
 
 
 def body_too_large(limit: int) -> APIError:
+    # The rest of the body is never read: the connection closes after the answer, so a client
+    # still writing it gets the answer or a reset, not a stalled write.
     return APIError(
-        413, f"request body over {limit} bytes", "invalid_request_error", None, "request_too_large"
+        413,
+        f"request body over {limit} bytes",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+        {"Connection": "close"},
     )
 
 
