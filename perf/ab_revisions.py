@@ -69,12 +69,15 @@ def model_path(name: str, workdir: Path) -> Path:
         from cpud.model.default_model import default_model_path
 
         return default_model_path()
-    source = workdir / "qwen3-0.6b-hf"
-    if not (source / "config.json").exists():
-        from cpud.fixtures import make_model
+    from cpud.fixtures import make_model
 
-        make_model("qwen3", "qwen3-0.6b", source, dtype="bfloat16", max_shard_bytes=1 << 40)
-    if name == "qwen3-0.6b-bf16":
+    dense = name == "qwen3-0.6b-bf16"
+    # the GGUF writer reads the checkpoint through numpy, which has no bfloat16
+    source = workdir / ("qwen3-0.6b-hf" if dense else "qwen3-0.6b-hf-f32")
+    if not (source / "config.json").exists():
+        dtype = "bfloat16" if dense else "float32"
+        make_model("qwen3", "qwen3-0.6b", source, dtype=dtype, max_shard_bytes=1 << 40)
+    if dense:
         return source
     qtype = name.removeprefix("qwen3-0.6b-")
     out = workdir / f"qwen3-0.6b-{qtype}.gguf"

@@ -201,8 +201,9 @@ REWRITE = (
 
 @pytest.mark.slow
 def test_default_model_rewrite_is_unchanged_and_mostly_accepted():
-    """SmolLM2 (the default model) copying a paragraph: n-gram proposals are nearly all
-    accepted, greedy output and a stop string's cut are the same as without speculation."""
+    """SmolLM2 (the default model) copying a paragraph: n-gram proposals and the draft's are
+    nearly all accepted, greedy output and a stop string's cut are the same as without
+    speculation."""
     messages = [
         {"role": "user", "content": f"Rewrite this paragraph, keeping every sentence:\n\n{REWRITE}"}
     ]
@@ -211,17 +212,24 @@ def test_default_model_rewrite_is_unchanged_and_mostly_accepted():
         SamplingParams(temperature=0, max_tokens=100, stop=["polished"]),
         SamplingParams(temperature=0, max_tokens=60, repetition_penalty=1.1, logprobs=1),
     ]
-    results = []
-    for spec in (None, NGRAM):
+    from cpud.model.default_model import default_model_path
+
+    # the default model's own file as its draft: proposals it makes are the target's argmax
+    draft = {"method": "draft_model", "model": str(default_model_path())}
+    results, stats = [], []
+    for spec in (None, NGRAM, {**draft, "num_speculative_tokens": 4}):
         llm = LLM(speculative_config=spec)
         outputs = [llm.chat(messages, p)[0].outputs[0] for p in params]
         results.append([(list(o.token_ids), o.text, o.finish_reason) for o in outputs])
-    plain, speculated = results
+        stats.append(llm.engine.spec.stats if spec else None)
+        llm.shutdown()
+    plain, speculated, drafted = results
     assert speculated == plain
+    assert drafted == plain
     assert plain[1][2] == "stop" and plain[1][1] and "polished" not in plain[1][1]
-    stats = llm.engine.spec.stats
-    assert stats.num_accepted_tokens > 0.7 * stats.num_draft_tokens
-    assert stats.mean_accepted_length > 3
+    for method in stats[1:]:
+        assert method.num_accepted_tokens > 0.7 * method.num_draft_tokens
+        assert method.mean_accepted_length > 3
 
 
 @pytest.mark.slow
