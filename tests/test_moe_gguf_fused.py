@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 import torch
 from family_checks import prompt_of
+from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 from test_gguf_quantized import prefill_logits, runner
+from test_gpt_oss_gguf import write_gpt_oss_gguf
 from test_moe_gguf_quant import quant_moe, stack_types, tp_logits  # noqa: F401 (fixture)
+from test_tp_sharding import logits_with
 
 from cpud.model.gguf_model import check_gguf_split, read_gguf_model
 from cpud.model.load import load_model_config
@@ -29,7 +32,8 @@ ARCH, PRESET, MIX = "qwen3_moe", "qwen3-moe-256", "Q4_K+Q8_0"
 
 def fuse_gate_up_exps(source: Path, out: Path, keep_gate: bool = False) -> Path:
     """A copy of the GGUF file `source` with each layer's gate and up expert stacks written as
-    one ffn_gate_up_exps of their blocks, gate rows first (`keep_gate`: the gate stack too)."""
+    one ffn_gate_up_exps of their blocks, gate rows first, and their biases (if any) as one
+    ffn_gate_up_exps.bias [E, 2 I] (`keep_gate`: the gate stack and bias too)."""
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(out), arch)
@@ -40,14 +44,16 @@ def fuse_gate_up_exps(source: Path, out: Path, keep_gate: bool = False) -> Path:
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
     tensors = {t.name: t for t in reader.tensors}
     for name, tensor in tensors.items():
-        if name.endswith(".ffn_up_exps.weight"):
+        stem, _, kind = name.rpartition("_exps.")  # kind: weight or bias
+        if stem.endswith(".ffn_up"):
             continue
-        data, stem = tensor.data, name.removesuffix("gate_exps.weight")
-        if stem != name:
+        data = tensor.data
+        if stem.endswith(".ffn_gate"):  # [E, rows, row bytes] or a bias [E, rows]
             if keep_gate:
                 writer.add_tensor(name, data, raw_dtype=tensor.tensor_type)
-            data = np.concatenate([data, tensors[f"{stem}up_exps.weight"].data], axis=1)
-            name = f"{stem}gate_up_exps.weight"
+            up = tensors[f"{stem.removesuffix('gate')}up_exps.{kind}"].data
+            data = np.concatenate([data, up], axis=1)
+            name = f"{stem}_up_exps.{kind}"
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -115,3 +121,46 @@ def test_fused_and_separate_gate_of_one_layer_refused(files, tmp_path):
     both = fuse_gate_up_exps(plain, tmp_path / "both.gguf", keep_gate=True)
     with pytest.raises(ConfigError, match=r"blk\.0\.ffn_gate_exps\.weight"):
         read_gguf_model(both)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_files(model_factory, tmp_path_factory):
+    """expert type -> (a gpt-oss file, whose expert stacks carry biases, the same fused)."""
+    root = tmp_path_factory.mktemp("gpt-oss-fused")
+    made = {}
+
+    def get(expert_type: T) -> tuple[Path, Path]:
+        if expert_type not in made:
+            plain = root / f"{expert_type.name}.gguf"
+            write_gpt_oss_gguf(model_factory("gpt_oss"), plain, expert_type, T.F32)
+            made[expert_type] = plain, fuse_gate_up_exps(plain, root / f"{plain.stem}-fused.gguf")
+        return made[expert_type]
+
+    return get
+
+
+def test_fused_biases_in_blocks_equal_the_separate_file(gpt_oss_files):
+    """gpt-oss's MXFP4 stacks with one ffn_gate_up_exps.bias: the gate and up halves of the
+    bias land where the separate biases do."""
+    plain, fused = gpt_oss_files(T.MXFP4)
+    names = set(read_gguf_model(fused).tensors)
+    assert "blk.0.ffn_gate_up_exps.bias" in names and "blk.0.ffn_gate_exps.bias" not in names
+    prompt = prompt_of(24, seed=5)
+    got_runner = runner(fused, torch.bfloat16)
+    assert stack_types(got_runner.model) == {("MXFP4", "MXFP4")}
+    want = prefill_logits(runner(plain, torch.bfloat16), prompt)
+    torch.testing.assert_close(prefill_logits(got_runner, prompt), want, rtol=0, atol=0)
+
+
+def test_fused_biases_tp2_equal_the_separate_file(gpt_oss_files):
+    """Each rank takes its columns of the gate half and of the up half of the fused bias (F32
+    experts: the tiny fixture's 32 rows hold no whole block per rank)."""
+    plain, fused = gpt_oss_files(T.F32)
+    prompt = prompt_of(20, seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got, want = logits_with(fused, prompt, 2), logits_with(plain, prompt, 2)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -128,7 +128,8 @@ def common_tensors(cfg: ModelConfig) -> dict[str, Expected]:
 def with_fused_gate_up(expected: dict[str, Expected], names: Iterable[str]) -> dict[str, Expected]:
     """`expected` for a file whose tensor `names` stack a layer's gate and up experts in one
     blk.N.ffn_gate_up_exps.weight [E, 2 I, H] (gate rows, then up rows; llama.cpp's converter
-    under --fuse-gate-up-exps) in place of ffn_gate_exps and ffn_up_exps."""
+    under --fuse-gate-up-exps) in place of ffn_gate_exps and ffn_up_exps, and where the file
+    has it, blk.N.ffn_gate_up_exps.bias [E, 2 I] in place of their two biases."""
     out = dict(expected)
     for name in names:
         if not name.endswith(".ffn_gate_up_exps.weight"):
@@ -140,4 +141,8 @@ def with_fused_gate_up(expected: dict[str, Expected], names: Iterable[str]) -> d
         del out[f"{stem}gate_exps.weight"], out[f"{stem}up_exps.weight"]
         experts, rows, columns = gate.shape
         out[name] = Expected((experts, rows + up.shape[1], columns), ROWS)
+        bias = f"{stem}gate_up_exps.bias"  # [E, 2 I]: the two biases, gate first
+        if bias in names and f"{stem}gate_exps.bias" in out:
+            gate_bias, up_bias = out.pop(f"{stem}gate_exps.bias"), out.pop(f"{stem}up_exps.bias")
+            out[bias] = Expected((experts, gate_bias.shape[1] + up_bias.shape[1]), gate_bias.split)
     return out

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from cpud.ranks.gguf_stack_rows import gate_up_halves
+from cpud.ranks.gguf_stack_rows import gate_up_bias_halves, gate_up_halves
 from cpud.ranks.layers.base import Layer
 from cpud.ranks.layers.moe import ALL, SparseMoeBlock
 from cpud.ranks.models.decoder import DecoderForCausalLM, DecoderLayer
@@ -25,6 +25,7 @@ from cpud.ranks.parallel import TPGroup
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACK = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")  # GGUF
 _FUSED_STACK = re.compile(r"^(.*\.mlp\.experts)\.gate_up_proj\.weight$")  # ffn_gate_up_exps
+_FUSED_BIAS = re.compile(r"^(.*\.mlp\.experts)\.gate_up_proj\.bias$")  # its bias [E, 2 I]
 _MIXTRAL = (
     (".block_sparse_moe.", ".mlp."),
     (".w1.", ".gate_proj."),
@@ -59,10 +60,15 @@ class MoeForCausalLM(DecoderForCausalLM):
         return SparseMoeBlock(self.cfg, dtype, group, ops) if self.cfg.moe_layer(index) else None
 
     def fused_parts(self, name: str) -> list[tuple] | None:
-        """A GGUF stack of every expert's gate and up rows: its halves as the separate stacks."""
+        """A GGUF stack of every expert's gate and up rows (and its bias): its halves as the
+        separate stacks (biases)."""
+        inter = self.cfg.moe_intermediate_size
         fused = _FUSED_STACK.match(name)
         if fused is not None:
-            return gate_up_halves(f"{fused.group(1)}.gate_up_proj", self.cfg.moe_intermediate_size)
+            return gate_up_halves(f"{fused.group(1)}.gate_up_proj", inter)
+        fused = _FUSED_BIAS.match(name)
+        if fused is not None:
+            return gate_up_bias_halves(f"{fused.group(1)}.gate_up_proj_bias", inter)
         return super().fused_parts(name)
 
     def checkpoint_name(self, name: str) -> str:
