@@ -26,9 +26,9 @@ from .hugepages import huge_empty
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # cpud_dtype in cpud_native.h
 # KV cache element types (cpud_kv_dtype): a cache tensor's dtype names its row format. int8:
 # [.., hd + 4] bytes per row, hd int8 values then their float32 scale (amax / 127);
-# float8_e5m2: [.., hd], no scale.
-KV_DTYPE_CODE = {**DTYPE_CODE, torch.int8: 2, torch.float8_e5m2: 3}
-KV_ROW_EXTRA = {torch.int8: 4}  # bytes after a row's hd values
+# float8_e5m2: [.., hd], no scale; float8_e4m3fn: [.., hd + 4], as int8 (scale amax / 448).
+KV_DTYPE_CODE = {**DTYPE_CODE, torch.int8: 2, torch.float8_e5m2: 3, torch.float8_e4m3fn: 4}
+KV_ROW_EXTRA = {torch.int8: 4, torch.float8_e4m3fn: 4}  # bytes after a row's hd values
 _ERRORS = {-1: "ISA tier not supported by this CPU", -2: "invalid argument", -3: "out of memory"}
 GEMM_NB = 32  # columns per packed panel (CPUD_GEMM_NB)
 
@@ -116,7 +116,7 @@ def _contig(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int 
 
 
 def kv_row_width(cache_dtype: torch.dtype, head_dim: int) -> int:
-    """Elements in the last dim of a KV cache of cache_dtype: head_dim, + 4 for int8's scale."""
+    """Elements in the last dim of a KV cache of cache_dtype: head_dim, + 4 for a scale."""
     return head_dim + KV_ROW_EXTRA.get(cache_dtype, 0)
 
 
@@ -129,7 +129,7 @@ def _kv_caches(
     if code is None or (code <= 1 and code != DTYPE_CODE[dtype] and code != 1):
         raise ValueError(
             f"key_cache: dtype {key_cache.dtype} cannot cache {dtype} keys (the same dtype, "
-            "bfloat16, int8 or float8_e5m2)"
+            "bfloat16, int8, float8_e5m2 or float8_e4m3fn)"
         )
     _contig(
         key_cache,

@@ -112,7 +112,7 @@ class FusedDecoder:
         if dtype not in DTYPE_CODE:
             raise ValueError(f"fused decoder: dtype {dtype} is not float32 or bfloat16")
         if cache_dtype not in KV_DTYPE_CODE or cache_dtype not in (dtype, torch.bfloat16):
-            if cache_dtype not in (torch.int8, torch.float8_e5m2):
+            if cache_dtype not in (torch.int8, torch.float8_e5m2, torch.float8_e4m3fn):
                 raise ValueError(f"fused decoder: a {cache_dtype} KV cache under {dtype}")
         self.dtype = dtype
         self.cache_dtype = cache_dtype

@@ -9,6 +9,8 @@ tensor's dtype names the row format (--kv-cache-dtype; native/drivers/kv_formats
                                 d = amax / 127 (one per token and kv head); value = q * d
   float8_e5m2                   row = head_dim bytes, the top byte of an fp16 (no scale),
                                 rounded to nearest even, saturated at +-57344
+  float8_e4m3fn                 row = head_dim e4m3fn bytes of value / d (rounded to nearest
+                                even, saturated at +-448), then d = amax / 448 as int8's
 Quantized values read back rounded to the activations' dtype; the native kernels and these
 helpers give the same bits.
 """
@@ -24,9 +26,15 @@ KV_CACHE_TORCH_DTYPES = {
     "bf16": torch.bfloat16,
     "int8": torch.int8,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
 }
 INT8_SCALE_BYTES = 4
 E5M2_MAX = 57344.0
+E4M3_MAX = 448.0
+# cache dtypes whose rows end in a float32 scale, and the largest value / scale each stores
+SCALED = {torch.int8: 127.0, torch.float8_e4m3fn: E4M3_MAX}
+QUANTIZED = (torch.int8, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 def kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
@@ -38,7 +46,7 @@ def kv_cache_shape(
     num_blocks: int, kv_heads: int, block_size: int, head_dim: int, cache_dtype: torch.dtype
 ) -> tuple[int, int, int, int]:
     """Shape of one key or value cache tensor of cache_dtype."""
-    row = head_dim + (INT8_SCALE_BYTES if cache_dtype == torch.int8 else 0)
+    row = head_dim + (INT8_SCALE_BYTES if cache_dtype in SCALED else 0)
     return (num_blocks, kv_heads, block_size, row)
 
 
@@ -50,6 +58,13 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
         q = torch.round(x32 * inverse).nan_to_num(0.0).clamp(-127, 127).to(torch.int8)
         return torch.cat((q, scale.contiguous().view(torch.int8)), dim=-1)
+    if cache_dtype == torch.float8_e4m3fn:
+        x32 = x.float()
+        scale = x32.abs().amax(-1, keepdim=True) / E4M3_MAX
+        ratio = torch.where(scale != 0, x32 / scale, torch.zeros_like(x32))
+        q = ratio.nan_to_num(0.0).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        scale_bytes = scale.contiguous().view(torch.uint8).view(torch.float8_e4m3fn)
+        return torch.cat((q, scale_bytes), dim=-1)
     if cache_dtype == torch.float8_e5m2:
         return x.float().clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
     return x.to(cache_dtype)
@@ -57,9 +72,9 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows [..., row] -> values [..., head_dim] in dtype, as the kernels read them."""
-    if rows.dtype == torch.int8:
+    if rows.dtype in SCALED:
         head_dim = rows.shape[-1] - INT8_SCALE_BYTES
-        scale = rows[..., head_dim:].contiguous().view(torch.float32)
+        scale = rows[..., head_dim:].contiguous().view(torch.uint8).view(torch.float32)
         return (rows[..., :head_dim].float() * scale).to(dtype)
     return rows.to(dtype)
 
@@ -102,7 +117,7 @@ def gather_context(
     num_blocks = -(-length // block_size)
     blocks = cache[block_table[:num_blocks]]  # [nb, kv_heads, bs, row]
     rows = blocks.transpose(0, 1).reshape(kv_heads, num_blocks * block_size, row)[:, :length]
-    if dtype is None and cache.dtype in (torch.int8, torch.float8_e5m2):
+    if dtype is None and cache.dtype in QUANTIZED:
         dtype = torch.float32
     if dtype is None or dtype == cache.dtype:
         return rows

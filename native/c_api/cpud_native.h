@@ -29,8 +29,10 @@ enum cpud_dtype { CPUD_F32 = 0, CPUD_BF16 = 1 };
 /* KV cache element types (kv_dtype arguments): CPUD_F32 / CPUD_BF16 rows of that type (bf16
  * also under f32 activations), or quantized rows: CPUD_KV_INT8 = hd int8 values then their f32
  * scale amax / 127 (hd + 4 bytes per row), CPUD_KV_FP8_E5M2 = hd bytes, each the top byte of an
- * fp16 (round to nearest even, saturated at +-57344).  drivers/kv_formats.h has the rules. */
-enum cpud_kv_dtype { CPUD_KV_INT8 = 2, CPUD_KV_FP8_E5M2 = 3 };
+ * fp16 (round to nearest even, saturated at +-57344), CPUD_KV_FP8_E4M3 = hd e4m3fn bytes of
+ * value / scale then their f32 scale amax / 448 (hd + 4 bytes).  drivers/kv_formats.h has the
+ * rules. */
+enum cpud_kv_dtype { CPUD_KV_INT8 = 2, CPUD_KV_FP8_E5M2 = 3, CPUD_KV_FP8_E4M3 = 4 };
 enum cpud_err { CPUD_OK = 0, CPUD_EISA = -1, CPUD_EARG = -2, CPUD_ENOMEM = -3 };
 
 /* Highest tier this CPU and OS can run (cpuid + XGETBV), fixed at load. */
@@ -93,7 +95,7 @@ int cpud_argmax_rows(int isa, int dtype,
                      intptr_t out); /* [rows] int64 */
 
 /* key_cache[b][h][o] = key[t][h] for slot = slot_mapping[t] = b*bs + o >= 0, stored as
- * kv_dtype rows (quantized per row for CPUD_KV_INT8 / CPUD_KV_FP8_E5M2). */
+ * kv_dtype rows (quantized per row for CPUD_KV_INT8 / CPUD_KV_FP8_E5M2 / CPUD_KV_FP8_E4M3). */
 int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
                         intptr_t key,          /* [T][nkv][hd], token stride key_stride   */
                         intptr_t value,        /* [T][nkv][hd], token stride value_stride */
@@ -301,7 +303,7 @@ typedef struct cpud_decoder_dims {
     int rotary_neox; /* 1: neox (rotate halves), 0: gpt-j pairs */
     float residual_scale; /* each block's output (attention, feed-forward) is multiplied by it
                              before its residual add (Granite's residual_multiplier); 1: none */
-    int kv_dtype; /* the KV cache's rows: CPUD_BF16, CPUD_KV_INT8, CPUD_KV_FP8_E5M2, or 0: dtype */
+    int kv_dtype; /* the KV cache's rows: CPUD_BF16 or a cpud_kv_dtype, or 0: dtype */
 } cpud_decoder_dims;
 
 typedef struct cpud_decoder_step {

@@ -6,7 +6,13 @@
  *   CPUD_KV_INT8         hd int8 values, then their f32 scale d = amax / 127 (hd + 4 bytes,
  *                        the scale unaligned when hd % 4 != 0); value = q * d
  *   CPUD_KV_FP8_E5M2     hd bytes, each the top byte of an fp16 (1 sign, 5 exponent, 2
- *                        mantissa bits), rounded to nearest even and saturated at +-57344 */
+ *                        mantissa bits), rounded to nearest even and saturated at +-57344
+ *   CPUD_KV_FP8_E4M3     hd e4m3fn bytes (1 sign, 4 exponent of bias 7, 3 mantissa bits; max
+ *                        448, no inf) of x / d rounded to nearest even and saturated at +-448,
+ *                        then their f32 scale d = amax / 448 as int8's (hd + 4 bytes); value =
+ *                        e4m3 * d.  Readers fold 256 into d (kv_read_scale): the byte b as the
+ *                        fp16 ((b & 0x80) << 8) | ((b & 0x7f) << 7) is its value * 2^-8 exactly,
+ *                        so e4m3 * d = fp16 * (d * 256), the same product bit for bit. */
 #ifndef CPUD_KV_FORMATS_H
 #define CPUD_KV_FORMATS_H
 
@@ -17,10 +23,11 @@
 #include "cpud_native.h"
 
 #define KV_E5M2_MAX 57344.0f
+#define KV_E4M3_MAX 448.0f
 
 static inline int kv_dtype_ok(int kvt) {
     return kvt == CPUD_F32 || kvt == CPUD_BF16 || kvt == CPUD_KV_INT8 ||
-           kvt == CPUD_KV_FP8_E5M2;
+           kvt == CPUD_KV_FP8_E5M2 || kvt == CPUD_KV_FP8_E4M3;
 }
 
 /* A cache of kvt under activations of dt: the same type, bf16 under f32, or a quantized one. */
@@ -28,14 +35,20 @@ static inline int kv_pair_ok(int dt, int kvt) {
     return kv_dtype_ok(kvt) && (kvt == dt || kvt >= CPUD_BF16);
 }
 
-static inline int kv_quantized(int kvt) { return kvt == CPUD_KV_INT8 || kvt == CPUD_KV_FP8_E5M2; }
+static inline int kv_quantized(int kvt) {
+    return kvt == CPUD_KV_INT8 || kvt == CPUD_KV_FP8_E5M2 || kvt == CPUD_KV_FP8_E4M3;
+}
+
+/* A quantized row type with an f32 scale after its hd values. */
+static inline int kv_scaled(int kvt) { return kvt == CPUD_KV_INT8 || kvt == CPUD_KV_FP8_E4M3; }
 
 /* Bytes of one cached row of hd values. */
 static inline int64_t kv_row_bytes(int kvt, int64_t hd) {
     switch (kvt) {
     case CPUD_F32: return 4 * hd;
     case CPUD_BF16: return 2 * hd;
-    case CPUD_KV_INT8: return hd + 4;
+    case CPUD_KV_INT8:
+    case CPUD_KV_FP8_E4M3: return hd + 4;
     default: return hd;
     }
 }
@@ -50,6 +63,14 @@ static inline float kv_int8_scale(const char *row, int64_t hd) {
     float d;
     memcpy(&d, row + hd, sizeof d);
     return d;
+}
+
+/* The factor a reader multiplies a row's loaded values by: int8's scale, e4m3's scale * 256
+ * (the loads give e4m3 values * 2^-8; exact: d <= FLT_MAX / 448, so d * 256 is finite), 1. */
+static inline float kv_read_scale(const char *row, int64_t hd, int kvt) {
+    if (kvt == CPUD_KV_INT8) return kv_int8_scale(row, hd);
+    if (kvt == CPUD_KV_FP8_E4M3) return kv_int8_scale(row, hd) * 256.0f;
+    return 1.0f;
 }
 
 static inline uint32_t kv_f32_bits(float f) {
@@ -96,6 +117,36 @@ static inline float kv_e5m2_to_f32(uint8_t b) {
     return (b & 0x80) ? -mag : mag;
 }
 
+/* torch's float -> float8_e4m3fn (c10 fp8e4m3fn_from_fp32_value: round to nearest even) of
+ * f, already in [-448, 448] and not NaN. */
+static inline uint8_t kv_f32_to_e4m3(float f) {
+    const uint32_t denorm_mask = UINT32_C(141) << 23;
+    uint32_t bits = kv_f32_bits(f);
+    const uint32_t sign = bits & UINT32_C(0x80000000);
+    bits ^= sign;
+    uint8_t r;
+    if (bits < (UINT32_C(121) << 23)) { /* below the smallest normal 2^-6: subnormal or 0 */
+        bits = kv_f32_bits(kv_bits_f32(bits) + kv_bits_f32(denorm_mask));
+        r = (uint8_t)(bits - denorm_mask);
+    } else {
+        const uint32_t odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + UINT32_C(0x7ffff);
+        bits += odd;
+        r = (uint8_t)(bits >> 20);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* e4m3fn -> f32 value * 2^-8, exact (the fp16 of kv_read_scale's note, widened): exponent
+ * rebiased by 127 - 15, exponent 0 (zero, subnormals) as m * 2^-17.  The NaN patterns (never
+ * written: values saturate) read as 480 * 2^-8. */
+static inline float kv_e4m3_to_f32_q(uint8_t b) {
+    const uint32_t em = b & 0x7f;
+    const float mag = em < 8 ? (float)em * 0x1p-17f
+                             : kv_bits_f32((em << 20) + (UINT32_C(112) << 23));
+    return (b & 0x80) ? -mag : mag;
+}
+
 /* Quantizes one row of hd f32 values x into dst (kv_row_bytes(kvt, hd) bytes). */
 static inline void kv_quantize_row(const float *x, int64_t hd, int kvt, char *dst) {
     if (kvt == CPUD_KV_FP8_E5M2) {
@@ -104,6 +155,16 @@ static inline void kv_quantize_row(const float *x, int64_t hd, int kvt, char *ds
     }
     float amax = 0.0f;
     for (int64_t i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(x[i]));
+    if (kvt == CPUD_KV_FP8_E4M3) {
+        const float d = amax / KV_E4M3_MAX;
+        for (int64_t i = 0; i < hd; i++) {
+            float q = d != 0.0f ? x[i] / d : 0.0f;
+            q = q != q ? 0.0f : fminf(fmaxf(q, -KV_E4M3_MAX), KV_E4M3_MAX);
+            ((uint8_t *)dst)[i] = kv_f32_to_e4m3(q);
+        }
+        memcpy(dst + hd, &d, sizeof d);
+        return;
+    }
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     for (int64_t i = 0; i < hd; i++) {
         float q = nearbyintf(x[i] * id);

@@ -1,14 +1,14 @@
-/* The bf16 flash path's reads of quantized KV caches (int8, e5m2): keys converted to bf16 rows
- * 16 at a time, values straight into the key-pair layout of fa_value_pairs.  Included by
- * tier_flash_bf16.h after fa_value_pairs; every value is rounded to bf16 once (int8: q * d in
- * f32, then rounded).  Decode items on int8 caches take tier_flash_int8.h instead. */
+/* The bf16 flash path's reads of quantized KV caches (int8, e5m2, e4m3): keys converted to bf16
+ * rows 16 at a time, values straight into the key-pair layout of fa_value_pairs.  Included by
+ * tier_flash_bf16.h after fa_value_pairs; every value is rounded to bf16 once (int8, e4m3: the
+ * f32 product with the scale, then rounded).  Decode items on int8 caches take
+ * tier_flash_int8.h instead. */
 
-/* Values [d, d + 16) of a quantized row (kvt) as f32, or zeros for no row. */
+/* Values [d, d + 16) of a quantized row (kvt, scale: its kv_read_scale) as f32, or zeros for
+ * no row. */
 static ALWAYS_INLINE TGT __m512 fa_qvals(const char *row, int64_t d, int kvt, float scale) {
     if (!row) return _mm512_setzero_ps();
-    if (kvt == CPUD_KV_INT8)
-        return _mm512_mul_ps(kv_ld_i8((const int8_t *)row + d), _mm512_set1_ps(scale));
-    return kv_ld_e5m2((const uint8_t *)row + d);
+    return kv_ldq(row, d, kvt, _mm512_set1_ps(scale));
 }
 
 /* p: [32] e5m2 bytes -> their bf16 bit patterns, exact (kv_e5m2_to_f32's values), in the
@@ -47,8 +47,8 @@ static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *
         const char *row = vr[kp / 8] + (2 * kp % 16) * rb;
         const char *row_a = (ja >= jlo && ja <= jhi) ? row : NULL;
         const char *row_b = (jb >= jlo && jb <= jhi) ? row + rb : NULL;
-        const float da = row_a && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_a, hd) : 1.0f;
-        const float db = row_b && kvt == CPUD_KV_INT8 ? kv_int8_scale(row_b, hd) : 1.0f;
+        const float da = row_a ? kv_read_scale(row_a, hd, kvt) : 1.0f;
+        const float db = row_b ? kv_read_scale(row_b, hd, kvt) : 1.0f;
         uint32_t *dst = vp + kp * hd;
         fa_pf_step(pf);
         int64_t d = 0;
@@ -73,11 +73,10 @@ static ALWAYS_INLINE TGT void fa_dequant_rows(uint16_t *dst, const char *row0, i
                                               int kvt, int64_t a, int64_t b, int64_t hd) {
     for (int64_t j = a; j <= b; j++) {
         const char *row = row0 + j * rb;
-        if (kvt == CPUD_KV_INT8) {
-            const vf d = _mm512_set1_ps(kv_int8_scale(row, hd));
+        if (kv_scaled(kvt)) {
+            const vf d = _mm512_set1_ps(kv_read_scale(row, hd, kvt));
             for (int64_t i = 0; i < hd; i += 16)
-                vf_st_bf16(dst + j * hd + i,
-                           _mm512_mul_ps(kv_ld_i8((const int8_t *)row + i), d));
+                vf_st_bf16(dst + j * hd + i, kv_ldq(row, i, kvt, d));
         } else {
             int64_t i = 0;
             for (; i + 32 <= hd; i += 32)

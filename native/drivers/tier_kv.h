@@ -1,7 +1,7 @@
 /* Reading KV cache rows of any kv_formats.h type as f32, vectorised for the tier (included by
  * tier_kernels.h after the tier's simd_*.h).  A quantized value reads as its f32 value: int8
  * q * scale (one f32 product, not rounded to the activations' dtype: that rounding cost more
- * than the halved reads saved), e5m2 exactly. */
+ * than the halved reads saved), e4m3 as e4m3 * scale the same way, e5m2 exactly. */
 
 #include "kv_formats.h"
 
@@ -35,15 +35,43 @@ static ALWAYS_INLINE TGT vf kv_ld_e5m2(const uint8_t *p) {
 #endif
 }
 
-/* Values [i, i + VW) of a quantized row (kvt int8 with scale d, or e5m2) as f32. */
+/* p: [VW] e4m3fn bytes -> their values * 2^-8 (kv_e4m3_to_f32_q per lane): AVX-512 converts
+ * the bytes' fp16 form, AVX2 (no F16C in its target) rebiases the exponent in integers. */
+static ALWAYS_INLINE TGT vf kv_ld_e4m3q(const uint8_t *p) {
+#if VW == 16
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h =
+        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+    return _mm512_cvtph_ps(h);
+#elif VW == 8
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i em = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
+    /* exponent 0: (1 + m / 8) * 2^-14 - 2^-14 = m * 2^-17 */
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), em);
+    __m256i o = _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(112 << 23));
+    o = _mm256_add_epi32(o, _mm256_and_si256(tiny, _mm256_set1_epi32(1 << 23)));
+    const __m256i bias = _mm256_and_si256(tiny, _mm256_set1_epi32(113 << 23)); /* 2^-14 */
+    const vf mag = _mm256_sub_ps(_mm256_castsi256_ps(o), _mm256_castsi256_ps(bias));
+    const __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sgn));
+#else
+    return kv_e4m3_to_f32_q(*p);
+#endif
+}
+
+/* Values [i, i + VW) of a quantized row (kvt int8 or e4m3 with d its kv_read_scale, or e5m2)
+ * as f32. */
 static ALWAYS_INLINE TGT vf kv_ldq(const char *row, int64_t i, int kvt, vf d) {
     if (kvt == CPUD_KV_INT8) return vf_mul(kv_ld_i8((const int8_t *)row + i), d);
+    if (kvt == CPUD_KV_FP8_E4M3) return vf_mul(kv_ld_e4m3q((const uint8_t *)row + i), d);
     return kv_ld_e5m2((const uint8_t *)row + i);
 }
 
 /* Value i of a quantized row, as kv_ldq. */
 static ALWAYS_INLINE float kv_ldq1(const char *row, int64_t i, int kvt, float d) {
     if (kvt == CPUD_KV_INT8) return (float)((const int8_t *)row)[i] * d;
+    if (kvt == CPUD_KV_FP8_E4M3) return kv_e4m3_to_f32_q(((const uint8_t *)row)[i]) * d;
     return kv_e5m2_to_f32(((const uint8_t *)row)[i]);
 }
 
@@ -59,7 +87,7 @@ static ALWAYS_INLINE TGT void kv_rows_f32(const char *row0, int64_t rb, int kvt,
             to_f32(row, o, hd, 1.0f, kvt);
             continue;
         }
-        const float d1 = kvt == CPUD_KV_INT8 ? kv_int8_scale(row, hd) : 1.0f;
+        const float d1 = kv_read_scale(row, hd, kvt);
         const vf d = vf_set1(d1);
         int64_t i = 0;
         for (; i + VW <= hd; i += VW) vf_st(o + i, kv_ldq(row, i, kvt, d));

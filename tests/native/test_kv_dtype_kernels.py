@@ -1,4 +1,5 @@
-"""Quantized KV caches (--kv-cache-dtype int8 / fp8_e5m2, and bf16 under fp32 activations):
+"""Quantized KV caches (--kv-cache-dtype int8 / fp8_e5m2 / fp8_e4m3, and bf16 under fp32
+activations):
 the KV write kernel against the torch quantizer of ranks/paged_kv.py byte for byte, and paged
 attention (decode, chunked prefill, GQA, odd head dims, block boundaries) on every tier against
 the same kernel and the torch reference on the dequantized cache."""
@@ -12,7 +13,8 @@ from tolerances import assert_close
 
 from cpud.ranks.paged_kv import dequantize_kv, kv_cache_shape, quantize_kv
 
-QUANTIZED = [torch.int8, torch.float8_e5m2]
+QUANTIZED = [torch.int8, torch.float8_e5m2, torch.float8_e4m3fn]
+SCALED = (torch.int8, torch.float8_e4m3fn)  # rows that end in an f32 scale
 # contexts around block edges (16, 17, 32, 33) for decode and chunks, a long prefill chunk
 SEQS = ((16, 1), (17, 17), (33, 1), (32, 5), (130, 40), (1, 1))
 
@@ -35,7 +37,8 @@ def test_write_kv_cache_matches_the_torch_quantizer(kern, dtype, cache_dtype, hd
     value = torch.randn(T, nkv, hd, generator=g).to(dtype)
     key[0, 0] = 0.0  # an all-zero row: scale 0
     key[1, 0, :4] = torch.tensor([1e-6, 7e4, -1e5, -3e-8]).to(dtype)  # e5m2: subnormal, saturated
-    value[2, 1, 0] = 1000.0  # one outlier sets the row's int8 scale
+    value[2, 1, 0] = 1000.0  # one outlier sets the row's scale (e4m3: the rest subnormal)
+    value[3, 0] *= 1e-38  # e4m3: a subnormal f32 scale
     kc = torch.zeros(kv_cache_shape(nb, nkv, bs, hd, cache_dtype), dtype=cache_dtype)
     vc = torch.zeros_like(kc)
     slots = torch.tensor([0, 5, 17, 40, -1, 63])
@@ -55,13 +58,18 @@ def test_quantized_rows_read_back_close():
     assert ((int8 - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
     fp8 = dequantize_kv(quantize_kv(x, torch.float8_e5m2), torch.float32)
     assert ((fp8 - x).abs() <= x.abs() / 8 + 1e-5).all()  # 2 mantissa bits: half-ulp 1/8
+    e4m3 = dequantize_kv(quantize_kv(x, torch.float8_e4m3fn), torch.float32)
+    # 3 mantissa bits: half-ulp 1/16, and below 2^-6 of the scale a fixed step 2^-10 of it
+    bound = x.abs() / 16 + x.abs().amax(-1, keepdim=True) / 448 * 2**-10
+    assert ((e4m3 - x).abs() <= bound * 1.0001).all()
 
 
 def int8_reads_unrounded(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """An int8 cache under bf16 activations is read as q * scale in f32 (not rounded to bf16),
-    and the bf16 flash tiers decode on it in integers (tier_flash_int8.h: queries rounded to
-    int8, probabilities to u8): close to a cache of the dequantized values, not bit-equal."""
-    return dtype == torch.bfloat16 and cache_dtype == torch.int8
+    """An int8 or e4m3 cache under bf16 activations is read as q * scale in f32 (not rounded
+    to bf16), and the bf16 flash tiers decode int8 in integers (tier_flash_int8.h: queries
+    rounded to int8, probabilities to u8): close to a cache of the dequantized values, not
+    bit-equal."""
+    return dtype == torch.bfloat16 and cache_dtype in SCALED
 
 
 def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0):
@@ -118,13 +126,13 @@ def test_quantized_attention_stays_close_to_bf16(kern, cache_dtype):
     kq, vq = quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype)
     out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, 0.125).float()
     err = (out - exact).norm() / exact.norm()
-    assert err < (0.02 if cache_dtype == torch.int8 else 0.12)
+    assert err < {torch.int8: 0.02, torch.float8_e4m3fn: 0.05}.get(cache_dtype, 0.12)
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED)
 @pytest.mark.parametrize("bs", [16, 128])
 def test_quantized_garbage_in_unused_slots_never_reaches_the_output(kern, cache_dtype, bs):
-    # Unused rows of every byte 0xff: int8 scale NaN, e5m2 NaN patterns.
+    # Unused rows of every byte 0xff: int8 / e4m3 scale NaN, e5m2 / e4m3 NaN patterns.
     seqs = ((200, 37), (50, 1), (77, 77), (20, 20))
     q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), 8, 2, 64, bs, torch.bfloat16, 7)
     kq, vq = quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype)
@@ -170,4 +178,25 @@ def test_every_e5m2_code_reads_as_torch_reads_it(kern, hd, codes):
     assert kd.isfinite().all()
     out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
     assert torch.equal(out, kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, scale))
+    assert out.abs().max() > 0
+
+
+@pytest.mark.parametrize("hd", [64, 80])
+def test_every_e4m3_code_reads_as_torch_reads_it(kern, hd):
+    # fp32 attention on e4m3 rows (every byte but the NaN patterns, and scales from subnormal
+    # to huge) equals attention on the values torch's float8_e4m3fn times the scale gives them
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), 4, 2, hd, 16, torch.float32, 11)
+    pool = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    g = torch.Generator().manual_seed(11)
+    caches = []
+    for _ in range(2):
+        codes = pool[torch.randint(len(pool), (*kc.shape[:-1], hd), generator=g)]
+        exponent = torch.randint(-140, 100, (*kc.shape[:-1], 1), generator=g)
+        scale = torch.ldexp(torch.ones(exponent.shape), exponent.float())
+        caches.append(torch.cat((codes, scale.view(torch.uint8)), -1).view(torch.float8_e4m3fn))
+    kq, vq = caches
+    kd, vd = dequantize_kv(kq, torch.float32), dequantize_kv(vq, torch.float32)
+    assert kd.isfinite().all()
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, 1e-30)
+    assert torch.equal(out, kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, 1e-30))
     assert out.abs().max() > 0
