@@ -6,8 +6,10 @@ survives any exit path.
 
 A runtime directory names its owner in its `owner` file (pid, start time, pid namespace),
 written while the directory still has a hidden staging name, so a `cpud-*` directory never
-lacks it. An owner killed with SIGKILL cannot remove its directory: the next one made under the
-same parent removes every directory whose owner is gone."""
+lacks it; the staging name itself carries the same record, so a directory whose owner was
+killed before that file was written is recognised too. An owner killed with SIGKILL cannot
+remove its directory: the next one made under the same parent removes every directory whose
+owner is gone."""
 
 from __future__ import annotations
 
@@ -78,6 +80,23 @@ def _read_owner(directory: str) -> str | None:
         return file.read(256).decode(errors="replace").strip()
 
 
+def _staging_prefix(record: str | None) -> str:
+    """`.cpud-PID-START-NAMESPACE-`: the owner record in a name made with the directory."""
+    if record is None:
+        return STAGING_PREFIX
+    pid, start, namespace = record.split()
+    return f"{STAGING_PREFIX}{pid}-{start}-{''.join(filter(str.isdigit, namespace))}-"
+
+
+def _staging_owner(name: str) -> str | None:
+    """The owner record a staging directory's name carries; None for a name without one."""
+    parts = name[len(STAGING_PREFIX) :].split("-")
+    if len(parts) != 4 or not all(part.isdigit() for part in parts[:3]):
+        return None
+    pid, start, namespace = parts[:3]
+    return f"{pid} {start} pid:[{namespace}]"
+
+
 def _owner_dead(record: str) -> bool:
     parts = record.split()
     if len(parts) != 3 or not parts[0].isdigit() or parts[2] != _pid_namespace():
@@ -90,7 +109,8 @@ def remove_dead_runtime_dirs(parent: str) -> list[str]:
     SIGKILL, or the machine lost power with the parent on disk); returns their paths. Only this
     user's real directories (never a link) are considered: with an owner record, one owned by a
     live process or by a process of another pid namespace stays; without one, only a staging
-    directory abandoned for a minute goes (a `cpud-*` one then predates owner records)."""
+    directory abandoned for a minute goes (a `cpud-*` one then predates owner records). A
+    staging directory's record is its name's, whatever its `owner` file holds yet."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -106,7 +126,7 @@ def remove_dead_runtime_dirs(parent: str) -> list[str]:
             continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue
-        record = _read_owner(entry.path)
+        record = (_staging_owner(entry.name) if staging else None) or _read_owner(entry.path)
         if record is None:
             if not staging or time.time() - info.st_mtime < ABANDONED_STAGING_S:
                 continue
@@ -124,14 +144,15 @@ def make_runtime_dir() -> str:
     owner, once the directories of owners that are gone are removed."""
     parent = runtime_parent()
     remove_dead_runtime_dirs(parent)
-    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent)
-    os.chmod(staging, 0o700)
     record = owner_record()
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(record), dir=parent)
+    os.chmod(staging, 0o700)
     if record is not None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         with os.fdopen(os.open(os.path.join(staging, OWNER_FILE), flags, 0o600), "w") as file:
             file.write(record + "\n")
-    path = os.path.join(parent, RUNTIME_PREFIX + os.path.basename(staging)[len(STAGING_PREFIX) :])
+    # Only the random part: IPC socket paths under the directory stay short.
+    path = os.path.join(parent, RUNTIME_PREFIX + os.path.basename(staging).rsplit("-", 1)[1])
     os.rename(staging, path)
     return path
 

@@ -244,14 +244,25 @@ def test_sweep_removes_only_this_users_dirs_of_dead_owners(parent, monkeypatch):
     abandoned = parent / ".cpud-abandoned"
     abandoned.mkdir()
     os.utime(abandoned, (time.time() - 120, time.time() - 120))
+    # Killed between making the staging directory and writing (or finishing) its owner file.
+    dead_pid, dead_start, dead_ns = (dead / "owner").read_text().split()
+    named = f".cpud-{dead_pid}-{dead_start}-{''.join(filter(str.isdigit, dead_ns))}-"
+    killed_staging, killed_writing = parent / f"{named}ab_c1", parent / f"{named}de_f2"
+    killed_staging.mkdir()
+    killed_writing.mkdir()
+    (killed_writing / "owner").write_text("")
+    live_staging = parent / f".cpud-{owner[0]}-{owner[1]}-{named.split('-')[3]}-gh_i3"
+    live_staging.mkdir()
 
     removed = remove_dead_runtime_dirs(str(parent))
 
     chowned = os.geteuid() == 0
-    dead_ones = [dead, reused, abandoned] + ([] if chowned else [other_user])
+    dead_ones = [dead, reused, abandoned, killed_staging, killed_writing]
+    dead_ones += [] if chowned else [other_user]
     assert sorted(removed) == sorted(map(str, dead_ones))
     kept = [alive, foreign_ns, unowned, outside / "keep", not_ours, parent / "cpud-link"]
-    for path in (*kept, staging, linked_owner, *([other_user] if chowned else [])):
+    kept += [staging, live_staging, linked_owner, *([other_user] if chowned else [])]
+    for path in kept:
         assert os.path.lexists(path), path
     assert alive.stat().st_mode & 0o777 == 0o700
     assert (alive / "owner").stat().st_mode & 0o777 == 0o600
