@@ -4,9 +4,10 @@ with --quant, the fixture as a GGUF file whose experts (and other matrices) stay
 blocks: Q4_K_M (Q4_K gate/up, Q6_K down, Q4_K elsewhere, as llama.cpp's mix) or Q8_0.
 
 Reports prefill of 512 tokens and decode of 1 and 32 streams (tok/s, the LM head included),
-and for each decode the bytes a step reads: the weights outside the experts plus the experts
-the step routed to (counted per layer from the router's choices), against the read probe's
-bandwidth on this machine.
+and for each decode the bytes a step reads (perf/moe_step_bytes.py: every weight as the
+kernels hold it, only the experts the step routed to, counted per layer from the router's
+choices, KV rows, norms, the logits) against the read probe (1 GiB, best of 3 passes) measured
+just before that decode.
 
     python perf/bench_moe.py [--workdir /tmp/moe-bench] [--rounds 2] [--steps 16]
     python perf/bench_moe.py --model DIR          # any MoE model directory
@@ -17,9 +18,10 @@ bandwidth on this machine.
                                                       # MXFP4 experts (perf/bench_moe_gptoss.py)
 
 Also reported: decode 1's step split into phases (step inputs, embedding, the layers in one
-native call, final norm, LM head, sampling, the rest) with the layers' and the LM head's read
-rate against the probe, and the process's resident memory after loading against the file's
-size (the runner is this process: its RSS is the rank's).
+native call, final norm, LM head, sampling, the rest) with each phase's bytes and read rate,
+the LM head alone on one row (its read rate beside the probe's), and the process's resident
+memory after loading against the file's size (the runner is this process: its RSS is the
+rank's).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from moe_step_bytes import PHASES, step_bytes
 
 from cpud import native
 from cpud.model.load import load_model_config
@@ -56,27 +59,32 @@ QUANT = {
 
 class ExpertCounter:
     """Counts the distinct experts each expert layer routes to, from the router's choices
-    (transformers' routing in torch), while `counting` is set; wraps each block's forward."""
+    (transformers' routing in torch), summed over the steps while `counting` is set; wraps each
+    block's forward."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = list(model.model.layers)
         self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        self.routed = 0
+        self.routed = dict.fromkeys(range(len(self.blocks)), 0)
         self.counting = False
-        for block in self.blocks:
+        for index, block in enumerate(self.blocks):
             forward = block.forward
 
-            def counted(x, block=block, forward=forward):
+            def counted(x, index=index, block=block, forward=forward):
                 if self.counting:
                     _, ids = route(block.gate(x), block.top_k, block.renormalize, x.dtype)
-                    self.routed += int(torch.unique(ids).numel())
+                    self.routed[index] += int(torch.unique(ids).numel())
                 return forward(x)
 
             block.forward = counted
 
-    def expert_bytes(self) -> int:
-        """Bytes of one expert's packed gate/up and down on this rank (bf16 or in blocks)."""
-        experts = self.blocks[0].experts
-        return sum(s.weight_bytes for s in experts.stacks()) // experts.num_experts
+    def start(self) -> None:
+        self.routed, self.counting = dict.fromkeys(self.routed, 0), True
+
+    def per_layer(self, steps: int) -> list[float]:
+        """Mean distinct experts a step routed to, per decoder layer (0 for a dense one)."""
+        of_block = {id(block): self.routed[i] / steps for i, block in enumerate(self.blocks)}
+        return [of_block.get(id(layer.mlp), 0.0) for layer in self.layers]
 
 
 class PhaseTimer:
@@ -118,32 +126,10 @@ class PhaseTimer:
         setattr(owner, name, self._timed(getattr(owner, name), phase))
 
 
-def lm_head_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the LM head's packed weight on this rank (bf16 packed or kept in blocks)."""
-    head = model.lm_head
-    if head.quant is not None:
-        return sum(w.qs.nbytes + w.sc.nbytes for _, w in head.quant)
-    return head.packed.data.nbytes
-
-
 def resident() -> dict[str, int]:
     """This process's resident bytes now and at its peak (VmRSS, VmHWM)."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
-
-
-def other_weight_bytes(model: torch.nn.Module) -> int:
-    """Packed bytes of every matmul weight outside the experts (read every step): bf16 packed
-    or kept in blocks."""
-    from cpud.ranks.gguf_experts import expert_bytes
-    from cpud.ranks.quant_linear import quant_bytes
-
-    packed = sum(
-        m.packed.data.numel() * 2
-        for m in model.modules()
-        if getattr(m, "packed", None) is not None and hasattr(m.packed, "data")
-    )
-    return packed + quant_bytes(model) - expert_bytes(model)
 
 
 def make_gguf(source: Path, quant: str, workdir: Path) -> Path:
@@ -194,7 +180,7 @@ def decode_steps(
     first = [SeqWork(s, [11 + s] * 8, 0, tables[s], True) for s in range(streams)]
     run.execute(StepPlan(0, first))
     if counter is not None:
-        counter.routed, counter.counting = 0, True
+        counter.start()
     if phases is not None:
         phases.seconds, phases.timing = dict.fromkeys(phases.PHASES, 0.0), True
     try:
@@ -208,9 +194,24 @@ def decode_steps(
             phases.timing = False
 
 
+def kv_token_bytes(run: ModelRunner) -> int:
+    """One token's K and V rows in one layer's cache on this rank."""
+    key, value = run.kv_caches[0]
+    return (key.nbytes + value.nbytes) // (key.shape[0] * BLOCK)
+
+
 def decode(
-    run: ModelRunner, counter: ExpertCounter, streams: int, steps: int, phases: PhaseTimer
+    run: ModelRunner,
+    counter: ExpertCounter,
+    streams: int,
+    steps: int,
+    phases: PhaseTimer,
+    probe: ReadProbe,
 ) -> dict[str, Any]:
+    """tok/s of `steps` decode steps of `streams` sequences, the bytes a step reads (by phase
+    for decode 1, with the phases' times and read rates) against the read probe measured just
+    before."""
+    probe_gbs = probe.gbs()
     # timed: the fused decoder where it runs (decode 1: split into phases)
     seconds = decode_steps(run, streams, steps, phases=phases if streams == 1 else None)
     fused, run.decoder = run.decoder, None  # untimed: the same steps op by op, counted
@@ -218,33 +219,60 @@ def decode(
         decode_steps(run, streams, steps, counter)
     finally:
         run.decoder, counter.counting = fused, False
-    step_bytes = other_weight_bytes(run.model) + counter.routed / steps * counter.expert_bytes()
+    contexts = [8 + (steps + 1) / 2] * streams  # each step attends to 9 .. 8 + steps tokens
+    routed = counter.per_layer(steps)
+    by_phase = step_bytes(run.model, routed, contexts, kv_token_bytes(run))
+    total = sum(by_phase.values())
     out = {
         "tok_s": streams * steps / seconds,
-        "experts_per_layer_step": counter.routed / steps / len(counter.blocks),
-        "step_bytes": step_bytes,
-        "weight_read_gbs": step_bytes * steps / seconds / 1e9,
+        "experts_per_layer_step": statistics.mean(r for r in routed if r) if any(routed) else 0,
+        "step_bytes": total,
+        "read_gbs": total * steps / seconds / 1e9,
+        "read_probe_gbs": probe_gbs,
     }
+    out["of_probe"] = out["read_gbs"] / probe_gbs
     if streams == 1:
         split = {k: v / steps * 1e3 for k, v in phases.seconds.items()}
         split["other"] = seconds / steps * 1e3 - sum(split.values())
         out["phase_ms"] = split
-        head = lm_head_bytes(run.model)
-        if split["lm_head"] > 0:
-            out["lm_head_read_gbs"] = head / split["lm_head"] / 1e6
-        if split["layers"] > 0:
-            out["layers_read_gbs"] = (step_bytes - head) / split["layers"] / 1e6
+        out["phase_bytes"] = by_phase
+        out["phase_read_gbs"] = {
+            k: by_phase[k] / split[k] / 1e6 for k in PHASES if by_phase[k] and split[k] > 0
+        }
+        out["lm_head_alone_gbs"] = by_phase["lm_head"] / lm_head_seconds(run) / 1e9
     return out
 
 
-def read_probe_gbs(mib: int = 1024) -> float:
-    kern = native.kernels()
-    buf = huge_empty((mib << 20,), torch.uint8)
-    buf.random_(0, 256)
-    kern.read_probe(buf)
-    t0 = time.perf_counter()
-    kern.read_probe(buf)
-    return buf.numel() / (time.perf_counter() - t0) / 1e9
+def lm_head_seconds(run: ModelRunner, passes: int = 5) -> float:
+    """The LM head on one row alone, best of `passes` (beside the probe's figure)."""
+    hidden = torch.randn(1, run.model.cfg.hidden_size).to(run.config.dtype)
+    run.model.compute_logits(hidden)
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        run.model.compute_logits(hidden)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class ReadProbe:
+    """The native read probe over a buffer of `mib` MiB (DRAM-sized: 1 GiB): GB/s, the best
+    of `passes` passes after a warm one."""
+
+    def __init__(self, mib: int, passes: int = 3) -> None:
+        self.buf = huge_empty((mib << 20,), torch.uint8)
+        self.buf.random_(0, 256)
+        self.passes = passes
+        self.kern = native.kernels()
+
+    def gbs(self) -> float:
+        self.kern.read_probe(self.buf)
+        best = float("inf")
+        for _ in range(self.passes):
+            t0 = time.perf_counter()
+            self.kern.read_probe(self.buf)
+            best = min(best, time.perf_counter() - t0)
+        return self.buf.numel() / best / 1e9
 
 
 def model_path(args: argparse.Namespace) -> Path:
@@ -299,16 +327,16 @@ def main() -> None:
     memory = resident()
     counter = ExpertCounter(run.model)
     phases = PhaseTimer(run)
+    probe = ReadProbe(64 if args.tiny else 1024)
     results: dict[str, list] = {"prefill_512": [], "decode_1": [], "decode_32": []}
     for _ in range(args.rounds):
         results["prefill_512"].append(prefill(run))
-        results["decode_1"].append(decode(run, counter, 1, args.steps, phases))
-        results["decode_32"].append(decode(run, counter, STREAMS, args.steps, phases))
+        results["decode_1"].append(decode(run, counter, 1, args.steps, phases, probe))
+        results["decode_32"].append(decode(run, counter, STREAMS, args.steps, phases, probe))
     median = {
         "prefill_512": statistics.median(results["prefill_512"]),
         **{k: _median_fields(results[k]) for k in ("decode_1", "decode_32")},
     }
-    probe = read_probe_gbs(64 if args.tiny else 1024)
     summary = {
         "model": str(path),
         "quant": args.quant,
@@ -317,8 +345,8 @@ def main() -> None:
         "isa": native.isa(),
         "rounds": args.rounds,
         "median": median,
-        "read_probe_gbs": probe,
-        "decode_1_of_probe": median["decode_1"]["weight_read_gbs"] / probe,
+        "read_probe_gbs": median["decode_1"]["read_probe_gbs"],
+        "decode_1_of_probe": median["decode_1"]["of_probe"],
         "rss_bytes": memory["VmRSS"],
         "rss_before_load_bytes": baseline,
         "peak_rss_bytes": memory["VmHWM"],
