@@ -1,5 +1,5 @@
 """Decode at depth: one stream's decode speed with 512, 4096 and 16384 tokens of context, cpud
-with a bf16 KV cache against an int8 one (--kv-cache-dtype; fp8_e5m2 too with --kv), and
+with a bf16 KV cache against an int8 one (--kv-cache-dtype; fp8 and fp8_e5m2 too with --kv), and
 llama.cpp's `llama-bench -d` on the same GGUF file (f16 KV and q8_0 KV, flash attention on).
 Rounds alternate A B A B; medians and ratios per depth.
 
@@ -9,7 +9,7 @@ values, so no prefill is timed or waited for), then --steps decode steps at posi
 depth + 1, ... through the fused decoder, the LM head and the argmax.
 
     python perf/bench_depth.py --make Q4_K_M [--workdir /tmp/gguf-bench] [--depths 512,4096,16384]
-    python perf/bench_depth.py --gguf FILE [--no-llamacpp] [--kv bf16,int8,fp8_e5m2]
+    python perf/bench_depth.py --gguf FILE [--no-llamacpp] [--kv bf16,int8,fp8,fp8_e5m2]
 
 The first --make Q4_K_M writes the F32 fixture and runs llama-quantize (minutes on 2 cores);
 later runs reuse the file.  llama-bench fills its depth by a real prefill, so depth 16384 costs
@@ -41,8 +41,16 @@ from cpud.ranks.parallel import SingleRank  # noqa: E402
 
 BLOCK = 16
 FILL_BLOCKS = 256  # blocks of random rows made at a time while filling a cache
-# llama.cpp's KV types beside cpud's: bf16 against its f16 cache, int8 against q8_0
-LLAMACPP_KV = {"bf16": "f16", "int8": "q8_0", "fp8_e5m2": None}
+# llama.cpp's KV types beside cpud's: bf16 against its f16 cache, int8 and fp8 (e4m3, a byte
+# and a row scale) against q8_0
+LLAMACPP_KV = {
+    "auto": "f16",  # the runner's bf16 activations
+    "bf16": "f16",
+    "int8": "q8_0",
+    "fp8": "q8_0",
+    "fp8_e4m3": "q8_0",
+    "fp8_e5m2": None,
+}
 
 
 def runner(path: Path, kv: str, depth: int, steps: int) -> ModelRunner:
@@ -137,7 +145,11 @@ def main() -> None:
     )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gguf-bench"))
     ap.add_argument("--depths", default="512,4096,16384")
-    ap.add_argument("--kv", default="bf16,int8", help="cpud KV cache dtypes, the first the base")
+    ap.add_argument(
+        "--kv",
+        default="bf16,int8",
+        help=f"cpud KV cache dtypes ({', '.join(LLAMACPP_KV)}), the first the base",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -152,6 +164,9 @@ def main() -> None:
         path = make_gguf(args.make, args.workdir)
     depths = [int(d) for d in args.depths.split(",")]
     kvs = args.kv.split(",")
+    unknown = [k for k in kvs if k not in LLAMACPP_KV]
+    if unknown:
+        ap.error(f"--kv {','.join(unknown)}: choose from {', '.join(LLAMACPP_KV)}")
     peers = [] if args.no_llamacpp else [k for k in kvs if LLAMACPP_KV.get(k)]
     samples: dict[str, dict[int, list[float]]] = {}
     for depth in depths:
@@ -162,8 +177,7 @@ def main() -> None:
             for kv, run in runs.items():
                 got = decode(run, depth, args.steps)
                 samples.setdefault(f"cpud {kv}", {}).setdefault(depth, []).append(got)
-            for kv in peers:
-                peer = LLAMACPP_KV[kv]
+            for peer in dict.fromkeys(LLAMACPP_KV[kv] for kv in peers):
                 got = llamacpp_decode(path, peer, depth, args.steps, args.threads)
                 samples.setdefault(f"llama.cpp {peer}", {}).setdefault(depth, []).append(got)
         del runs

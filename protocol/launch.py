@@ -68,7 +68,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     weight_cache: str | None  # directory of packed weight shards; None: off
     kv_pretouch: bool
     quantization: str
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bf16, int8 or fp8_e5m2
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bf16, int8, fp8, fp8_e4m3, fp8_e5m2
     speculative_config: str | None = None  # JSON (cpud.settings.speculative); None: off
     model: ModelFacts | None = None  # None: read them from model_dir
 

@@ -53,7 +53,8 @@ class RunnerConfig:
     # native kernels: auto keeps a GGUF file's quantized linears in blocks; q8_0|q4_0|q4_k
     # quantizes dense linears at load (ranks/quantize_dense.py); none runs everything dense
     quantization: str = _ENGINE["quantization"]
-    # auto: the KV cache holds dtype; bf16, int8, fp8_e5m2: that format (ranks/paged_kv.py)
+    # auto: the KV cache holds dtype; bf16, int8, fp8 (= fp8_e4m3), fp8_e5m2: that format
+    # (ranks/paged_kv.py)
     kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
     # JSON (cpud.settings.speculative); a draft model's runs in this runner (ranks/spec_draft.py)
     speculative_config: str | None = None

@@ -20,7 +20,8 @@ from cpud.settings.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
-CACHE_DTYPES = {"int8": torch.int8, "fp8_e5m2": torch.float8_e5m2}
+CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SCALED = ("int8", "fp8")  # rows end in a 4-byte fp32 scale
 PROMPT = [(37 * i + 11) % 500 + 3 for i in range(70)]
 
 
@@ -35,7 +36,7 @@ def test_fused_decoder_on_a_quantized_cache_equals_the_per_op_path(kv, model_fac
     key_cache = runner.kv_caches[0][0]
     assert key_cache.dtype == CACHE_DTYPES[kv]
     head_dim = runner.model.head_dim
-    assert key_cache.shape[-1] == head_dim + (4 if kv == "int8" else 0)
+    assert key_cache.shape[-1] == head_dim + (4 if kv in SCALED else 0)
     assert isinstance(runner.decoder, FusedDecoder)
     for fused, per_op in prefill_then_mixed(runner):
         assert torch.isfinite(fused).all()
@@ -58,8 +59,9 @@ def prompt_and_greedy(model_dir, kv: str) -> tuple[torch.Tensor, list[int], list
 
 
 # mean |logprob difference| against the bf16 cache, relative to the mean |logprob| (random
-# fixtures: about 0.7 % for int8, 6 % for e5m2's two mantissa bits)
-NLL_DRIFT = {"int8": 0.02, "fp8_e5m2": 0.12}
+# fixtures: about 0.7-1 % for int8, 2.4-3.7 % for e4m3's three mantissa bits, 6-8 % for e5m2's
+# two)
+NLL_DRIFT = {"int8": 0.02, "fp8": 0.07, "fp8_e5m2": 0.12}
 # the bf16 cache's top-2 logprob gap below which int8's noise may swap the greedy pick
 # (measured: llama fixture, avx2, a gap of 0.19 swapped)
 INT8_NEAR_TIE = 0.25
@@ -81,7 +83,7 @@ def test_logprobs_stay_close_to_the_bf16_cache(kv, arch, model_factory):
                 break
 
 
-def test_an_int8_cache_holds_about_twice_the_tokens(model_factory):
+def test_an_int8_or_fp8_cache_holds_about_twice_the_tokens(model_factory):
     model_dir = model_factory("qwen3")
     cfg = load_model_config(model_dir)
     bf16 = kv_block_bytes(cfg, 1, 16, "bfloat16")
@@ -89,6 +91,8 @@ def test_an_int8_cache_holds_about_twice_the_tokens(model_factory):
     assert kv_block_bytes(cfg, 1, 16, "float32", "bf16") == bf16
     int8 = kv_block_bytes(cfg, 1, 16, "bfloat16", "int8")
     assert int8 == bf16 * (cfg.head_dim + 4) // (2 * cfg.head_dim)
+    assert kv_block_bytes(cfg, 1, 16, "bfloat16", "fp8") == int8
+    assert kv_block_bytes(cfg, 1, 16, "bfloat16", "fp8_e4m3") == int8
     assert kv_block_bytes(cfg, 1, 16, "bfloat16", "fp8_e5m2") == bf16 // 2
     space = 0.01  # GiB
     blocks = {}
@@ -104,17 +108,19 @@ def test_an_int8_cache_holds_about_twice_the_tokens(model_factory):
             EngineArgs(model=str(model_dir), kv_cache_space_gib=space, kv_cache_dtype=kv),
             model_dir,
         )
-        for kv in ("auto", "int8", "fp8_e5m2")
+        for kv in ("auto", "int8", "fp8", "fp8_e5m2")
     }
     auto_blocks = sized["auto"].num_kv_blocks
     assert sized["int8"].num_kv_blocks > 1.7 * auto_blocks
+    assert sized["fp8"].num_kv_blocks == sized["int8"].num_kv_blocks
     assert sized["fp8_e5m2"].num_kv_blocks >= 2 * auto_blocks - 1
     assert sized["int8"].kv_cache_bytes_per_rank <= space * (1 << 30)
 
 
 def test_a_bad_kv_cache_dtype_is_a_config_error(model_factory):
-    with pytest.raises(ConfigError, match="kv-cache-dtype"):
-        LLM(model_factory("qwen3"), kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ConfigError, match="kv-cache-dtype") as refused:
+        LLM(model_factory("qwen3"), kv_cache_dtype="fp4")
+    assert all(name in str(refused.value) for name in ("int8", "fp8_e4m3", "fp8_e5m2"))
 
 
 def has_default_model() -> bool:
@@ -144,9 +150,11 @@ def mean_nll(kv: str) -> float:
     return sum(nll) / len(nll)
 
 
-# Mean NLL drift against the bf16 cache on the default model. int8 (per-row scale) keeps the
-# issue's 0.5 %; e5m2 (no scale, 2 mantissa bits) measured +3.1 % here, under 4 %.
-NLL_BOUND = {"int8": 0.005, "fp8_e5m2": 0.04}
+# Mean NLL drift against the bf16 cache on the default model (avx512bf16): int8 (per-row scale)
+# measured -0.16 %, within the issue's 0.5 %; fp8 (e4m3 and a per-row scale: 3 mantissa bits,
+# about 3.5x int8's squared error on these rows) +0.87 %, under 1.2 %; e5m2 (no scale, 2 mantissa
+# bits) +3.1 %, under 4 %.
+NLL_BOUND = {"int8": 0.005, "fp8": 0.012, "fp8_e5m2": 0.04}
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ VOCAB_PADDING = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --kv-cache-dtype: bytes of one cached row (a token's keys or values of one kv head) of
 # head_dim values; auto: the model's dtype (ranks/paged_kv.py has the formats)
-KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# the types whose rows end in a 4-byte fp32 scale (fp8 is fp8_e4m3, as vLLM names it)
+SCALED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -47,10 +49,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 
 
 def kv_row_bytes(head_dim: int, dtype: Any, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one cached row of head_dim values: the model dtype's (auto), bf16's, int8's
-    (head_dim int8 values and their fp32 scale) or e5m2's (one byte each)."""
+    """Bytes of one cached row of head_dim values: the model dtype's (auto), bf16's, int8's or
+    e4m3's (a byte each and their fp32 scale) or e5m2's (a byte each)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in SCALED_KV_CACHE_DTYPES:
         return head_dim + 4
     if kv_cache_dtype == "fp8_e5m2":
         return head_dim

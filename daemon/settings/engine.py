@@ -150,14 +150,17 @@ ENGINE_SETTINGS = (
         "kv_cache_dtype",
         str,
         "auto",
-        "KV cache element type: auto (the model's dtype), bf16, int8 (per token and head "
-        "scale) or fp8_e5m2; smaller types hold more tokens and read fewer bytes per step",
+        "KV cache element type: auto (the model's dtype), bf16, int8 or fp8 / fp8_e4m3 (per "
+        "token and head scale), or fp8_e5m2; smaller types hold more tokens and read fewer "
+        "bytes per step",
         EVERYWHERE,
         flags=("--kv-cache-dtype",),
-        choices=("auto", "bf16", "int8", "fp8_e5m2"),
+        choices=("auto", "bf16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"),
         details="`auto` (the model's dtype), `bf16`, `int8` (each token's row of each kv head "
-        "as int8 with its fp32 scale amax/127: head_dim + 4 bytes instead of 2 x head_dim) or "
-        "`fp8_e5m2` (the top byte of an fp16, no scale: head_dim bytes). The memory plan counts "
+        "as int8 with its fp32 scale amax/127: head_dim + 4 bytes instead of 2 x head_dim), "
+        "`fp8` or `fp8_e4m3` (the same rows as fp8 e4m3fn, 3 mantissa bits, with an fp32 scale "
+        "amax/448: head_dim + 4 bytes, as vLLM's `fp8`) or `fp8_e5m2` (the top byte of an "
+        "fp16, no scale: head_dim bytes). The memory plan counts "
         "the smaller cache, so the same --kv-cache-space holds about twice the tokens; paged "
         "attention reads the quantized rows on every ISA tier",
     ),

@@ -15,12 +15,13 @@ def test_quantized_caches_get_more_blocks_in_the_same_room(tmp_path):
     binding, topo = setup(tmp_path, ONE_NODE, tp=1)
     plans = {
         kv: plan_memory(QWEN3, BF16, binding, topo, max_model_len=4096, kv_cache_dtype=kv)
-        for kv in ("auto", "bf16", "int8", "fp8_e5m2")
+        for kv in ("auto", "bf16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
     }
     assert plans["bf16"].num_kv_blocks == plans["auto"].num_kv_blocks
     hd = QWEN3.head_dim
-    ratio = plans["int8"].num_kv_blocks / plans["auto"].num_kv_blocks
-    assert ratio == pytest.approx(2 * hd / (hd + 4), rel=1e-3)
+    for scaled in ("int8", "fp8", "fp8_e4m3"):  # a byte per value and an fp32 scale per row
+        ratio = plans[scaled].num_kv_blocks / plans["auto"].num_kv_blocks
+        assert ratio == pytest.approx(2 * hd / (hd + 4), rel=1e-3)
     assert plans["fp8_e5m2"].num_kv_blocks == pytest.approx(2 * plans["auto"].num_kv_blocks, 1e-3)
     int8 = plans["int8"]
     assert int8.kv_block_bytes == kv_block_bytes(QWEN3, 1, 16, BF16, "int8")
@@ -41,5 +42,5 @@ def test_explicit_space_holds_more_tokens_int8(tmp_path):
 
 def test_unknown_kv_cache_dtype_is_refused(tmp_path):
     binding, topo = setup(tmp_path, ONE_NODE, tp=1)
-    with pytest.raises(ConfigError, match="--kv-cache-dtype 'q4_0'"):
+    with pytest.raises(ConfigError, match="--kv-cache-dtype 'q4_0'.*fp8, fp8_e4m3, fp8_e5m2"):
         plan_memory(QWEN3, BF16, binding, topo, max_model_len=4096, kv_cache_dtype="q4_0")
