@@ -145,6 +145,9 @@ def test_fused_biases_in_blocks_equal_the_separate_file(gpt_oss_files):
     plain, fused = gpt_oss_files(T.MXFP4)
     names = set(read_gguf_model(fused).tensors)
     assert "blk.0.ffn_gate_up_exps.bias" in names and "blk.0.ffn_gate_exps.bias" not in names
+    cfg = read_gguf_model(plain).config
+    plans = [quantized_weight_bytes(cfg, "bfloat16", 1, path, "auto") for path in (plain, fused)]
+    assert plans[0] == plans[1]
     prompt = prompt_of(24, seed=5)
     got_runner = runner(fused, torch.bfloat16)
     assert stack_types(got_runner.model) == {("MXFP4", "MXFP4")}
@@ -156,6 +159,7 @@ def test_fused_biases_tp2_equal_the_separate_file(gpt_oss_files):
     """Each rank takes its columns of the gate half and of the up half of the fused bias (F32
     experts: the tiny fixture's 32 rows hold no whole block per rank)."""
     plain, fused = gpt_oss_files(T.F32)
+    check_gguf_split(read_gguf_model(fused), 2)
     prompt = prompt_of(20, seed=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
