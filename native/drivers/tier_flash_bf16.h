@@ -602,6 +602,37 @@ static ALWAYS_INLINE TGT void fa_scores_rows(const uint16_t *const *qr, const ui
     for (int r = 0; r < R; r++) s[r] = fa_red16(u[r]);
 }
 
+/* The keys of a 32-key chunk at j0 (nk keys) that a row attending keys [lo, hi] attends, as
+ * masks of keys 0..15 (*m0) and 16..31 (*m1); 0 when it attends none. */
+static ALWAYS_INLINE int fa_row_keys(int64_t lo, int64_t hi, int64_t j0, int nk, __mmask16 *m0,
+                                     __mmask16 *m1) {
+    const int64_t a = (lo > j0 ? lo : j0) - j0;
+    const int64_t b = (hi < j0 + nk - 1 ? hi : j0 + nk - 1) - j0;
+    if (a > b) return 0;
+    const uint32_t bits = (b == 31 ? ~0u : (1u << (b + 1)) - 1) & ~((1u << a) - 1);
+    *m0 = (__mmask16)bits;
+    *m1 = (__mmask16)(bits >> 16);
+    return 1;
+}
+
+/* One row's online-softmax step over a 32-key chunk: scaled scores x0, x1 of keys 0..15 and
+ * 16..31, attended where m0, m1 are set.  Updates the row's running max *m and sum *l, sets
+ * *p0, *p1 = exp(x - new max) (0 off the masks), returns the factor its output rescales by. */
+static ALWAYS_INLINE TGT float fa_row_softmax(vf x0, vf x1, __mmask16 m0, __mmask16 m1,
+                                              float *m, float *l, vf *p0, vf *p1) {
+    const vf ninf = _mm512_set1_ps(-INFINITY);
+    const float mx = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_mask_blend_ps(m0, ninf, x0), _mm512_mask_blend_ps(m1, ninf, x1)));
+    const float m_new = mx > *m ? mx : *m;
+    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - m_new);
+    const vf vm = _mm512_set1_ps(m_new);
+    *p0 = _mm512_maskz_mov_ps(m0, vf_exp(_mm512_sub_ps(x0, vm)));
+    *p1 = _mm512_maskz_mov_ps(m1, vf_exp(_mm512_sub_ps(x1, vm)));
+    *l = *l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(*p0, *p1));
+    *m = m_new;
+    return alpha;
+}
+
 /* Work items of R < FA_MIN_ROWS rows (decode: one query x G heads): scores per
  * row with keys in lanes (no idle lanes), softmax per row, the same value
  * product as the row-group path.  Arguments as fa_item_run. */
@@ -634,7 +665,7 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
     }
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
-    const vf vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const vf vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
         const uint16_t *kb[2];
         fa_pf pf;
@@ -666,27 +697,17 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         int rescale = 0;
         __mmask16 active = 0;
         for (int r = 0; r < R; r++) {
-            const int64_t a = (lo[r] > j0 ? lo[r] : j0) - j0;
-            const int64_t b = (hi[r] < j0 + nk - 1 ? hi[r] : j0 + nk - 1) - j0;
             uint32_t *pr = w->p + r * FA_LANES;
+            __mmask16 m0, m1;
             w->alpha[r] = 1.0f;
-            if (a > b) {
+            if (!fa_row_keys(lo[r], hi[r], j0, nk, &m0, &m1)) {
                 _mm512_store_si512(pr, _mm512_setzero_si512());
                 continue;
             }
             active |= (__mmask16)(1u << r);
-            const uint32_t bits = (b == 31 ? ~0u : (1u << (b + 1)) - 1) & ~((1u << a) - 1);
-            const __mmask16 m0 = (__mmask16)bits, m1 = (__mmask16)(bits >> 16);
             const vf x0 = _mm512_mul_ps(s0[r], vscale), x1 = _mm512_mul_ps(s1[r], vscale);
-            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(
-                _mm512_mask_blend_ps(m0, ninf, x0), _mm512_mask_blend_ps(m1, ninf, x1)));
-            const float m_new = mx > m[r] ? mx : m[r];
-            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
-            const vf vm = _mm512_set1_ps(m_new);
-            const vf p0 = _mm512_maskz_mov_ps(m0, vf_exp(_mm512_sub_ps(x0, vm)));
-            const vf p1 = _mm512_maskz_mov_ps(m1, vf_exp(_mm512_sub_ps(x1, vm)));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            m[r] = m_new;
+            vf p0, p1;
+            const float alpha = fa_row_softmax(x0, x1, m0, m1, m + r, l + r, &p0, &p1);
             w->alpha[r] = alpha;
             rescale |= alpha != 1.0f;
             _mm512_store_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));

@@ -158,7 +158,6 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
     fa_i8_queries(qr, R, hd, hdp, scale, q8, qd, off);
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
-    const vf ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
         const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
         const char *kr[2], *vr[2];
@@ -194,27 +193,17 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
         float alpha[FA_LANES];
         int any = 0;
         for (int r = 0; r < R; r++) {
-            const int64_t a = (lo[r] > j0 ? lo[r] : j0) - j0;
-            const int64_t b = (hi[r] < j0 + nk - 1 ? hi[r] : j0 + nk - 1) - j0;
+            __mmask16 m0, m1;
             alpha[r] = 1.0f;
             cq[r] = 0.0f;
             memset(pu + r * FA_CHUNK, 0, FA_CHUNK);
-            if (a > b) continue;
+            if (!fa_row_keys(lo[r], hi[r], j0, nk, &m0, &m1)) continue;
             any = 1;
-            const uint32_t bits = (b == 31 ? ~0u : (1u << (b + 1)) - 1) & ~((1u << a) - 1);
-            const __mmask16 m0 = (__mmask16)bits, m1 = (__mmask16)(bits >> 16);
             const vf vo = _mm512_set1_ps(off[r]), vq = _mm512_set1_ps(qd[r]);
             const vf x0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(s0[r], vo), vq), ks0);
             const vf x1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(s1[r], vo), vq), ks1);
-            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(
-                _mm512_mask_blend_ps(m0, ninf, x0), _mm512_mask_blend_ps(m1, ninf, x1)));
-            const float m_new = mx > m[r] ? mx : m[r];
-            alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
-            const vf vm = _mm512_set1_ps(m_new);
-            const vf p0 = _mm512_maskz_mov_ps(m0, vf_exp(_mm512_sub_ps(x0, vm)));
-            const vf p1 = _mm512_maskz_mov_ps(m1, vf_exp(_mm512_sub_ps(x1, vm)));
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            m[r] = m_new;
+            vf p0, p1;
+            alpha[r] = fa_row_softmax(x0, x1, m0, m1, m + r, l + r, &p0, &p1);
             /* p' = p * vd on the attended keys only (other rows' scales may be NaN bytes) */
             const vf w0 = _mm512_maskz_mul_ps(m0, p0, vs0), w1 = _mm512_maskz_mul_ps(m1, p1, vs1);
             const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
