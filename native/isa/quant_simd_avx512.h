@@ -20,7 +20,13 @@ typedef __m512i qv; /* [16 rows][4] u8 */
 typedef __m512i iv; /* [16] i32 */
 typedef __m512 fv;  /* [16] f32 */
 
-static inline QTGT qv qv_ld(const uint8_t *p) { return _mm512_load_si512((const void *)p); }
+/* One load per vector: the barrier keeps the compiler from folding it into each of its uses
+ * (a second load, where the load ports are the tightest resource at M = 1). */
+static inline QTGT qv qv_ld(const uint8_t *p) {
+    qv v = _mm512_load_si512((const void *)p);
+    __asm__("" : "+v"(v));
+    return v;
+}
 static inline QTGT qv qv_lo(qv v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 static inline QTGT qv qv_hi(qv v) {
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
