@@ -77,15 +77,20 @@ def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0):
     return q, quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype), qsl, seq_lens, bt
 
 
+SHAPES = [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 1, 33, 16)]
+# 6 and 3 query rows per kv head, hd 48 part-filling a 64-byte vector (the bf16 tiers' integer
+# int8 decode: row blocks of 4 + 2 and of 3, masked lanes)
+INT8_DECODE_SHAPES = [(12, 2, 48, 16), (9, 3, 64, 16)]
+# e4m3 reads as int8 does but for the value conversion: the flash path (hd 64, 80) and the
+# tiers' vector and scalar tails (hd 33)
+E4M3_SHAPES = [(8, 2, 64, 16), (4, 4, 80, 16), (3, 1, 33, 16)]
+READS = [(torch.int8, *s) for s in SHAPES + INT8_DECODE_SHAPES]
+READS += [(torch.float8_e5m2, *s) for s in SHAPES + INT8_DECODE_SHAPES]
+READS += [(torch.float8_e4m3fn, *s) for s in E4M3_SHAPES]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cache_dtype", QUANTIZED)
-@pytest.mark.parametrize(
-    ("nh", "nkv", "hd", "bs"),
-    # the last two: 6 and 3 query rows per kv head, hd 48 part-filling a 64-byte vector (the
-    # bf16 tiers' integer int8 decode: row blocks of 4 + 2 and of 3, masked lanes)
-    [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 1, 33, 16)]
-    + [(12, 2, 48, 16), (9, 3, 64, 16)],
-)
+@pytest.mark.parametrize(("cache_dtype", "nh", "nkv", "hd", "bs"), READS)
 def test_paged_attention_reads_quantized_caches(kern, dtype, cache_dtype, nh, nkv, hd, bs):
     q, kq, vq, qsl, seq_lens, bt = _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype)
     kd, vd = dequantize_kv(kq, dtype), dequantize_kv(vq, dtype)
