@@ -19,7 +19,8 @@ just before that decode.
 
 Also reported: decode 1's step split into phases (step inputs, embedding, the layers in one
 native call, final norm, LM head, sampling, the rest) with each phase's bytes and read rate,
-the LM head alone on one row (its read rate beside the probe's), and the process's resident
+the LM head alone on one row (its read rate beside the probe's), the threads' involuntary
+context switches per timed step (a round that shared its cores), and the process's resident
 memory after loading against the file's size (the runner is this process: its RSS is the
 rank's).
 """
@@ -194,6 +195,17 @@ def decode_steps(
             phases.timing = False
 
 
+def preemptions() -> int:
+    """Involuntary context switches of this process's threads so far: a timed round with
+    several per step shared its cores (each one also stalls the team's barriers)."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches"):
+                total += int(line.split()[1])
+    return total
+
+
 def kv_token_bytes(run: ModelRunner) -> int:
     """One token's K and V rows in one layer's cache on this rank."""
     key, value = run.kv_caches[0]
@@ -213,7 +225,9 @@ def decode(
     before."""
     probe_gbs = probe.gbs()
     # timed: the fused decoder where it runs (decode 1: split into phases)
+    switches = preemptions()
     seconds = decode_steps(run, streams, steps, phases=phases if streams == 1 else None)
+    switches = preemptions() - switches
     fused, run.decoder = run.decoder, None  # untimed: the same steps op by op, counted
     try:
         decode_steps(run, streams, steps, counter)
@@ -229,6 +243,7 @@ def decode(
         "step_bytes": total,
         "read_gbs": total * steps / seconds / 1e9,
         "read_probe_gbs": probe_gbs,
+        "preempted_per_step": switches / (steps + 1),  # the 8-token first step too
     }
     out["of_probe"] = out["read_gbs"] / probe_gbs
     if streams == 1:

@@ -45,6 +45,7 @@ def cpud_round(gguf: Path, threads: int, steps: int) -> dict:
         "decode_1_phase_bytes": decode_1.get("phase_bytes"),
         "decode_1_phase_read_gbs": decode_1.get("phase_read_gbs"),
         "decode_1_lm_head_alone_gbs": decode_1.get("lm_head_alone_gbs"),
+        "decode_1_preempted_per_step": decode_1["preempted_per_step"],
         "rss_bytes": summary["rss_bytes"],
         "rss_of_file": summary.get("rss_of_file"),
     }
