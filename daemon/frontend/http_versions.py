@@ -192,5 +192,8 @@ async def serve(
 ) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
+    from cpud.frontend.unread_body import DropUnreadBody
+
     with guarded_protocols():
+        app = DropUnreadBody(app)
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
