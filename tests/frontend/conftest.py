@@ -14,8 +14,8 @@ def server(model_factory, tmp_path_factory):
         tmp_path_factory.mktemp("server") / "serve.log",
         "--max-model-len",
         "256",
-        # Hostile-body tests leave clients that never read their 413: the drain at the end of
-        # the session waits for those answers up to this long, inside stop()'s 30 s.
+        # A request some test leaves open is waited for at the session's end up to this long
+        # (inside stop()'s 30 s), not the default 30 s.
         "--drain-timeout",
         "5",
     )
