@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -23,34 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cpud.fixtures.archs.gpt_oss import llama_cpp_expert_parts, llama_cpp_name
+
 HERE = Path(__file__).resolve().parent
 PRESET = "gpt-oss-20b-4l"
 DENSE_TYPES = ("BF16", "Q8_0")
-_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
-_LAYER = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.sinks": "attn_sinks",
-    "mlp.router": "ffn_gate_inp",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Midpoints between the doubled E2M1 magnitudes 0, 1, 2, 3, 4, 6, 8, 12 (codes 0-7; 8-15: -)
 _MIDPOINTS = torch.tensor([0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0])
-
-
-def gguf_name(hf: str) -> str:
-    """llama.cpp's name of a tensor outside the expert stacks (the sinks get a `.weight`)."""
-    if hf.endswith(".sinks"):
-        hf += ".weight"
-    stem, suffix = hf.rsplit(".", 1)
-    if stem in _TOP:
-        return f"{_TOP[stem]}.{suffix}"
-    _, _, layer, part = stem.split(".", 3)
-    return f"blk.{layer}.{_LAYER[part]}.{suffix}"
 
 
 def mxfp4_blocks(w: torch.Tensor, chunk: int = 1 << 16) -> np.ndarray:
@@ -101,8 +79,8 @@ def _tensors(
 def _converted(
     f, hf: str, dense: str
 ) -> Iterator[tuple[str, Callable[[], tuple[np.ndarray, str]]]]:
-    match = _EXPERTS.fullmatch(hf)
-    if match is None:
+    parts = llama_cpp_expert_parts(hf)
+    if parts is None:
 
         def plain(hf=hf):
             values = f.get_tensor(hf)
@@ -110,23 +88,20 @@ def _converted(
                 return _dense(values, dense)
             return values.to(torch.float32).numpy(), "F32"
 
-        yield gguf_name(hf), plain
+        yield llama_cpp_name(hf), plain
         return
-    layer, kind, bias = match.groups()
-    stem = f"blk.{layer}.ffn_{{}}_exps.{'bias' if bias else 'weight'}"
-    parts = {"down": None} if kind == "down_proj" else {"gate": 0, "up": 1}
-    for proj, start in parts.items():
+    for name, start in parts:
 
-        def part(hf=hf, start=start, bias=bias):
+        def part(hf=hf, start=start):
             values = f.get_tensor(hf)
-            if bias:  # F32 [E, rows]; gate and up interleaved
+            if hf.endswith("_bias"):  # F32 [E, rows]; gate and up interleaved
                 values = values if start is None else values[:, start::2]
                 return np.ascontiguousarray(values.to(torch.float32).numpy()), "F32"
             rows = values.transpose(1, 2)  # [E, out, in]
             rows = rows if start is None else rows[:, start::2]
             return np.stack([mxfp4_blocks(w.contiguous()) for w in rows]), "MXFP4"
 
-        yield stem.format(proj), part
+        yield name, part
 
 
 def write_gpt_oss_gguf(model_dir: Path, path: Path, dense: str = "BF16") -> Path:
@@ -191,26 +166,23 @@ def _byte_shapes(model_dir: Path, dense: str) -> dict[str, tuple[tuple[int, ...]
         with safe_open(str(shard), framework="pt") as f:
             for hf in f.keys():
                 shape = tuple(f.get_slice(hf).get_shape())
-                match = _EXPERTS.fullmatch(hf)
-                if match is None:
-                    name = gguf_name(hf)
+                parts = llama_cpp_expert_parts(hf)
+                if parts is None:
+                    name = llama_cpp_name(hf)
                     if len(shape) == 2 and ".mlp.router." not in hf:
                         per = {"BF16": shape[1] * 2, "Q8_0": shape[1] // 32 * 34}[dense]
                         out[name] = ((shape[0], per), dense)
                     else:
                         out[name] = (shape, "F32")
                     continue
-                layer, kind, bias = match.groups()
-                stem = f"blk.{layer}.ffn_{{}}_exps.{'bias' if bias else 'weight'}"
-                projs = ("down",) if kind == "down_proj" else ("gate", "up")
-                for proj in projs:
-                    if bias:
-                        rows = shape[1] if proj == "down" else shape[1] // 2
-                        out[stem.format(proj)] = ((shape[0], rows), "F32")
+                for name, start in parts:
+                    if hf.endswith("_bias"):
+                        rows = shape[1] if start is None else shape[1] // 2
+                        out[name] = ((shape[0], rows), "F32")
                         continue
                     e, k, n = shape  # [E, in, out]
-                    rows = n if proj == "down" else n // 2
-                    out[stem.format(proj)] = ((e, rows, k // 32 * 17), "MXFP4")
+                    rows = n if start is None else n // 2
+                    out[name] = ((e, rows, k // 32 * 17), "MXFP4")
     return out
 
 

@@ -9,7 +9,6 @@ stay in their blocks on the native kernels. llama.cpp hard-codes the experts' sw
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from test_parity import engine_logits
 from tokenizers import Regex, pre_tokenizers
 
 from cpud import LLM
+from cpud.fixtures.archs.gpt_oss import llama_cpp_expert_parts, llama_cpp_name
 from cpud.model.load import load_model_config
 from cpud.ranks.fused_decoder import FusedDecoder
 from cpud.ranks.layers.rotary import cos_sin_table
@@ -34,29 +34,6 @@ from cpud.text.gguf_tokenizer import PRE_SPLITS, read_vocab
 from hf_reference import hf_greedy, hf_logits
 
 ARCH = "gpt_oss"
-_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
-_LAYER = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.sinks": "attn_sinks",
-    "mlp.router": "ffn_gate_inp",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def _name(hf: str) -> str:
-    """llama.cpp's name of a non-expert tensor (the sinks get a `.weight`)."""
-    if hf.endswith(".sinks"):
-        hf += ".weight"
-    stem, suffix = hf.rsplit(".", 1)
-    if stem in _TOP:
-        return f"{_TOP[stem]}.{suffix}"
-    _, _, layer, part = stem.split(".", 3)
-    return f"blk.{layer}.{_LAYER[part]}.{suffix}"
 
 
 def write_gpt_oss_gguf(model_dir: Path, path: Path, expert_type: T, dense_type: T) -> Path:
@@ -70,41 +47,33 @@ def write_gpt_oss_gguf(model_dir: Path, path: Path, expert_type: T, dense_type: 
     as_file = {}
     for hf, values in tensors.items():
         values = values.astype(np.float32)
-        match = _EXPERTS.fullmatch(hf)
-        if match is None:
+        parts = llama_cpp_expert_parts(hf)
+        if parts is None:
             qtype = dense_type if values.ndim == 2 else T.F32
             encoded = encode(values, qtype)
-            writer.add_tensor(_name(hf), encoded, raw_dtype=qtype)
+            writer.add_tensor(llama_cpp_name(hf), encoded, raw_dtype=qtype)
             as_file[hf] = gguf.quants.dequantize(encoded, qtype).reshape(values.shape)
             continue
-        layer, kind, bias = match.groups()
-        stem = f"blk.{layer}.ffn_{{}}_exps.{'bias' if bias else 'weight'}"
-        if bias:  # F32 [E, rows]
-            parts = (
-                {"down": values}
-                if kind == "down_proj"
-                else {"gate": values[:, ::2], "up": values[:, 1::2]}
-            )
-            for proj, part in parts.items():
-                writer.add_tensor(stem.format(proj), np.ascontiguousarray(part), raw_dtype=T.F32)
+        if hf.endswith("_bias"):  # F32 [E, rows]
+            for name, start in parts:
+                part = values if start is None else values[:, start::2]
+                writer.add_tensor(name, np.ascontiguousarray(part), raw_dtype=T.F32)
             as_file[hf] = values
             continue
         rows = values.transpose(0, 2, 1)  # [E, out, in]
-        parts = (
-            {"down": rows} if kind == "down_proj" else {"gate": rows[:, ::2], "up": rows[:, 1::2]}
-        )
         back = {}
-        for proj, part in parts.items():
+        for name, start in parts:
+            part = rows if start is None else rows[:, start::2]
             encoded = np.stack([encode(np.ascontiguousarray(w), expert_type) for w in part])
-            writer.add_tensor(stem.format(proj), encoded, raw_dtype=expert_type)
-            back[proj] = np.stack(
+            writer.add_tensor(name, encoded, raw_dtype=expert_type)
+            back[start] = np.stack(
                 [gguf.quants.dequantize(w, expert_type).reshape(part.shape[1:]) for w in encoded]
             )
-        if kind == "down_proj":
-            as_file[hf] = back["down"].transpose(0, 2, 1)
+        if None in back:  # down_proj
+            as_file[hf] = back[None].transpose(0, 2, 1)
         else:
             joined = np.empty(rows.shape, dtype=np.float32)
-            joined[:, ::2], joined[:, 1::2] = back["gate"], back["up"]
+            joined[:, ::2], joined[:, 1::2] = back[0], back[1]
             as_file[hf] = joined.transpose(0, 2, 1)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.write_header_to_file()
