@@ -214,10 +214,10 @@ static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const int G, const qxr *x
             }
         }
     for (int g = 0; g < G; g++) {
-        const fv dw = fv_e8m0(k[g].s);
+        const fv e = fv_e8m0_pre(k[g].s);
         for (int m = 0; m < MR; m++) {
             const iv v = iv_add(dot[g][m], dot2[g][m]);
-            acc[g][m] = fv_fma(fv_cvt(v), fv_mul(dw, fv_set1(XD(x, m, b))), acc[g][m]);
+            acc[g][m] = fv_fma(fv_cvt(v), fv_e8m0_times(e, fv_set1(XD(x, m, b))), acc[g][m]);
         }
     }
 }

@@ -145,6 +145,10 @@ static inline QTGT __m256 e8m0_8(const uint8_t *p) {
 }
 /* p: [16] E8M0 bytes -> 2^(e - 128) */
 static inline QTGT fv fv_e8m0(const uint8_t *p) { return (fv){e8m0_8(p), e8m0_8(p + 8)}; }
+/* p: [16] E8M0 bytes -> what fv_e8m0_times takes (here their scales themselves) */
+static inline QTGT fv fv_e8m0_pre(const uint8_t *p) { return fv_e8m0(p); }
+/* fv_mul(fv_e8m0(p), a) for e = fv_e8m0_pre(p) */
+static inline QTGT fv fv_e8m0_times(fv e, fv a) { return fv_mul(e, a); }
 /* p: [16] */
 static inline QTGT void fv_st(float *p, fv v) {
     _mm256_storeu_ps(p, v.a);

@@ -121,6 +121,13 @@ static inline QTGT fv fv_e8m0(const uint8_t *p) {
     const __mmask16 below2 = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
     return _mm512_castsi512_ps(_mm512_mask_blend_epi32(below2, big, small));
 }
+/* p: [16] E8M0 bytes -> what fv_e8m0_times takes: e - 128 */
+static inline QTGT fv fv_e8m0_pre(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
+}
+/* fv_mul(fv_e8m0(p), a) for e = fv_e8m0_pre(p): a 2^(e - 128) rounded once, as that product */
+static inline QTGT fv fv_e8m0_times(fv e, fv a) { return _mm512_scalef_ps(a, e); }
 /* p: [16] */
 static inline QTGT void fv_st(float *p, fv a) { _mm512_storeu_ps(p, a); }
 

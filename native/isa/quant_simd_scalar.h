@@ -118,6 +118,10 @@ static inline fv fv_e8m0(const uint8_t *p) {
     for (int i = 0; i < QR; i++) r.v[i] = e8m0_half(p[i]);
     return r;
 }
+/* p: [16] E8M0 bytes -> what fv_e8m0_times takes (here their scales themselves) */
+static inline fv fv_e8m0_pre(const uint8_t *p) { return fv_e8m0(p); }
+/* fv_mul(fv_e8m0(p), a) for e = fv_e8m0_pre(p) */
+static inline fv fv_e8m0_times(fv e, fv a) { return fv_mul(e, a); }
 /* p: [16] */
 static inline void fv_st(float *p, fv a) { memcpy(p, a.v, sizeof a.v); }
 
