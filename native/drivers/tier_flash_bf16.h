@@ -1,5 +1,6 @@
 /* Flash-style paged attention for the AVX512-BF16 tier, bf16 activations and a bf16 or
- * quantized (int8, e5m2: converted to bf16 16 keys at a time) KV cache (prefill and decode).  Included by tier_kernels.h only when TIER_ID >= 3, after att_item.
+ * quantized (int8, e5m2, e4m3: converted to bf16 16 keys at a time; decode on int8 and e4m3 in
+ * tier_flash_int8.h and tier_flash_e4m3.h) KV cache (prefill and decode).  Included by tier_kernels.h only when TIER_ID >= 3, after att_item.
  *
  * Items of >= FA_MIN_ROWS rows (prefill): the rows of a work item (queries x the
  * G heads of one kv head) sit in the 16 lanes of a vector ("row group"), so
@@ -646,6 +647,11 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
                            bs, scale, window, sinks, R, st);
         return;
     }
+    if (c->kvt == CPUD_KV_FP8_E4M3) {
+        fa_item_run_few_e4m3(w, it, q, qs, c, qsl, seq_lens, bt, max_blocks, out, os, nh, nkv,
+                             hd, bs, scale, window, sinks, R, st);
+        return;
+    }
     const int64_t G = nh / nkv;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
@@ -726,3 +732,4 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
 }
 
 #include "tier_flash_int8.h"
+#include "tier_flash_e4m3.h"

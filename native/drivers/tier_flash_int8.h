@@ -80,7 +80,7 @@ static ALWAYS_INLINE FA_I8_TGT void fa_i8_scores(const int8_t *q8, int64_t hdp, 
 }
 
 /* The f32 scales of 16 rows (row j at row0 + j * rb, scale after its hd bytes), in lanes. */
-static ALWAYS_INLINE FA_I8_TGT __m512 fa_i8_scales(const char *row0, int64_t rb, int64_t hd) {
+static ALWAYS_INLINE TGT __m512 fa_kv_scales(const char *row0, int64_t rb, int64_t hd) {
     const __m512i idx = _mm512_add_epi32(
         _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                            _mm512_set1_epi32((int)rb)),
@@ -187,9 +187,9 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
             }
 #undef FA_I8_S
         }
-        const vf ks0 = fa_i8_scales(kr[0], rb, hd), vs0 = fa_i8_scales(vr[0], rb, hd);
-        const vf ks1 = nsub == 2 ? fa_i8_scales(kr[1], rb, hd) : _mm512_setzero_ps();
-        const vf vs1 = nsub == 2 ? fa_i8_scales(vr[1], rb, hd) : _mm512_setzero_ps();
+        const vf ks0 = fa_kv_scales(kr[0], rb, hd), vs0 = fa_kv_scales(vr[0], rb, hd);
+        const vf ks1 = nsub == 2 ? fa_kv_scales(kr[1], rb, hd) : _mm512_setzero_ps();
+        const vf vs1 = nsub == 2 ? fa_kv_scales(vr[1], rb, hd) : _mm512_setzero_ps();
         float alpha[FA_LANES];
         int any = 0;
         for (int r = 0; r < R; r++) {

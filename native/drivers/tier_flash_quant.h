@@ -2,7 +2,7 @@
  * rows 16 at a time, values straight into the key-pair layout of fa_value_pairs.  Included by
  * tier_flash_bf16.h after fa_value_pairs; every value is rounded to bf16 once (int8, e4m3: the
  * f32 product with the scale, then rounded).  Decode items on int8 caches take
- * tier_flash_int8.h instead. */
+ * tier_flash_int8.h instead, on e4m3 caches tier_flash_e4m3.h. */
 
 /* Values [d, d + 16) of a quantized row (kvt, scale: its kv_read_scale) as f32, or zeros for
  * no row. */
@@ -95,3 +95,12 @@ static __attribute__((target("avx512vnni"))) TGT void fa_item_run_few_i8(
     const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt, int64_t max_blocks, void *out,
     int64_t os, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale, int64_t window,
     const float *sinks, int R, const fa_stream *st);
+
+/* E4m3 decode items converted to bf16 in registers (tier_flash_e4m3.h). */
+static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q, int64_t qs,
+                                     const fa_cache *c, const int32_t *qsl,
+                                     const int32_t *seq_lens, const int32_t *bt,
+                                     int64_t max_blocks, void *out, int64_t os, int64_t nh,
+                                     int64_t nkv, int64_t hd, int64_t bs, float scale,
+                                     int64_t window, const float *sinks, int R,
+                                     const fa_stream *st);

@@ -67,7 +67,8 @@ def test_quantized_rows_read_back_close():
 def int8_reads_unrounded(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """An int8 or e4m3 cache under bf16 activations is read as q * scale in f32 (not rounded
     to bf16), and the bf16 flash tiers decode int8 in integers (tier_flash_int8.h: queries
-    rounded to int8, probabilities to u8): close to a cache of the dequantized values, not
+    rounded to int8, probabilities to u8) and e4m3 with the scales folded into the score and
+    the probability (tier_flash_e4m3.h): close to a cache of the dequantized values, not
     bit-equal."""
     return dtype == torch.bfloat16 and cache_dtype in SCALED
 
@@ -82,8 +83,10 @@ SHAPES = [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 
 # int8 decode: row blocks of 4 + 2 and of 3, masked lanes)
 INT8_DECODE_SHAPES = [(12, 2, 48, 16), (9, 3, 64, 16)]
 # e4m3 reads as int8 does but for the value conversion: the flash path (hd 64, 80) and the
-# tiers' vector and scalar tails (hd 33)
-E4M3_SHAPES = [(8, 2, 64, 16), (4, 4, 80, 16), (3, 1, 33, 16)]
+# tiers' vector and scalar tails (hd 33); the bf16 flash tiers' e4m3 decode in registers on
+# row blocks of 4 + 2 and of 3 with a part-filled 64-byte vector (hd 48), and hd 128
+E4M3_SHAPES = [(8, 2, 64, 16), (4, 4, 80, 16), (3, 1, 33, 16), (16, 2, 128, 32)]
+E4M3_SHAPES += INT8_DECODE_SHAPES
 READS = [(torch.int8, *s) for s in SHAPES + INT8_DECODE_SHAPES]
 READS += [(torch.float8_e5m2, *s) for s in SHAPES + INT8_DECODE_SHAPES]
 READS += [(torch.float8_e4m3fn, *s) for s in E4M3_SHAPES]
@@ -190,7 +193,9 @@ def test_every_e5m2_code_reads_as_torch_reads_it(kern, hd, codes):
 def test_every_e4m3_code_reads_as_torch_reads_it(kern, hd):
     # fp32 attention on e4m3 rows (every byte but the NaN patterns, and scales from subnormal
     # to huge) equals attention on the values torch's float8_e4m3fn times the scale gives them;
-    # so does bf16 attention on the tiers whose flash path rounds the values to bf16
+    # so does bf16 attention on the flash tiers: prefill rounds the values to bf16, and decode
+    # (tier_flash_e4m3.h: every code through its bf16 conversion) multiplies the codes by
+    # power-of-two scales under a flat softmax, where every product is exact
     q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), 4, 2, hd, 16, torch.float32, 11)
     pool = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     g = torch.Generator().manual_seed(11)
