@@ -103,6 +103,8 @@ def test_one_stream_with_penalties_costs_the_same_per_step(base):
 
 
 @pytest.mark.slow
-def test_a_batch_of_64_costs_the_same_per_step_at_8000_tokens_as_at_500(base):
-    costs, _ = step_costs(base, 64, 5, True)
-    assert_flat(costs, lambda: step_costs(base, 64, 5, True)[0])
+def test_a_batch_costs_the_same_per_step_at_8000_tokens_as_at_500(base):
+    # 16 sequences take the batched paths as 64 do: an O(length) copy per sequence and step
+    # gives 3.5x here (4.2x at 64), and a cost below the noise is missed at either size.
+    costs, _ = step_costs(base, 16, 5, True)
+    assert_flat(costs, lambda: step_costs(base, 16, 5, True)[0])
