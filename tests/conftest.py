@@ -9,6 +9,7 @@ import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from httpx_tls import shared_default_tls_context
 
 from cpud.fixtures import make_model
 from slow_modules import SLOW_MODULES, TESTS
@@ -20,6 +21,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(TESTS).as_posix() in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_tls_context_for_httpx():
+    """Top-level httpx calls share one default TLS context (tests/httpx_tls.py)."""
+    with shared_default_tls_context():
+        yield
 
 
 @pytest.fixture(scope="session")
