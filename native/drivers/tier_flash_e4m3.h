@@ -104,41 +104,51 @@ static ALWAYS_INLINE TGT void fa_e4_scores(const uint16_t *qp, int64_t hdp, cons
 }
 
 /* o[r] (slot order, rows hdp apart) = o[r] * alpha[r] + sum_j p'[r][j] e4m3_j * 2^-8 for
- * RC <= 4 rows over keys [0, nk) (vr[u]: row 0 of sub-chunk u, rows rb apart); pp: [R][16]
- * bf16 pairs of keys (2 kp, 2 kp + 1). */
+ * RC rows over keys [0, nk) (vr[u]: row 0 of sub-chunk u, rows rb apart); pp: [RC][16] bf16
+ * pairs of keys (2 kp, 2 kp + 1).  Each pass over the keys takes NG of the 4 vectors of 16
+ * values that 64 bytes of two rows widen to (RC * NG <= 16 accumulators), so every byte is
+ * converted once however many rows there are. */
 static ALWAYS_INLINE TGT void fa_e4_pv(float *o, int64_t hdp, const float *alpha,
-                                       const uint32_t *pp, int RC, const char *const *vr,
-                                       int64_t rb, int nk, int64_t hd) {
+                                       const uint32_t *pp, int RC, int NG,
+                                       const char *const *vr, int64_t rb, int nk, int64_t hd) {
     const __m512i z = _mm512_setzero_si512();
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
         const __mmask64 m = fa_i8_mask(d0, hd);
-        __m512 acc[4][4];
-        for (int r = 0; r < RC; r++)
-            for (int g = 0; g < 4; g++) acc[r][g] = _mm512_setzero_ps();
-        for (int kp = 0; kp < nk / 2; kp++) {
-            const char *row = vr[kp / 8] + (2 * kp % 16) * rb + d0;
-            const __m512i a = _mm512_maskz_loadu_epi8(m, row);
-            const __m512i b = _mm512_maskz_loadu_epi8(m, row + rb);
-            /* byte pairs (a[d], b[d]) for d = 16 L + 0..7 (t0), 16 L + 8..15 (t1) */
-            const __m512i t0 = _mm512_unpacklo_epi8(a, b), t1 = _mm512_unpackhi_epi8(a, b);
-            const __m512i wv[4] = {_mm512_unpacklo_epi8(z, t0), _mm512_unpackhi_epi8(z, t0),
-                                   _mm512_unpacklo_epi8(z, t1), _mm512_unpackhi_epi8(z, t1)};
-            __m512bh v[4];
-            if (fa_e4_any_tiny(a) | fa_e4_any_tiny(b)) {
-                for (int g = 0; g < 4; g++) v[g] = (__m512bh)fa_e4_tiny(fa_e4_bf16(wv[g]), wv[g]);
-            } else {
-                for (int g = 0; g < 4; g++) v[g] = (__m512bh)fa_e4_bf16(wv[g]);
+        for (int g0 = 0; g0 < 4; g0 += NG) {
+            __m512 acc[16][4];
+            for (int r = 0; r < RC; r++)
+                for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+            for (int kp = 0; kp < nk / 2; kp++) {
+                const char *row = vr[kp / 8] + (2 * kp % 16) * rb + d0;
+                const __m512i a = _mm512_maskz_loadu_epi8(m, row);
+                const __m512i b = _mm512_maskz_loadu_epi8(m, row + rb);
+                /* byte pairs (a[d], b[d]) for d = 16 L + 0..7 (t0), 16 L + 8..15 (t1); vector g
+                 * of their widening holds d = 16 L + 4 g + e in lane L, dword e */
+                const __m512i t0 = _mm512_unpacklo_epi8(a, b), t1 = _mm512_unpackhi_epi8(a, b);
+                __m512i wv[4];
+                __m512bh v[4];
+                for (int g = g0; g < g0 + NG; g++) {
+                    const __m512i t = g < 2 ? t0 : t1;
+                    wv[g - g0] = g & 1 ? _mm512_unpackhi_epi8(z, t) : _mm512_unpacklo_epi8(z, t);
+                }
+                if (fa_e4_any_tiny(a) | fa_e4_any_tiny(b)) {
+                    for (int g = 0; g < NG; g++)
+                        v[g] = (__m512bh)fa_e4_tiny(fa_e4_bf16(wv[g]), wv[g]);
+                } else {
+                    for (int g = 0; g < NG; g++) v[g] = (__m512bh)fa_e4_bf16(wv[g]);
+                }
+                for (int r = 0; r < RC; r++) {
+                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r * FA_LANES + kp]);
+                    for (int g = 0; g < NG; g++)
+                        acc[r][g] = _mm512_dpbf16_ps(acc[r][g], v[g], pb);
+                }
             }
             for (int r = 0; r < RC; r++) {
-                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r * FA_LANES + kp]);
-                for (int g = 0; g < 4; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], v[g], pb);
-            }
-        }
-        for (int r = 0; r < RC; r++) {
-            const vf al = _mm512_set1_ps(alpha[r]);
-            for (int g = 0; g < 4; g++) {
-                float *dst = o + r * hdp + d0 + 16 * g;
-                _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), al, acc[r][g]));
+                const vf al = _mm512_set1_ps(alpha[r]);
+                for (int g = 0; g < NG; g++) {
+                    float *dst = o + r * hdp + d0 + 16 * (g0 + g);
+                    _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), al, acc[r][g]));
+                }
             }
         }
     }
@@ -170,8 +180,11 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
         qr[r] = qb + (t0 + qi) * qs + h * hd;
         m[r] = sinks ? sinks[h] : -INFINITY; /* the sink: a key of value 0 */
         l[r] = sinks ? 1.0f : 0.0f;
-        memset(o + r * hdp, 0, sizeof(float) * (size_t)hdp);
     }
+    /* the value product runs 9..16 rows as 16: the rows past R keep p' = 0 and alpha = 1 */
+    memset(o, 0, sizeof(float) * (size_t)(FA_LANES * hdp));
+    for (int r = 0; r < FA_LANES; r++) alpha[r] = 1.0f;
+    memset(pp, 0, sizeof(uint32_t) * FA_LANES * FA_LANES);
     fa_e4_queries(qr, R, hd, hdp, qp);
     /* the row scales * 256 (kv_read_scale), keys' times the score scale */
     const vf kmul = _mm512_set1_ps(256.0f * scale), vmul = _mm512_set1_ps(256.0f);
@@ -227,21 +240,19 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
             _mm512_store_si512(pp + r * FA_LANES, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
         }
         if (!any) continue;
-        for (int r0 = 0; r0 < R; r0 += 4) {
-            const int rc = R - r0 < 4 ? R - r0 : 4;
-            float *orow = o + r0 * hdp;
-#define FA_E4_PV(RC) fa_e4_pv(orow, hdp, alpha + r0, pp + r0 * FA_LANES, RC, vr, rb, nk, hd);
-            if (rc == 4) {
-                FA_E4_PV(4)
-            } else if (rc == 3) {
-                FA_E4_PV(3)
-            } else if (rc == 2) {
-                FA_E4_PV(2)
-            } else {
-                FA_E4_PV(1)
-            }
-#undef FA_E4_PV
+#define FA_E4_PV(RC, NG) fa_e4_pv(o, hdp, alpha, pp, RC, NG, vr, rb, nk, hd)
+        switch (R) { /* rows 9..16: 16, the rows past R with p' = 0 */
+        case 1: FA_E4_PV(1, 4); break;
+        case 2: FA_E4_PV(2, 4); break;
+        case 3: FA_E4_PV(3, 4); break;
+        case 4: FA_E4_PV(4, 4); break;
+        case 5: FA_E4_PV(5, 2); break;
+        case 6: FA_E4_PV(6, 2); break;
+        case 7: FA_E4_PV(7, 2); break;
+        case 8: FA_E4_PV(8, 2); break;
+        default: FA_E4_PV(16, 1);
         }
+#undef FA_E4_PV
     }
     uint16_t *ob = out;
     for (int r = 0; r < R; r++) {

@@ -84,8 +84,8 @@ SHAPES = [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 
 INT8_DECODE_SHAPES = [(12, 2, 48, 16), (9, 3, 64, 16)]
 # e4m3 reads as int8 does but for the value conversion: the flash path (hd 64, 80) and the
 # tiers' vector and scalar tails (hd 33); the bf16 flash tiers' e4m3 decode in registers on
-# row blocks of 4 + 2 and of 3 with a part-filled 64-byte vector (hd 48), and hd 128
-E4M3_SHAPES = [(8, 2, 64, 16), (4, 4, 80, 16), (3, 1, 33, 16), (16, 2, 128, 32)]
+# 1, 3, 4, 6 (part-filled 64-byte vectors: hd 48), 8 and 12 (run as 16) rows per kv head
+E4M3_SHAPES = [(8, 2, 64, 16), (4, 4, 80, 16), (3, 1, 33, 16), (16, 2, 128, 32), (12, 1, 64, 16)]
 E4M3_SHAPES += INT8_DECODE_SHAPES
 READS = [(torch.int8, *s) for s in SHAPES + INT8_DECODE_SHAPES]
 READS += [(torch.float8_e5m2, *s) for s in SHAPES + INT8_DECODE_SHAPES]
