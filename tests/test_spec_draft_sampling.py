@@ -8,20 +8,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import spec_sampling_checks as checks
 import torch
-from spec_sampling_checks import (
-    SIGNIFICANCE,
-    K,
-    chain,
-    chi_squared_p,
-    continuation,
-    model_next_probs,
-    one_thread,
-    output_distribution,
-    random_prompt,
-    sampled_outputs,
-    target_pairs,
-)
+from spec_sampling_checks import one_thread
 from test_spec_draft import perturbed_copy
 
 from cpud import LLM
@@ -35,7 +24,7 @@ def draft_chain(q_logits: torch.Tensor):
     def propose(last: int, step_seed: int) -> tuple[list[int], torch.Tensor]:
         generator = torch.Generator().manual_seed(step_seed)
         drafts, q = [], []
-        for _ in range(K):
+        for _ in range(checks.K):
             probs = q_logits[last].softmax(-1)
             last = int(torch.multinomial(probs, 1, generator=generator))
             drafts.append(last)
@@ -48,22 +37,23 @@ def draft_chain(q_logits: torch.Tensor):
 @pytest.mark.slow
 @pytest.mark.parametrize("resample_residual", [True, False])
 def test_samples_follow_the_target_with_a_draft_q(resample_residual, one_thread):
-    target, draft = chain(1), chain(2)  # q far from p: many rejections
+    target, draft = checks.chain(1), checks.chain(2)  # q far from p: many rejections
     samples = 1500  # the wrong verifier's p-value is ~1e-137 at 2500
     propose = draft_chain(draft)
     observed = Counter(
-        continuation(target, 0, s, resample_residual, propose) for s in range(samples)
+        checks.continuation(target, 0, s, resample_residual, propose) for s in range(samples)
     )
-    p_value = chi_squared_p(observed, target_pairs(target, 0), samples)
+    p_value = checks.chi_squared_p(observed, checks.target_pairs(target, 0), samples)
     if resample_residual:
-        assert p_value > SIGNIFICANCE
+        assert p_value > checks.SIGNIFICANCE
     else:  # a rejected position drawn from p comes back as q's likely tokens too often
-        assert p_value < SIGNIFICANCE
+        assert p_value < checks.SIGNIFICANCE
 
 
 def test_seeded_rows_verify_the_same_way_every_time():
-    target, draft = chain(1), chain(2)
-    runs = {continuation(target, 3, 17, True, draft_chain(draft), length=6) for _ in range(3)}
+    target, draft = checks.chain(1), checks.chain(2)
+    propose = draft_chain(draft)
+    runs = {checks.continuation(target, 3, 17, True, propose, length=6) for _ in range(3)}
     assert len(runs) == 1
 
 
@@ -83,9 +73,9 @@ def test_engine_samples_follow_the_model_with_a_draft_model(model_factory, tmp_p
         "disable_by_batch_size": 4096,
     }
     llm = LLM(target, dtype="float32", max_model_len=64, speculative_config=config)
-    prompt = random_prompt(llm)
+    prompt = checks.random_prompt(llm)
     top_k = 3
-    expected, _ = output_distribution(model_next_probs(llm, prompt, top_k))
+    expected, _ = checks.output_distribution(checks.model_next_probs(llm, prompt, top_k))
     samples = 1200
-    observed = sampled_outputs(llm, prompt, top_k, samples)
-    assert chi_squared_p(observed, expected, samples) > SIGNIFICANCE
+    observed = checks.sampled_outputs(llm, prompt, top_k, samples)
+    assert checks.chi_squared_p(observed, expected, samples) > checks.SIGNIFICANCE
