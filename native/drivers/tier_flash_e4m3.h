@@ -182,9 +182,10 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
         l[r] = sinks ? 1.0f : 0.0f;
     }
     /* the value product runs 9..16 rows as 16: the rows past R keep p' = 0 and alpha = 1 */
-    memset(o, 0, sizeof(float) * (size_t)(FA_LANES * hdp));
-    for (int r = 0; r < FA_LANES; r++) alpha[r] = 1.0f;
-    memset(pp, 0, sizeof(uint32_t) * FA_LANES * FA_LANES);
+    const int rows = R <= 8 ? R : FA_LANES;
+    memset(o, 0, sizeof(float) * (size_t)(rows * hdp));
+    for (int r = 0; r < rows; r++) alpha[r] = 1.0f;
+    memset(pp, 0, sizeof(uint32_t) * FA_LANES * (size_t)rows);
     fa_e4_queries(qr, R, hd, hdp, qp);
     /* the row scales * 256 (kv_read_scale), keys' times the score scale */
     const vf kmul = _mm512_set1_ps(256.0f * scale), vmul = _mm512_set1_ps(256.0f);
