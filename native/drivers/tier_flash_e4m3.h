@@ -48,22 +48,28 @@ static ALWAYS_INLINE TGT int fa_e4_any_tiny(__m512i b) {
     return _mm512_testn_epi8_mask(b, _mm512_set1_epi8(0x78)) != 0;
 }
 
-/* The slot of d in a query row laid as key bytes unpack: within each 64 values, the low
- * unpack (words 0..31) holds d = 16 L + e and the high one (words 32..63) d = 16 L + 8 + e,
- * word 8 L + e of each (128-bit lane L, e < 8). */
-static ALWAYS_INLINE int64_t fa_e4_qslot(int64_t d) {
-    const int64_t base = d & ~(int64_t)63, i = d & 63;
-    return base + 32 * ((i >> 3) & 1) + 8 * (i >> 4) + (i & 7);
+/* Values [d, d + 32) of a row of hd bf16 (a mask for what lies inside it). */
+static ALWAYS_INLINE __mmask32 fa_e4_mask32(int64_t d, int64_t hd) {
+    return d >= hd ? 0 : hd - d >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << (hd - d)) - 1;
 }
 
-/* qp: [R][hdp] bf16 query rows qr in fa_e4_qslot order, zero past hd. */
+/* qp: [R][hdp] bf16 query rows qr, zero past hd, laid as the key bytes unpack: within each
+ * 64 values, the low unpack (words 0..31) holds d = 16 L + e and the high one (words 32..63)
+ * d = 16 L + 8 + e, word 8 L + e of each (128-bit lane L, e < 8). */
 static ALWAYS_INLINE TGT void fa_e4_queries(const uint16_t *const *qr, int R, int64_t hd,
                                             int64_t hdp, uint16_t *qp) {
-    for (int r = 0; r < R; r++) {
-        uint16_t *dst = qp + r * hdp;
-        memset(dst, 0, sizeof(uint16_t) * (size_t)hdp);
-        for (int64_t d = 0; d < hd; d++) dst[fa_e4_qslot(d)] = qr[r][d];
-    }
+    /* word 8 L + e of the low (high) half <- d = 16 L + e (16 L + 8 + e) of 64 */
+    const __m512i lo = _mm512_set_epi16(55, 54, 53, 52, 51, 50, 49, 48, 39, 38, 37, 36, 35, 34,
+                                        33, 32, 23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2,
+                                        1, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(8));
+    for (int r = 0; r < R; r++)
+        for (int64_t d = 0; d < hdp; d += 64) {
+            const __m512i a = _mm512_maskz_loadu_epi16(fa_e4_mask32(d, hd), qr[r] + d);
+            const __m512i b = _mm512_maskz_loadu_epi16(fa_e4_mask32(d + 32, hd), qr[r] + d + 32);
+            _mm512_storeu_si512(qp + r * hdp + d, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(qp + r * hdp + d + 32, _mm512_permutex2var_epi16(a, hi, b));
+        }
 }
 
 /* s[r] = sum_d q[d] e4m3[d] * 2^-8 of 16 keys (row j at kr + j * rb) in lanes, for RC <= 4
