@@ -264,10 +264,7 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
     uint16_t *ob = out;
     for (int r = 0; r < R; r++) {
         const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        float row[hdp];
-        for (int64_t d = 0; d < hd; d++) row[d] = o[r * hdp + fa_i8_slot(d)] * inv;
-        for (int64_t d = 0; d < hd; d += 16)
-            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d, _mm512_loadu_ps(row + d));
+        fa_slot_row_out(o + r * hdp, l[r] > 0.0f ? 1.0f / l[r] : 0.0f,
+                        ob + (t0 + qi) * os + h * hd, hd);
     }
 }

@@ -14,16 +14,27 @@
 
 #define FA_I8_TGT __attribute__((target("avx512vnni"))) TGT
 
-/* The d-order of o in the workspace: within each 64 values, element 16 g + 4 L + e holds
- * d = 16 L + 4 g + e (quad vector g, 128-bit lane L, dword e of the re-laid values). */
-static ALWAYS_INLINE int64_t fa_i8_slot(int64_t d) {
-    const int64_t base = d & ~(int64_t)63, i = d & 63;
-    return base + 16 * ((i >> 2) & 3) + 4 * (i >> 4) + (i & 3);
-}
-
 /* Bytes [d, d + 64) of a row of hd: a load mask for what lies inside it. */
 static ALWAYS_INLINE __mmask64 fa_i8_mask(int64_t d, int64_t hd) {
     return hd - d >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (hd - d)) - 1;
+}
+
+/* dst: [hd] bf16 = o * inv, o one row of the workspace in slot order: within each 64 values,
+ * element 16 g + 4 L + e holds d = 16 L + 4 g + e (quad vector g, 128-bit lane L, dword e of
+ * the re-laid values), so each 64 values are a 4 x 4 transpose of 128-bit lanes. */
+static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float inv, uint16_t *dst,
+                                              int64_t hd) {
+    const vf vi = _mm512_set1_ps(inv);
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+        const vf v0 = _mm512_loadu_ps(o + d0), v1 = _mm512_loadu_ps(o + d0 + 16);
+        const vf v2 = _mm512_loadu_ps(o + d0 + 32), v3 = _mm512_loadu_ps(o + d0 + 48);
+        const vf t0 = _mm512_shuffle_f32x4(v0, v1, 0x44), t1 = _mm512_shuffle_f32x4(v2, v3, 0x44);
+        const vf t2 = _mm512_shuffle_f32x4(v0, v1, 0xee), t3 = _mm512_shuffle_f32x4(v2, v3, 0xee);
+        const vf n[4] = {_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xdd),
+                         _mm512_shuffle_f32x4(t2, t3, 0x88), _mm512_shuffle_f32x4(t2, t3, 0xdd)};
+        for (int L = 0; L < 4 && d0 + 16 * L < hd; L++)
+            vf_st_bf16(dst + d0 + 16 * L, _mm512_mul_ps(n[L], vi));
+    }
 }
 
 /* q8 rows [R][hdp] (zero past hd) of the R query rows qr, their scales qd (times scale) and
@@ -236,10 +247,7 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
     uint16_t *ob = out;
     for (int r = 0; r < R; r++) {
         const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        float row[hdp];
-        for (int64_t d = 0; d < hd; d++) row[d] = o[r * hdp + fa_i8_slot(d)] * inv;
-        for (int64_t d = 0; d < hd; d += 16)
-            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d, _mm512_loadu_ps(row + d));
+        fa_slot_row_out(o + r * hdp, l[r] > 0.0f ? 1.0f / l[r] : 0.0f,
+                        ob + (t0 + qi) * os + h * hd, hd);
     }
 }

@@ -69,7 +69,7 @@ def test_sinks_bf16_prefill_row_groups(kern, nh, nkv, hd):
     assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e5m2])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e5m2, torch.float8_e4m3fn])
 def test_sinks_with_a_quantized_cache(kern, cache_dtype):
     seqs = PREFILL_SEQS["chunked-mixed"]
     q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), 8, 2, 64, 16, torch.bfloat16, 13)
