@@ -47,238 +47,196 @@ static ALWAYS_INLINE qxr qxr_of(const qtile *t) {
  * order, so a row's result does not depend on the rows beside it. */
 #define Q_HALF(nb) (((nb) + 1) / 2)
 
-/* Block b of one group: its quants and scales; pf: where this block's prefetches go. */
+/* Block b of a group: its quants and scales; pf: where this block's prefetches go. */
 typedef struct qblk {
     const uint8_t *q, *s;
     const char *pf;
 } qblk;
 
-/* The blk_<family> functions: block b of G groups side by side (k[G]; G 2 at M = 1, where one
- * broadcast of x then feeds two groups' dots) times MR rows of x, into acc[G][MR].  Each group's
- * operations, and their order, do not depend on G. */
-
-/* Q8_0 / Q4_0 / Q4_1: one scale (and min) per 32; wide: Q8_0's byte quants.  The first dot
- * chain starts at minus the type offset times x's block sum. */
-static ALWAYS_INLINE QTGT void blk_b32(const qblk *k, const int G, const qxr *x, const int MR,
-                                       const int qt, int64_t b, fv (*acc)[4]) {
+/* Q8_0 / Q4_0 / Q4_1 block b: one scale (and min) per 32; wide: Q8_0's byte quants.  The first
+ * dot chain starts at minus the type offset times x's block sum. */
+static ALWAYS_INLINE QTGT void blk_b32(const qblk *k, const qxr *x, const int MR, const int qt,
+                                       int64_t b, fv *acc) {
     const int wide = qt == CPUD_Q8_0;
     const int off = wide ? Q8_OFF : qt == CPUD_Q4_0 ? 8 : 0;
-    iv dot[2][4], dot2[2][4]; /* two chains per row: half the dependent dots */
+    const fv dw = fv_h16((const uint16_t *)k->s);
+    iv dot[4], dot2[4]; /* two chains per row: half the dependent dots */
     int32_t sx[4];
     for (int m = 0; m < MR; m++) {
         sx[m] = XS32(x, m, b);
-        for (int g = 0; g < G; g++) {
-            dot[g][m] = off ? iv_subs(iv_zero(), off * sx[m]) : iv_zero();
-            dot2[g][m] = iv_zero();
-        }
+        dot[m] = off ? iv_subs(iv_zero(), off * sx[m]) : iv_zero();
+        dot2[m] = iv_zero();
     }
-    for (int c = 0; c < (wide ? 8 : 4); c++)
-        for (int g = 0; g < G; g++) {
-            __builtin_prefetch(k[g].pf + c * 64, 0, 2);
-            const qv w = qv_ld(k[g].q + c * 64);
-            if (wide) {
-                for (int m = 0; m < MR; m++) {
-                    if (c & 1)
-                        dot2[g][m] = iv_dot8(dot2[g][m], w, XQ(x, m) + b * 32 + c * 4);
-                    else
-                        dot[g][m] = iv_dot8(dot[g][m], w, XQ(x, m) + b * 32 + c * 4);
-                }
-                continue;
-            }
-            const qv lo = qv_lo(w), hi = qv_hi16(w);
+    for (int c = 0; c < (wide ? 8 : 4); c++) {
+        __builtin_prefetch(k->pf + c * 64, 0, 2);
+        const qv w = qv_ld(k->q + c * 64);
+        if (wide) {
             for (int m = 0; m < MR; m++) {
-                dot[g][m] = iv_dot(dot[g][m], lo, XQ(x, m) + b * 32 + c * 8);
-                dot2[g][m] = iv_dot(dot2[g][m], hi, XQ(x, m) + b * 32 + c * 8 + 4);
+                if (c & 1)
+                    dot2[m] = iv_dot8(dot2[m], w, XQ(x, m) + b * 32 + c * 4);
+                else
+                    dot[m] = iv_dot8(dot[m], w, XQ(x, m) + b * 32 + c * 4);
             }
+            continue;
         }
-    for (int g = 0; g < G; g++) {
-        const fv dw = fv_h16((const uint16_t *)k[g].s);
+        const qv lo = qv_lo(w), hi = qv_hi16(w);
         for (int m = 0; m < MR; m++) {
-            const float dx = XD(x, m, b);
-            const iv v = wide ? iv_add(dot[g][m], dot2[g][m]) : iv_join_hi(dot[g][m], dot2[g][m]);
-            acc[g][m] = fv_fma(fv_cvt(v), fv_mul(dw, fv_set1(dx)), acc[g][m]);
-            if (q_fmt[qt].mins)
-                acc[g][m] = fv_fma(fv_h16((const uint16_t *)(k[g].s + 32)),
-                                   fv_set1(dx * (float)sx[m]), acc[g][m]);
+            dot[m] = iv_dot(dot[m], lo, XQ(x, m) + b * 32 + c * 8);
+            dot2[m] = iv_dot(dot2[m], hi, XQ(x, m) + b * 32 + c * 8 + 4);
         }
+    }
+    for (int m = 0; m < MR; m++) {
+        const float dx = XD(x, m, b);
+        const iv v = wide ? iv_add(dot[m], dot2[m]) : iv_join_hi(dot[m], dot2[m]);
+        acc[m] = fv_fma(fv_cvt(v), fv_mul(dw, fv_set1(dx)), acc[m]);
+        if (q_fmt[qt].mins)
+            acc[m] = fv_fma(fv_h16((const uint16_t *)(k->s + 32)), fv_set1(dx * (float)sx[m]), acc[m]);
     }
 }
 
-/* Q4_K / Q5_K: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high bits. */
-static ALWAYS_INLINE QTGT void blk_k45(const qblk *k, const int G, const qxr *x, const int MR,
-                                       const int qt, int64_t b, fv (*acc)[4]) {
+/* Q4_K / Q5_K block b: 8 sub-blocks of 32 per 256, w = d sc q - dmin mn; five: Q5_K's high
+ * bits. */
+static ALWAYS_INLINE QTGT void blk_k45(const qblk *k, const qxr *x, const int MR, const int qt,
+                                       int64_t b, fv *acc) {
     const int five = qt == CPUD_Q5_K, sub = q_fmt[qt].qbytes / 8;
-    fv d[2], dmin[2];
-    for (int g = 0; g < G; g++) {
-        d[g] = fv_h16((const uint16_t *)k[g].s);
-        dmin[g] = fv_h16((const uint16_t *)(k[g].s + 32));
-    }
+    const uint8_t *s = k->s;
+    const fv d = fv_h16((const uint16_t *)s), dmin = fv_h16((const uint16_t *)(s + 32));
     for (int j = 0; j < 8; j++) {
-        iv dot[2][4], dot2[2][4];
-        for (int g = 0; g < G; g++)
-            for (int m = 0; m < MR; m++) dot[g][m] = dot2[g][m] = iv_zero();
-        for (int g = 0; g < G; g++) {
-            const uint8_t *qj = k[g].q + j * sub;
-            const char *pj = k[g].pf + j * sub;
-            const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
-            if (five) __builtin_prefetch(pj + 256, 0, 2);
-            for (int c = 0; c < 4; c++) {
-                __builtin_prefetch(pj + c * 64, 0, 2);
-                const qv w = qv_ld(qj + c * 64);
-                qv lo = qv_lo(w), hi = five ? qv_hi(w) : qv_hi16(w);
-                if (five) {
-                    lo = qv_or(lo, qv_b4(hb, 2 * c));
-                    hi = qv_or(hi, qv_b4(hb, 2 * c + 1));
-                }
-                for (int m = 0; m < MR; m++) {
-                    const int8_t *xq = XQ(x, m) + b * 256 + j * 32 + c * 8;
-                    dot[g][m] = iv_dot(dot[g][m], lo, xq);
-                    dot2[g][m] = iv_dot(dot2[g][m], hi, xq + 4);
-                }
+        const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
+        const uint8_t *qj = k->q + j * sub;
+        const char *pj = k->pf + j * sub;
+        const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
+        if (five) __builtin_prefetch(pj + 256, 0, 2);
+        iv dot[4], dot2[4];
+        for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
+        for (int c = 0; c < 4; c++) {
+            __builtin_prefetch(pj + c * 64, 0, 2);
+            const qv w = qv_ld(qj + c * 64);
+            qv lo = qv_lo(w), hi = five ? qv_hi(w) : qv_hi16(w);
+            if (five) {
+                lo = qv_or(lo, qv_b4(hb, 2 * c));
+                hi = qv_or(hi, qv_b4(hb, 2 * c + 1));
+            }
+            for (int m = 0; m < MR; m++) {
+                const int8_t *xq = XQ(x, m) + b * 256 + j * 32 + c * 8;
+                dot[m] = iv_dot(dot[m], lo, xq);
+                dot2[m] = iv_dot(dot2[m], hi, xq + 4);
             }
         }
-        for (int g = 0; g < G; g++) {
-            const fv sc = fv_mul(d[g], fv_u8(k[g].s + 64 + j * 16));
-            const fv mn = fv_mul(dmin[g], fv_u8(k[g].s + 192 + j * 16));
-            for (int m = 0; m < MR; m++) {
-                const float dx = XD(x, m, b * 8 + j);
-                const iv v = five ? iv_add(dot[g][m], dot2[g][m]) : iv_join_hi(dot[g][m], dot2[g][m]);
-                acc[g][m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(dx)), acc[g][m]);
-                acc[g][m] = fv_fnma(mn, fv_set1(dx * (float)XS32(x, m, b * 8 + j)), acc[g][m]);
-            }
+        for (int m = 0; m < MR; m++) {
+            const float dx = XD(x, m, b * 8 + j);
+            const iv v = five ? iv_add(dot[m], dot2[m]) : iv_join_hi(dot[m], dot2[m]);
+            acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(dx)), acc[m]);
+            acc[m] = fv_fnma(mn, fv_set1(dx * (float)XS32(x, m, b * 8 + j)), acc[m]);
         }
     }
 }
 
-/* Q6_K: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
-static ALWAYS_INLINE QTGT void blk_q6k(const qblk *k, const int G, const qxr *x, const int MR,
-                                       const int qt, int64_t b, fv (*acc)[4]) {
+/* Q6_K block b: 16 sub-blocks of 16 per 256 with int8 scales, w = d sc (q - 32). */
+static ALWAYS_INLINE QTGT void blk_q6k(const qblk *k, const qxr *x, const int MR, const int qt,
+                                       int64_t b, fv *acc) {
     (void)qt;
-    fv d[2];
-    for (int g = 0; g < G; g++) d[g] = fv_h16((const uint16_t *)k[g].s);
+    const uint8_t *s = k->s;
+    const fv d = fv_h16((const uint16_t *)s);
     for (int j = 0; j < 8; j++)
         for (int h = 0; h < 2; h++) {
-            iv dot[2][4], dot2[2][4];
-            for (int m = 0; m < MR; m++)
-                for (int g = 0; g < G; g++) {
-                    dot[g][m] = iv_subs(iv_zero(), 32 * XS(x, m, b * 16 + 2 * j + h));
-                    dot2[g][m] = iv_zero();
-                }
-            for (int g = 0; g < G; g++) {
-                const uint8_t *qj = k[g].q + j * 384;
-                const char *pj = k[g].pf + j * 384;
-                const qv hb = qv_ld(qj + 256 + h * 64);
-                __builtin_prefetch(pj + 256 + h * 64, 0, 2);
-                for (int cc = 0; cc < 2; cc++) {
-                    const int c = 2 * h + cc;
-                    __builtin_prefetch(pj + c * 64, 0, 2);
-                    const qv w = qv_ld(qj + c * 64);
-                    const qv lo = qv_or(qv_lo(w), qv_b6(hb, 2 * cc));
-                    const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
-                    for (int m = 0; m < MR; m++) {
-                        const int8_t *xq = XQ(x, m) + b * 256 + j * 32 + c * 8;
-                        dot[g][m] = iv_dot(dot[g][m], lo, xq);
-                        dot2[g][m] = iv_dot(dot2[g][m], hi, xq + 4);
-                    }
+            const uint8_t *qj = k->q + j * 384;
+            const char *pj = k->pf + j * 384;
+            const qv hb = qv_ld(qj + 256 + h * 64);
+            __builtin_prefetch(pj + 256 + h * 64, 0, 2);
+            const fv sc = fv_mul(d, fv_i8((const int8_t *)s + 32 + (2 * j + h) * 16));
+            iv dot[4], dot2[4];
+            for (int m = 0; m < MR; m++) {
+                dot[m] = iv_subs(iv_zero(), 32 * XS(x, m, b * 16 + 2 * j + h));
+                dot2[m] = iv_zero();
+            }
+            for (int cc = 0; cc < 2; cc++) {
+                const int c = 2 * h + cc;
+                __builtin_prefetch(pj + c * 64, 0, 2);
+                const qv w = qv_ld(qj + c * 64);
+                const qv lo = qv_or(qv_lo(w), qv_b6(hb, 2 * cc));
+                const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *xq = XQ(x, m) + b * 256 + j * 32 + c * 8;
+                    dot[m] = iv_dot(dot[m], lo, xq);
+                    dot2[m] = iv_dot(dot2[m], hi, xq + 4);
                 }
             }
-            for (int g = 0; g < G; g++) {
-                const fv sc = fv_mul(d[g], fv_i8((const int8_t *)k[g].s + 32 + (2 * j + h) * 16));
-                for (int m = 0; m < MR; m++) {
-                    const iv v = iv_add(dot[g][m], dot2[g][m]);
-                    acc[g][m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(x, m, b * 8 + j))), acc[g][m]);
-                }
+            for (int m = 0; m < MR; m++) {
+                const iv v = iv_add(dot[m], dot2[m]);
+                acc[m] = fv_fma(fv_cvt(v), fv_mul(sc, fv_set1(XD(x, m, b * 8 + j))), acc[m]);
             }
         }
 }
 
-/* MXFP4: codes through qv_e2m1 to their doubled values + E2M1_OFF (taken off through x's block
- * sum), one E8M0 scale per 32: w = 2^(e - 128) * doubled value. */
-static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const int G, const qxr *x, const int MR,
-                                        const int qt, int64_t b, fv (*acc)[4]) {
+/* MXFP4 block b: codes through qv_e2m1 to their doubled values + E2M1_OFF (taken off through
+ * x's block sum), one E8M0 scale per 32: w = 2^(e - 128) * doubled value. */
+static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const qxr *x, const int MR, const int qt,
+                                        int64_t b, fv *acc) {
     (void)qt;
-    iv dot[2][4], dot2[2][4];
-    for (int m = 0; m < MR; m++)
-        for (int g = 0; g < G; g++) {
-            dot[g][m] = iv_subs(iv_zero(), E2M1_OFF * XS32(x, m, b));
-            dot2[g][m] = iv_zero();
-        }
-    for (int c = 0; c < 4; c++)
-        for (int g = 0; g < G; g++) {
-            __builtin_prefetch(k[g].pf + c * 64, 0, 2);
-            const qv w = qv_ld(k[g].q + c * 64);
-            const qv lo = qv_e2m1(qv_lo(w)), hi = qv_e2m1(qv_hi(w));
-            for (int m = 0; m < MR; m++) {
-                dot[g][m] = iv_dot(dot[g][m], lo, XQ(x, m) + b * 32 + c * 8);
-                dot2[g][m] = iv_dot(dot2[g][m], hi, XQ(x, m) + b * 32 + c * 8 + 4);
-            }
-        }
-    for (int g = 0; g < G; g++) {
-        const fv e = fv_e8m0_pre(k[g].s);
+    const fv e = fv_e8m0_pre(k->s);
+    iv dot[4], dot2[4];
+    for (int m = 0; m < MR; m++) {
+        dot[m] = iv_subs(iv_zero(), E2M1_OFF * XS32(x, m, b));
+        dot2[m] = iv_zero();
+    }
+    for (int c = 0; c < 4; c++) {
+        __builtin_prefetch(k->pf + c * 64, 0, 2);
+        const qv w = qv_ld(k->q + c * 64);
+        const qv lo = qv_e2m1(qv_lo(w)), hi = qv_e2m1(qv_hi(w));
         for (int m = 0; m < MR; m++) {
-            const iv v = iv_add(dot[g][m], dot2[g][m]);
-            acc[g][m] = fv_fma(fv_cvt(v), fv_e8m0_times(e, fv_set1(XD(x, m, b))), acc[g][m]);
+            dot[m] = iv_dot(dot[m], lo, XQ(x, m) + b * 32 + c * 8);
+            dot2[m] = iv_dot(dot2[m], hi, XQ(x, m) + b * 32 + c * 8 + 4);
         }
+    }
+    for (int m = 0; m < MR; m++) {
+        const iv v = iv_add(dot[m], dot2[m]);
+        acc[m] = fv_fma(fv_cvt(v), fv_e8m0_times(e, fv_set1(XD(x, m, b))), acc[m]);
     }
 }
 
-/* The tile of t over G consecutive groups: blk over both halves of each group's blocks, res[g]
- * [m] = first + second.  Block i of a half prefetches QPFD bytes ahead of itself; past the half's
- * end, that is in the same half of the group G further on, which this stream reads next. */
-#define TILE_TWO_HALVES(t, G, MR, blk, qt)                                                         \
+/* The tile of t: blk over both halves of the group's blocks side by side, res = first + second.
+ * Block i of a half prefetches QPFD bytes ahead of itself; past the half's end, that is in the
+ * next group's same half (a half's bytes further), which this stream reads next. */
+#define TILE_TWO_HALVES(t, MR, blk, qt)                                                            \
     do {                                                                                           \
         const qxr x = qxr_of(t);                                                                   \
-        const int64_t qb = q_fmt[qt].qbytes, sb = q_fmt[qt].sbytes, nb = (t)->nb, h = Q_HALF(nb);  \
-        fv acc[G][4], acc2[G][4];                                                                  \
-        for (int g = 0; g < G; g++)                                                                \
-            for (int m = 0; m < MR; m++) acc[g][m] = acc2[g][m] = fv_zero();                       \
+        const int64_t qb = q_fmt[qt].qbytes, sb = q_fmt[qt].sbytes, h = Q_HALF((t)->nb);          \
+        fv acc[4], acc2[4];                                                                        \
+        for (int m = 0; m < MR; m++) acc[m] = acc2[m] = fv_zero();                                 \
         for (int64_t i = 0; i < h; i++) {                                                          \
-            const int64_t pf1 = QPFD + ((i + 1) * qb + QPFD > h * qb ? (G * nb - h) * qb : 0);     \
-            const int64_t pf2 =                                                                    \
-                QPFD + ((h + i + 1) * qb + QPFD > nb * qb ? ((G - 1) * nb + h) * qb : 0);          \
-            qblk k[G];                                                                             \
-            for (int g = 0; g < G; g++) {                                                          \
-                const uint8_t *q = (t)->q + (g * nb + i) * qb;                                     \
-                k[g] = (qblk){q, (t)->s + (g * nb + i) * sb, (const char *)q + pf1};               \
-            }                                                                                      \
-            blk(k, G, &x, MR, qt, i, acc);                                                         \
-            if (h + i < nb) {                                                                      \
-                for (int g = 0; g < G; g++) {                                                      \
-                    k[g].q += h * qb;                                                              \
-                    k[g].s += h * sb;                                                              \
-                    k[g].pf = (const char *)k[g].q + pf2;                                          \
-                }                                                                                  \
-                blk(k, G, &x, MR, qt, h + i, acc2);                                                \
+            const int64_t pfo = QPFD + ((i + 1) * qb + QPFD > h * qb ? h * qb : 0);                \
+            qblk k = {(t)->q + i * qb, (t)->s + i * sb, (const char *)((t)->q + i * qb) + pfo};    \
+            blk(&k, &x, MR, qt, i, acc);                                                           \
+            if (h + i < (t)->nb) {                                                                 \
+                k.q += h * qb;                                                                     \
+                k.s += h * sb;                                                                     \
+                k.pf += h * qb;                                                                    \
+                blk(&k, &x, MR, qt, h + i, acc2);                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int g = 0; g < G; g++)                                                                \
-            for (int m = 0; m < MR; m++)                                                           \
-                fv_st((t)->res + (g * MR + m) * QR, fv_add(acc[g][m], acc2[g][m]));                \
+        for (int m = 0; m < MR; m++) fv_st((t)->res + m * QR, fv_add(acc[m], acc2[m]));           \
     } while (0)
 
 typedef void (*tile_fn)(const qtile *t);
 
-/* Per format of quant_formats.h: tile_<name>_<MR> for MR 1, 2, 4 on one group, and
- * tile_<name>_pair on two consecutive groups for one row of x (res [2][16]). */
+/* Per format of quant_formats.h: tile_<name>_<MR> for MR 1, 2, 4, on its family's blk. */
 #define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, qb, sb, family, ...) \
     static QTGT void tile_##name##_1(const qtile *t) {                                             \
-        TILE_TWO_HALVES(t, 1, 1, blk_##family, code);                                              \
+        TILE_TWO_HALVES(t, 1, blk_##family, code);                                                 \
     }                                                                                              \
     static QTGT void tile_##name##_2(const qtile *t) {                                             \
-        TILE_TWO_HALVES(t, 1, 2, blk_##family, code);                                              \
+        TILE_TWO_HALVES(t, 2, blk_##family, code);                                                 \
     }                                                                                              \
     static QTGT void tile_##name##_4(const qtile *t) {                                             \
-        TILE_TWO_HALVES(t, 1, 4, blk_##family, code);                                              \
-    }                                                                                              \
-    static QTGT void tile_##name##_pair(const qtile *t) {                                          \
-        TILE_TWO_HALVES(t, 2, 1, blk_##family, code);                                              \
+        TILE_TWO_HALVES(t, 4, blk_##family, code);                                                 \
     }
 #include "quant_formats.h"
 
-/* [qtype][MR 1, 2, 4; one row over two groups] */
+/* [qtype][MR 1, 2, 4] */
 #define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, ...)                 \
-    [code] = {tile_##name##_1, tile_##name##_2, tile_##name##_4, tile_##name##_pair},
-static const tile_fn q_tiles[][4] = {
+    [code] = {tile_##name##_1, tile_##name##_2, tile_##name##_4},
+static const tile_fn q_tiles[][3] = {
 #include "quant_formats.h"
 };
 
@@ -303,13 +261,6 @@ static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void 
         float res[4 * QR];
         qtile t = {pp->qs + g * nb * q_fmt[qt].qbytes, pp->sc + g * nb * q_fmt[qt].sbytes, a,
                    mc * QMC, nb, res};
-        if (M == 1 && task + 1 < t1 && task + 1 < first[i + 1]) { /* groups g, g + 1 */
-            q_tiles[qt][3](&t);
-            q_store(res, 1, 0, g, pp->N, pp->bias, o, odt, os);
-            q_store(res + QR, 1, 0, g + 1, pp->N, pp->bias, o, odt, os);
-            task++;
-            continue;
-        }
         while (t.m0 < m1) {
             const int64_t left = m1 - t.m0;
             const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
