@@ -141,7 +141,7 @@ class GrammarCompiler:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: str | None = None
         self._cache: ByteBoundedCache[StartedGrammar] = ByteBoundedCache(limits.cache_bytes)
-        self._pool = CompilePool(limits.compile_threads)
+        self._pool = CompilePool(limits.compile_threads, exit_wait_s=limits.compile_timeout)
         self._lock = threading.Lock()
         self._stats = CompileStats()
         self._trimmed_at = resident_bytes()
@@ -151,9 +151,9 @@ class GrammarCompiler:
         with self._lock:
             return self._tokenizer_locked()
 
-    def prepare_in_background(self) -> threading.Thread:
-        """Convert the tokenizer on a thread now, so that the first constrained request does
-        not wait for it on the server's event loop."""
+    def prepare_in_background(self) -> Future:
+        """Convert the tokenizer on a compile thread now, so that the first constrained
+        request does not wait for it on the server's event loop."""
 
         def prepare() -> None:
             try:
@@ -161,9 +161,7 @@ class GrammarCompiler:
             except RequestError:
                 pass  # kept, and reported to each constrained request
 
-        thread = threading.Thread(target=prepare, name="cpud-grammar-tokenizer", daemon=True)
-        thread.start()
-        return thread
+        return self._pool.submit(prepare)
 
     def _tokenizer_locked(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None and self._tokenizer_error is None:

@@ -4,10 +4,12 @@ when the request ends (its client left) before they start."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -73,14 +75,24 @@ def lower_priority() -> None:
 
 
 class CompilePool:
-    """Daemon threads (a compile left running never holds up the process's exit) taking
-    work in order; work whose future was cancelled before it started is skipped."""
+    """Daemon threads (a compile left running never holds up the process's exit for long)
+    taking work in order; work whose future was cancelled before it started is skipped.
 
-    def __init__(self, threads: int):
+    At interpreter exit the pool closes: queued work is cancelled, none starts after, and the
+    exit waits up to exit_wait_s for the work running. A daemon thread that retakes the GIL
+    while the interpreter finalizes is ended by pthread_exit, whose forced unwind through
+    llguidance's Rust frames crashes the process (SIGSEGV after all output was written)."""
+
+    def __init__(self, threads: int, exit_wait_s: float = 10.0):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._state = threading.Condition()
+        self._running = 0
+        self._closed = False
+        self._exit_wait_s = exit_wait_s
         for index in range(threads):
             name = f"cpud-grammar-{index}"
             threading.Thread(target=self._work, name=name, daemon=True).start()
+        atexit.register(self._close_at_exit)
 
     def submit(self, fn: Callable[[], T]) -> Future:
         """Runs fn on a compile thread; the future belongs to the caller's scope, if any."""
@@ -100,12 +112,34 @@ class CompilePool:
                 return
             future.cancel()
 
+    def close(self, wait_s: float) -> bool:
+        """Cancels the work not started, starts none after, and waits up to wait_s for the
+        work running; True when none is left running."""
+        with self._state:
+            self._closed = True
+        self.shutdown()
+        with self._state:
+            return self._state.wait_for(lambda: self._running == 0, timeout=wait_s)
+
+    def _close_at_exit(self) -> None:
+        if not self.close(self._exit_wait_s):
+            print(
+                f"cpud: a grammar compile was still running {self._exit_wait_s:g} s after "
+                "exit began; exiting without it",
+                file=sys.stderr,
+            )
+
     def _work(self) -> None:
         lower_priority()
         while True:
             future, fn = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
+            with self._state:
+                if self._closed:
+                    future.cancel()
+                    return
+                if not future.set_running_or_notify_cancel():
+                    continue
+                self._running += 1
             try:
                 result = fn()
             except BaseException as exc:  # handed to the waiting request, whatever it is
@@ -113,4 +147,8 @@ class CompilePool:
                 future.set_exception(exc.with_traceback(None))
             else:
                 future.set_result(result)
+            finally:
+                with self._state:
+                    self._running -= 1
+                    self._state.notify_all()
             del future, fn
