@@ -8,8 +8,9 @@
  * Both kinds of stacks run in one parallel region: the rows gathered (quantized stacks: x
  * quantized to int8 once per token row), a work list of (expert, weight groups, rows) items
  * for every routed expert's gate/up, the activation (and its int8 quantization) by row
- * shares, the down items, then the combine; each item writes its own rows and columns only,
- * so no two threads write one output.  Quantized items run the int8 tiles of cpud_qops.rows;
+ * shares, then down and combine (bf16 stacks: down items, then the combine by tokens;
+ * quantized stacks: each thread's share of the output columns, down then combine); each item
+ * writes its own rows and columns only, so no two threads write one output.  Quantized items run the int8 tiles of cpud_qops.rows;
  * bf16 items run the packed GEMM on their panels over all of the expert's rows. */
 #include <math.h>
 #include <omp.h>
@@ -67,8 +68,7 @@ static int job_prepare(cpud_moe_job *j) {
     }
     if (qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
         qbuf_alloc(&j->qa, pairs, I) ||
-        item_list(j->g.start, E, 2 * I, QR, QMC, &j->gu_items, &j->n_gu) ||
-        item_list(j->g.start, E, H, QR, QMC, &j->down_items, &j->n_down))
+        item_list(j->g.start, E, 2 * I, QR, QMC, &j->gu_items, &j->n_gu))
         return CPUD_ENOMEM;
     return CPUD_OK;
 }
@@ -98,7 +98,7 @@ static void job_run_bf16(cpud_moe_job *j) {
                              m->down_bias, (char *)j->y, CPUD_F32, H);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < j->T; t++)
-        combine_token(dtype, j->y, g->row_of, j->id, j->weights, t, k, H, j->out);
+        combine_token(dtype, j->y, g->row_of, j->id, j->weights, t, k, H, 0, H, j->out);
     if (failed) atomic_store(&j->failed, 1);
 }
 
@@ -131,15 +131,20 @@ static void job_run_quant(cpud_moe_job *j) {
     activation_rows(j->ops, dt, m, j->gu, j->act, r0, r1);
     quantize_rows(q, dt, j->act, r0, r1 - r0, I, &j->qa);
 #pragma omp barrier
-    run_items(q, dqt, j->down_items, j->n_down, &aa, (const uint8_t *)m->down,
-              (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, j->y, CPUD_F32, H);
-#pragma omp for schedule(static)
+    /* down and combine by output columns: this thread's weight groups of every routed
+     * expert, then the same columns of every token, so no barrier between them */
+    int64_t g0, g1;
+    share((H + QR - 1) / QR, &g0, &g1);
+    run_columns(q, dqt, g->start, m->E, &aa, (const uint8_t *)m->down,
+                (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, j->y, CPUD_F32, H, g0, g1);
+    const int64_t h0 = g0 * QR < H ? g0 * QR : H, h1 = g1 * QR < H ? g1 * QR : H;
     for (int64_t t = 0; t < j->T; t++)
-        combine_token(dt, j->y, g->row_of, j->id, j->weights, t, k, H, j->out);
+        combine_token(dt, j->y, g->row_of, j->id, j->weights, t, k, H, h0, h1, j->out);
+#pragma omp barrier
 }
 
 /* out = the routed experts' sum: every thread of the enclosing region calls it once (a
- * prepared job); the last loop's barrier ends it. */
+ * prepared job); a barrier ends it. */
 static void job_run(cpud_moe_job *j) {
     if (j->q)
         job_run_quant(j);

@@ -34,9 +34,11 @@ static void group_by_expert(const int32_t *ids, int64_t pairs, int64_t E, int64_
     free(fill);
 }
 
-/* out[t] = sum over t's slots, ascending expert, of weight * y[row of the slot]. */
+/* out[t] columns [h0, h1) = sum over t's slots, ascending expert, of weight * y[row of the
+ * slot]. */
 static void combine_token(int dt, const float *y, const int64_t *row_of, const int32_t *ids,
-                          const float *w, int64_t t, int64_t k, int64_t H, void *out) {
+                          const float *w, int64_t t, int64_t k, int64_t H, int64_t h0,
+                          int64_t h1, void *out) {
     int64_t order[CPUD_MOE_MAX_K];
     for (int64_t j = 0; j < k; j++) {
         int64_t i = j;
@@ -47,7 +49,7 @@ static void combine_token(int dt, const float *y, const int64_t *row_of, const i
         order[i] = j;
     }
     void *dst = (char *)out + t * H * dtype_size(dt);
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         float acc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             const int64_t slot = t * k + order[j];
@@ -190,6 +192,21 @@ static void run_items(const cpud_qops *q, int qt, const moe_item *items, int64_t
             q->rows(qt, a, qs + it->e * qb, sc + it->e * sb, bias_of(bias, it->e, n), out, odt, n,
                     it->m0, it->m1, g, n);
     }
+}
+
+/* One projection by output columns: weight groups [g0, g1) of every routed expert over all
+ * of its rows, in runs of QMC rows, on the calling thread (a share of the caller's team). */
+static void run_columns(const cpud_qops *q, int qt, const int64_t *start, int64_t E,
+                        const qact *a, const uint8_t *qs, const uint8_t *sc, int64_t qb,
+                        int64_t sb, intptr_t bias, void *out, int odt, int64_t n, int64_t g0,
+                        int64_t g1) {
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += QMC) {
+            const int64_t m1 = m0 + QMC < start[e + 1] ? m0 + QMC : start[e + 1];
+            for (int64_t g = g0; g < g1; g++)
+                q->rows(qt, a, qs + e * qb, sc + e * sb, bias_of(bias, e, n), out, odt, n, m0, m1,
+                        g, n);
+        }
 }
 
 /* Packed bf16 [n][K] stacks: elements of one expert, and of one panel of GEMM_NB rows. */
