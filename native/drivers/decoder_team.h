@@ -144,16 +144,26 @@ static int team_all_reduce(team *tm, char *x, int tid, int64_t *phase) {
     return team_sync(tm, phase);
 }
 
-/* The expert layer l on x in place (x complete): thread 0 routes and prepares, every thread
- * runs its share, thread 0 frees; whether the team stops. */
-static int team_moe(team *tm, const cpud_decoder_layer *l, int tid, int64_t *phase) {
+/* The expert layer l on x in place (called as the phase that completes x ends): thread 0
+ * allocates the step, every thread computes its share of the router logits, then of the
+ * experts, thread 0 frees; whether the team stops. */
+static int team_moe(team *tm, const cpud_decoder_layer *l, int tid, int nth, int64_t *phase) {
     if (tid == 0) {
         const int rc = cpud_moe_layer_begin(tm->ops, tm->isa, tm->d->dtype,
                                             (const cpud_moe *)l->moe, (const void *)tm->s->x,
                                             (void *)tm->s->x, tm->s->T, &tm->moe);
         if (rc) team_fail(tm, rc, *phase);
     }
-    if (team_sync(tm, phase)) return 1;
+    if (team_sync(tm, phase)) {
+        if (tid == 0 && tm->moe) cpud_moe_layer_end(tm->moe); /* begin sets NULL on failure */
+        return 1;
+    }
+    const int rc = cpud_moe_layer_router_part(tm->moe, tid, nth);
+    if (rc) team_fail(tm, rc, *phase);
+    if (team_sync(tm, phase)) {
+        if (tid == 0) cpud_moe_layer_end(tm->moe);
+        return 1;
+    }
     cpud_moe_layer_run(tm->moe);
     if (tid == 0) {
         const int rc = cpud_moe_layer_end(tm->moe);
@@ -228,7 +238,7 @@ static void team_run(team *tm, int tid, int nth) {
                                     d->eps);
         }
         if (l->moe) {
-            if (team_sync(tm, &phase) || team_moe(tm, l, tid, &phase)) break;
+            if (team_moe(tm, l, tid, nth, &phase)) break;
             if (team_all_reduce(tm, x, tid, &phase)) break;
             continue;
         }

@@ -24,8 +24,9 @@
 #include "quant.h"
 
 /* A step of one expert layer: its routing (weights, ids: T x k), grouping, work lists and
- * buffers.  job_prepare fills them, job_run computes (every thread of the enclosing parallel
- * region calls it: the worksharing loops inside bind to that region), job_free frees. */
+ * buffers.  job_alloc and job_group fill them (a layer job: job_run routes from the router
+ * logits first), job_run computes (every thread of the enclosing parallel region calls it: the
+ * worksharing loops inside bind to that region), job_free frees. */
 struct cpud_moe_job {
     const cpud_ops *ops;
     const cpud_qops *q; /* NULL: bf16 stacks */
@@ -42,35 +43,61 @@ struct cpud_moe_job {
     int64_t n_gu, n_down;
     char *xg, *gu, *act;        /* xg: bf16 stacks' gathered rows */
     float *y;
-    char *logits;               /* cpud_moe_layer_begin's router logits, weights and ids */
+    char *logits;               /* a layer job's router logits, weights and ids; NULL: routed */
     float *w;
     int32_t *ids;
     _Atomic int failed;
 };
 
-static int job_prepare(cpud_moe_job *j) {
+/* The step's buffers, which depend on T only (job_group fills the grouping's). */
+static int job_alloc(cpud_moe_job *j) {
     const cpud_moe *m = j->m;
     const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = j->T * k;
     const int es = dtype_size(j->dt);
     j->gu = malloc((size_t)(pairs * 2 * I * es));
     j->act = malloc((size_t)(pairs * I * es));
     j->y = malloc((size_t)(pairs * H) * sizeof *j->y);
-    if (group(j->id, pairs, E, &j->g) || !j->gu || !j->act || !j->y) return CPUD_ENOMEM;
+    j->g.start = malloc((size_t)(E + 1) * sizeof *j->g.start);
+    j->g.rows = malloc((size_t)pairs * sizeof *j->g.rows);
+    j->g.row_of = malloc((size_t)pairs * sizeof *j->g.row_of);
+    if (!j->gu || !j->act || !j->y || !j->g.start || !j->g.rows || !j->g.row_of)
+        return CPUD_ENOMEM;
+    if (!j->q) {
+        j->xg = malloc((size_t)(pairs * H * es));
+        return j->xg ? CPUD_OK : CPUD_ENOMEM;
+    }
+    if (qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
+        qbuf_alloc(&j->qa, pairs, I))
+        return CPUD_ENOMEM;
+    return CPUD_OK;
+}
+
+/* The routing (weights, id) grouped by expert, and the work lists. */
+static int job_group(cpud_moe_job *j) {
+    const cpud_moe *m = j->m;
+    const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = j->T * k;
+    if (group(j->id, pairs, E, &j->g)) return CPUD_ENOMEM;
     if (!j->q) {
         /* every item spans all of its expert's rows: the GEMM then picks its kernel as for one
          * call per expert, so the results are those of such calls, bit for bit */
-        j->xg = malloc((size_t)(pairs * H * es));
-        if (!j->xg ||
-            item_list(j->g.start, E, 2 * I, CPUD_GEMM_NB, pairs, &j->gu_items, &j->n_gu) ||
+        if (item_list(j->g.start, E, 2 * I, CPUD_GEMM_NB, pairs, &j->gu_items, &j->n_gu) ||
             item_list(j->g.start, E, H, CPUD_GEMM_NB, pairs, &j->down_items, &j->n_down))
             return CPUD_ENOMEM;
         return CPUD_OK;
     }
-    if (qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
-        qbuf_alloc(&j->qa, pairs, I) ||
-        item_list(j->g.start, E, 2 * I, QR, QMC, &j->gu_items, &j->n_gu))
-        return CPUD_ENOMEM;
-    return CPUD_OK;
+    return item_list(j->g.start, E, 2 * I, QR, QMC, &j->gu_items, &j->n_gu);
+}
+
+static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, float *w,
+                  int32_t *ids);
+
+/* A layer job's routing from its router logits and grouping (one thread; others may run
+ * beside it); a failure is left in j->failed. */
+static void job_route(cpud_moe_job *j) {
+    route(j->dt, j->logits, j->T, j->m, j->w, j->ids);
+    j->weights = j->w;
+    j->id = j->ids;
+    if (job_group(j)) atomic_store(&j->failed, 1);
 }
 
 static void job_run_bf16(cpud_moe_job *j) {
@@ -79,6 +106,11 @@ static void job_run_bf16(cpud_moe_job *j) {
     const int dtype = j->dt, es = dtype_size(dtype);
     const grouping *g = &j->g;
     int failed = 0;
+    if (j->logits) {
+        if (omp_get_thread_num() == 0) job_route(j);
+#pragma omp barrier
+        if (atomic_load(&j->failed)) return;
+    }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < pairs; r++) {
         g->row_of[g->rows[r]] = r;
@@ -116,7 +148,9 @@ static void job_run_quant(cpud_moe_job *j) {
     int64_t r0, r1;
     share(j->T, &r0, &r1);
     quantize_rows(q, dt, j->x, r0, r1 - r0, H, qx);
+    if (j->logits && omp_get_thread_num() == 0) job_route(j); /* beside the quantization */
 #pragma omp barrier
+    if (atomic_load(&j->failed)) return;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < pairs; r++) {
         const int64_t t = g->rows[r] / k;
@@ -168,7 +202,7 @@ static void job_free(cpud_moe_job *j) {
     free(j->ids);
 }
 
-/* A job's fields before job_prepare: quant: the quantized kernels for isa, or NULL. */
+/* A job's fields before job_alloc: quant: the quantized kernels for isa, or NULL. */
 static int job_init(cpud_moe_job *j, const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,
                     const void *x, void *out, int64_t T) {
     memset(j, 0, sizeof *j);
@@ -207,7 +241,8 @@ static int routed(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m, co
     if (rc) return rc;
     j.weights = weights;
     j.id = id;
-    rc = job_prepare(&j);
+    rc = job_alloc(&j);
+    if (!rc) rc = job_group(&j);
     if (!rc) {
 #pragma omp parallel
         job_run(&j);
@@ -299,24 +334,20 @@ int cpud_moe_layer_begin(const cpud_ops *ops, int isa, int dtype, const cpud_moe
     j->logits = malloc((size_t)(T * E * dtype_size(dtype)));
     j->w = malloc((size_t)(T * k) * sizeof *j->w);
     j->ids = malloc((size_t)(T * k) * sizeof *j->ids);
-    rc = CPUD_ENOMEM;
-    if (j->logits && j->w && j->ids) {
-        rc = ops->gemm_packed(x, dtype, m->H, (const uint16_t *)m->router,
-                              (const void *)m->router_bias, CPUD_F32, j->logits, dtype, E, T, E,
-                              m->H);
-        if (!rc) {
-            route(dtype, j->logits, T, m, j->w, j->ids);
-            j->weights = j->w;
-            j->id = j->ids;
-            rc = job_prepare(j);
-        }
-    }
+    rc = j->logits && j->w && j->ids ? job_alloc(j) : CPUD_ENOMEM;
     if (rc) {
         cpud_moe_layer_end(j);
         return rc;
     }
     *job = j;
     return CPUD_OK;
+}
+
+int cpud_moe_layer_router_part(cpud_moe_job *job, int tid, int nth) {
+    const cpud_moe *m = job->m;
+    return job->ops->gemm_packed_part(job->x, job->dt, m->H, (const uint16_t *)m->router,
+                                      (const void *)m->router_bias, CPUD_F32, job->logits,
+                                      job->dt, m->E, job->T, m->E, m->H, tid, nth);
 }
 
 void cpud_moe_layer_run(cpud_moe_job *job) { job_run(job); }
@@ -333,11 +364,17 @@ int cpud_moe_layer_ops(const cpud_ops *ops, int isa, int dtype, const cpud_moe *
     if (!moe_ok(dtype, m) || !m->router || T < 0) return CPUD_EARG;
     if (T == 0) return CPUD_OK;
     cpud_moe_job *j;
-    const int rc = cpud_moe_layer_begin(ops, isa, dtype, m, x, out, T, &j);
+    int rc = cpud_moe_layer_begin(ops, isa, dtype, m, x, out, T, &j);
     if (rc) return rc;
+    rc = ops->gemm_packed(x, dtype, m->H, (const uint16_t *)m->router,
+                          (const void *)m->router_bias, CPUD_F32, j->logits, dtype, m->E, T,
+                          m->E, m->H);
+    if (!rc) {
 #pragma omp parallel
-    cpud_moe_layer_run(j);
-    return cpud_moe_layer_end(j);
+        cpud_moe_layer_run(j);
+    }
+    const int end = cpud_moe_layer_end(j);
+    return rc ? rc : end;
 }
 
 int cpud_moe_layer(int isa, int dtype, const cpud_moe *m, intptr_t x, int64_t T, intptr_t out) {

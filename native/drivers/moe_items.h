@@ -91,11 +91,8 @@ typedef struct grouping {
     int64_t *start, *rows, *row_of;
 } grouping;
 
+/* g's arrays allocated: fills start and rows. */
 static int group(const int32_t *id, int64_t pairs, int64_t E, grouping *g) {
-    g->start = malloc((size_t)(E + 1) * sizeof *g->start);
-    g->rows = malloc((size_t)pairs * sizeof *g->rows);
-    g->row_of = malloc((size_t)pairs * sizeof *g->row_of);
-    if (!g->start || !g->rows || !g->row_of) return CPUD_ENOMEM;
     group_by_expert(id, pairs, E, g->start, g->rows);
     /* short of pairs: the grouping's scratch could not be allocated */
     return g->start[E] == pairs ? CPUD_OK : CPUD_ENOMEM;
