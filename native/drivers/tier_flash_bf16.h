@@ -347,17 +347,29 @@ static ALWAYS_INLINE void fa_pf_step(fa_pf *pf) {
     }
 }
 
+/* 16-bit interleave of rows a, b by _mm512_permutex2var_epi16(a, perm, b): dword i = (a[i], b[i])
+ * for i < 16 (*lo) and 16..31 (*hi). */
+static ALWAYS_INLINE TGT void fa_pair_perms(__m512i *lo, __m512i *hi) {
+    *lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                           6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    *hi = _mm512_add_epi16(*lo, _mm512_set1_epi16(16));
+}
+
+/* dst[0..32) = dwords (a[i], b[i]) of the 32 16-bit values of a and b (lo, hi: fa_pair_perms). */
+static ALWAYS_INLINE TGT void fa_store_pairs(uint32_t *dst, __m512i a, __m512i b, __m512i lo,
+                                             __m512i hi) {
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(a, hi, b));
+}
+
 /* vp: [nk/2][hd] = value pairs (V[2kp][d], V[2kp+1][d]) of keys [j0, j0 + nk)
  * (vb[u]: [16][hd] rows of sub-chunk u); rows outside [jlo, jhi] are zero.  One step of pf
  * per key pair. */
 static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const *vb, int64_t j0,
                                              int nk, int64_t jlo, int64_t jhi, int64_t hd,
                                              fa_pf *pf) {
-    /* 16-bit interleave of rows a, b: dword i = (a[i], b[i]) for i < 16 (lo), 16..31 (hi) */
-    const __m512i ilv_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
-                                            1, 32, 0);
-    const __m512i ilv_hi = _mm512_add_epi16(ilv_lo, _mm512_set1_epi16(16));
+    __m512i ilv_lo, ilv_hi;
+    fa_pair_perms(&ilv_lo, &ilv_hi);
     for (int kp = 0; kp < nk / 2; kp++) {
         const int64_t ja = j0 + 2 * kp, jb = ja + 1;
         const uint16_t *row = vb[kp / 8] + (2 * kp % 16) * hd;
@@ -369,8 +381,7 @@ static ALWAYS_INLINE TGT void fa_value_pairs(uint32_t *vp, const uint16_t *const
         for (; d + 32 <= hd; d += 32) {
             const __m512i a = va ? _mm512_loadu_si512(va + d) : _mm512_setzero_si512();
             const __m512i b = vb1 ? _mm512_loadu_si512(vb1 + d) : _mm512_setzero_si512();
-            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, ilv_lo, b));
-            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, ilv_hi, b));
+            fa_store_pairs(dst + d, a, b, ilv_lo, ilv_hi);
         }
         for (; d < hd; d += 16) { /* hd % 32 == 16: last 16 columns */
             const __m256i z = _mm256_setzero_si256();
@@ -422,6 +433,37 @@ static ALWAYS_INLINE void fa_pf_plan(fa_pf *pf, const att_item *it, const int32_
     fa_pf_spread(pf, steps);
 }
 
+/* Row r of an item (query r / G of those from token t0, head kvh * G + r % G): its place in a
+ * [tokens][heads][hd] array whose tokens are ts apart. */
+static ALWAYS_INLINE int64_t fa_row_at(const att_item *it, int64_t t0, int64_t G, int64_t r,
+                                       int64_t ts, int64_t hd) {
+    return (t0 + r / G) * ts + (it->kvh * G + r % G) * hd;
+}
+
+/* The first key a query at position p attends (the last is p). */
+static ALWAYS_INLINE int64_t fa_first_key(int64_t p, int64_t window) {
+    return (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+}
+
+/* dst: [hd] bf16 = o / l, zeros where l is 0 (a row that attended no key). */
+static ALWAYS_INLINE TGT void fa_row_out(const float *o, float l, uint16_t *dst, int64_t hd) {
+    const vf inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    for (int64_t d = 0; d < hd; d += 16)
+        vf_st_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+}
+
+/* kr[u], vr[u] (u < nsub): row 0 of the item's keys and values j0 + 16 u .. j0 + 16 u + 15,
+ * each 16-key sub-chunk inside one block. */
+static ALWAYS_INLINE void fa_chunk_rows(const char **kr, const char **vr, const att_item *it,
+                                        const int32_t *bt, int64_t max_blocks, const fa_cache *c,
+                                        int64_t nkv, int64_t bs, int64_t j0, int nsub) {
+    for (int u = 0; u < nsub; u++) {
+        const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
+        kr[u] = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, c->rb);
+        vr[u] = kv_row(c->v, phys, it->kvh, j % bs, nkv, bs, c->rb);
+    }
+}
+
 #include "tier_flash_quant.h"
 
 /* Key chunk [j0, j0 + 16 * nsub) of an item: kb gets its 16-key sub-blocks' key rows (in the
@@ -435,28 +477,26 @@ static ALWAYS_INLINE TGT int fa_chunk(fa_ws *w, const att_item *it, const int32_
                                       const fa_stream *st) {
     const int nsub = j0 + 16 <= jhi ? 2 : 1;
     const uint16_t *vb[2] = {NULL, NULL};
-    const char *vq[2] = {NULL, NULL}; /* quantized caches: the sub-chunks' value rows */
+    const char *kr[2], *vr[2];
+    fa_chunk_rows(kr, vr, it, bt, max_blocks, c, nkv, bs, j0, nsub);
     for (int u = 0; u < nsub; u++) {
-        const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
-        const char *kr = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, c->rb);
-        const char *vr = kv_row(c->v, phys, it->kvh, j % bs, nkv, bs, c->rb);
+        const int64_t j = j0 + 16 * u;
         if (c->kvt == CPUD_BF16) {
-            kb[u] = (const uint16_t *)kr;
-            vb[u] = (const uint16_t *)vr;
+            kb[u] = (const uint16_t *)kr[u];
+            vb[u] = (const uint16_t *)vr[u];
             continue;
         }
         /* only the rows the item attends: the others' scores are masked */
         const int64_t a = jlo > j ? jlo - j : 0, b = jhi < j + 15 ? jhi - j : 15;
         uint16_t *ks = w->kst + u * 16 * hd;
-        fa_dequant_rows(ks, kr, c->rb, c->kvt, a, b, hd);
+        fa_dequant_rows(ks, kr[u], c->rb, c->kvt, a, b, hd);
         kb[u] = ks;
-        vq[u] = vr;
     }
     fa_pf_plan(pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, steps, st);
     if (c->kvt == CPUD_BF16)
         fa_value_pairs(w->vp, vb, j0, 16 * nsub, jlo, jhi, hd, pf);
     else
-        fa_value_pairs_q(w->vp, vq, c->rb, c->kvt, j0, 16 * nsub, jlo, jhi, hd, pf);
+        fa_value_pairs_q(w->vp, vr, c->rb, c->kvt, j0, 16 * nsub, jlo, jhi, hd, pf);
     return nsub;
 }
 
@@ -482,11 +522,10 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
             int32_t lo = INT32_MAX, hi = -1;
             src[ln] = NULL;
             if (r < rows) {
-                const int64_t qi = r / G, h = it->kvh * G + r % G;
-                const int64_t p = ctx - q_len + it->q0 + qi;
+                const int64_t p = ctx - q_len + it->q0 + r / G;
                 hi = (int32_t)p;
-                lo = (int32_t)((window > 0 && p - window + 1 > 0) ? p - window + 1 : 0);
-                src[ln] = (const uint32_t *)(qb + (t0 + qi) * qs + h * hd);
+                lo = (int32_t)fa_first_key(p, window);
+                src[ln] = (const uint32_t *)(qb + fa_row_at(it, t0, G, r, qs, hd));
             }
             w->lo[g * FA_LANES + ln] = lo;
             w->hi[g * FA_LANES + ln] = hi;
@@ -541,16 +580,8 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
                   hd, live, active);
         }
     }
-    uint16_t *ob = out;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const float l = w->l[r];
-        const vf inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-        const float *o = w->o + r * hd;
-        for (int64_t d = 0; d < hd; d += 16)
-            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d,
-                       _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-    }
+    for (int64_t r = 0; r < rows; r++)
+        fa_row_out(w->o + r * hd, w->l[r], (uint16_t *)out + fa_row_at(it, t0, G, r, os, hd), hd);
 }
 
 /* a0..a3: 16 partial sums of keys 0..3 -> lane 4L + k: key k's partial sum over
@@ -634,6 +665,56 @@ static ALWAYS_INLINE TGT float fa_row_softmax(vf x0, vf x1, __mmask16 m0, __mmas
     return alpha;
 }
 
+/* The R rows of a decode item (row r: query r / G from token t0, head kvh * G + r % G): their
+ * query rows qr, the keys [lo, hi] each attends, and each one's online-softmax state (m, l),
+ * which starts from the sink, a key of value 0, where there is one. */
+typedef struct fa_few_rows {
+    int64_t G, t0;
+    const uint16_t *qr[FA_LANES];
+    int64_t lo[FA_LANES], hi[FA_LANES];
+    float m[FA_LANES], l[FA_LANES];
+} fa_few_rows;
+
+/* fr: the R rows of item it (arguments as fa_item_run_few). */
+static ALWAYS_INLINE void fa_few_rows_init(fa_few_rows *fr, const att_item *it, const void *q,
+                                           int64_t qs, const int32_t *qsl,
+                                           const int32_t *seq_lens, int64_t nh, int64_t nkv,
+                                           int64_t hd, int64_t window, const float *sinks, int R) {
+    const int64_t G = nh / nkv, t0 = qsl[it->s] + it->q0;
+    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
+    fr->G = G;
+    fr->t0 = t0;
+    for (int r = 0; r < R; r++) {
+        const int64_t p = ctx - q_len + it->q0 + r / G;
+        fr->hi[r] = p;
+        fr->lo[r] = fa_first_key(p, window);
+        fr->qr[r] = (const uint16_t *)q + fa_row_at(it, t0, G, r, qs, hd);
+        fr->m[r] = sinks ? sinks[it->kvh * G + r % G] : -INFINITY;
+        fr->l[r] = sinks ? 1.0f : 0.0f;
+    }
+}
+
+/* Row r's output in out (tokens os apart): [hd] bf16. */
+static ALWAYS_INLINE uint16_t *fa_few_out(const fa_few_rows *fr, const att_item *it, void *out,
+                                          int64_t os, int64_t hd, int r) {
+    return (uint16_t *)out + fa_row_at(it, fr->t0, fr->G, r, os, hd);
+}
+
+/* CALL(RC) with RC the constant equal to rc (1..4): the always-inline kernels CALL runs
+ * compile once per row count. */
+#define FA_FOR_RC(rc, CALL)     \
+    do {                        \
+        if ((rc) == 4) {        \
+            CALL(4)             \
+        } else if ((rc) == 3) { \
+            CALL(3)             \
+        } else if ((rc) == 2) { \
+            CALL(2)             \
+        } else {                \
+            CALL(1)             \
+        }                       \
+    } while (0)
+
 /* Work items of R < FA_MIN_ROWS rows (decode: one query x G heads): scores per
  * row with keys in lanes (no idle lanes), softmax per row, the same value
  * product as the row-group path.  Arguments as fa_item_run. */
@@ -652,23 +733,9 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
                              hd, bs, scale, window, sinks, R, st);
         return;
     }
-    const int64_t G = nh / nkv;
-    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
-    const int64_t t0 = qsl[it->s] + it->q0;
-    const uint16_t *qb = q;
-    const uint16_t *qr[FA_LANES];
-    int64_t lo[FA_LANES], hi[FA_LANES];
-    float m[FA_LANES], l[FA_LANES];
-    for (int r = 0; r < R; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const int64_t p = ctx - q_len + it->q0 + qi;
-        hi[r] = p;
-        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-        qr[r] = qb + (t0 + qi) * qs + h * hd;
-        m[r] = sinks ? sinks[h] : -INFINITY; /* the sink: a key of value 0 */
-        l[r] = sinks ? 1.0f : 0.0f;
-        memset(w->o + r * hd, 0, sizeof(float) * (size_t)hd);
-    }
+    fa_few_rows fr;
+    fa_few_rows_init(&fr, it, q, qs, qsl, seq_lens, nh, nkv, hd, window, sinks, R);
+    memset(w->o, 0, sizeof(float) * (size_t)(R * hd));
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     const vf vscale = _mm512_set1_ps(scale);
@@ -683,21 +750,13 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
         for (int rb = 0; rb < R; rb += 4) { /* 4 rows x 4 keys of accumulators at a time */
             const int rc = R - rb < 4 ? R - rb : 4;
-/* the value re-layout took nk / 2 of the chunk's nk prefetch steps; the first row block
- * takes the rest */
-#define FA_SR(RC)                                                                          \
-    fa_scores_rows(qr + rb, kb[0], hd, RC, s0 + rb, rb ? NULL : &pf);          \
-    if (nsub == 2)                                                                         \
-        fa_scores_rows(qr + rb, kb[1], hd, RC, s1 + rb, rb ? NULL : &pf);
-            if (rc == 4) {
-                FA_SR(4)
-            } else if (rc == 3) {
-                FA_SR(3)
-            } else if (rc == 2) {
-                FA_SR(2)
-            } else {
-                FA_SR(1)
-            }
+            /* the value re-layout took nk / 2 of the chunk's nk prefetch steps; the first row
+             * block takes the rest */
+            fa_pf *pp = rb ? NULL : &pf;
+#define FA_SR(RC)                                       \
+    fa_scores_rows(fr.qr + rb, kb[0], hd, RC, s0 + rb, pp); \
+    if (nsub == 2) fa_scores_rows(fr.qr + rb, kb[1], hd, RC, s1 + rb, pp);
+            FA_FOR_RC(rc, FA_SR);
 #undef FA_SR
         }
         int rescale = 0;
@@ -706,29 +765,22 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
             uint32_t *pr = w->p + r * FA_LANES;
             __mmask16 m0, m1;
             w->alpha[r] = 1.0f;
-            if (!fa_row_keys(lo[r], hi[r], j0, nk, &m0, &m1)) {
+            if (!fa_row_keys(fr.lo[r], fr.hi[r], j0, nk, &m0, &m1)) {
                 _mm512_store_si512(pr, _mm512_setzero_si512());
                 continue;
             }
             active |= (__mmask16)(1u << r);
             const vf x0 = _mm512_mul_ps(s0[r], vscale), x1 = _mm512_mul_ps(s1[r], vscale);
             vf p0, p1;
-            const float alpha = fa_row_softmax(x0, x1, m0, m1, m + r, l + r, &p0, &p1);
+            const float alpha = fa_row_softmax(x0, x1, m0, m1, fr.m + r, fr.l + r, &p0, &p1);
             w->alpha[r] = alpha;
             rescale |= alpha != 1.0f;
             _mm512_store_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
         fa_pv(w->o, w->alpha, rescale, w->p, 1, FA_LANES, w->vp, nk / 2, hd, R, active);
     }
-    uint16_t *ob = out;
-    for (int r = 0; r < R; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const vf inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-        const float *o = w->o + r * hd;
-        for (int64_t d = 0; d < hd; d += 16)
-            vf_st_bf16(ob + (t0 + qi) * os + h * hd + d,
-                       _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-    }
+    for (int r = 0; r < R; r++)
+        fa_row_out(w->o + r * hd, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd);
 }
 
 #include "tier_flash_int8.h"

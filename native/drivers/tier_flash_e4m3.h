@@ -168,45 +168,29 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
                                      int64_t nkv, int64_t hd, int64_t bs, float scale,
                                      int64_t window, const float *sinks, int R,
                                      const fa_stream *st) {
-    const int64_t G = nh / nkv, hdp = (hd + 63) & ~(int64_t)63, rb = c->rb;
-    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
-    const int64_t t0 = qsl[it->s] + it->q0;
-    const uint16_t *qb = q;
-    const uint16_t *qr[FA_LANES];
-    int64_t lo[FA_LANES], hi[FA_LANES];
-    float m[FA_LANES], l[FA_LANES], alpha[FA_LANES];
+    const int64_t hdp = (hd + 63) & ~(int64_t)63, rb = c->rb;
+    float alpha[FA_LANES];
     uint16_t *qp = (uint16_t *)w->qt; /* [R][hdp] */
     uint32_t *pp = w->p;              /* [R][16] */
     float *o = w->o;                  /* [R][hdp], slot order */
-    for (int r = 0; r < R; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const int64_t p = ctx - q_len + it->q0 + qi;
-        hi[r] = p;
-        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-        qr[r] = qb + (t0 + qi) * qs + h * hd;
-        m[r] = sinks ? sinks[h] : -INFINITY; /* the sink: a key of value 0 */
-        l[r] = sinks ? 1.0f : 0.0f;
-    }
+    fa_few_rows fr;
+    fa_few_rows_init(&fr, it, q, qs, qsl, seq_lens, nh, nkv, hd, window, sinks, R);
     /* the value product runs 9..16 rows as 16: the rows past R keep p' = 0 and alpha = 1 */
     const int rows = R <= 8 ? R : FA_LANES;
     memset(o, 0, sizeof(float) * (size_t)(rows * hdp));
     for (int r = 0; r < rows; r++) alpha[r] = 1.0f;
     memset(pp, 0, sizeof(uint32_t) * FA_LANES * (size_t)rows);
-    fa_e4_queries(qr, R, hd, hdp, qp);
+    fa_e4_queries(fr.qr, R, hd, hdp, qp);
     /* the row scales * 256 (kv_read_scale), keys' times the score scale */
     const vf kmul = _mm512_set1_ps(256.0f * scale), vmul = _mm512_set1_ps(256.0f);
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
-        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
         const char *kr[2], *vr[2];
-        for (int u = 0; u < nsub; u++) {
-            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
-            kr[u] = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, rb);
-            vr[u] = kv_row(c->v, phys, it->kvh, j % bs, nkv, bs, rb);
-        }
         fa_pf pf;
-        fa_pf_plan(&pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, 4 * nsub, st);
+        const int nsub =
+            fa_byte_chunk(kr, vr, &pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, st);
+        const int nk = 16 * nsub;
         __m512 s0[FA_LANES], s1[FA_LANES];
         for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
         for (int r0 = 0; r0 < R; r0 += 4) {
@@ -215,15 +199,7 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
 #define FA_E4_S(RC)                                                                            \
     fa_e4_scores(qp + r0 * hdp, hdp, kr[0], rb, hd, RC, s0 + r0, pq);                          \
     if (nsub == 2) fa_e4_scores(qp + r0 * hdp, hdp, kr[1], rb, hd, RC, s1 + r0, pq);
-            if (rc == 4) {
-                FA_E4_S(4)
-            } else if (rc == 3) {
-                FA_E4_S(3)
-            } else if (rc == 2) {
-                FA_E4_S(2)
-            } else {
-                FA_E4_S(1)
-            }
+            FA_FOR_RC(rc, FA_E4_S);
 #undef FA_E4_S
         }
         const vf ks0 = _mm512_mul_ps(fa_kv_scales(kr[0], rb, hd), kmul);
@@ -237,11 +213,11 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
             __mmask16 m0, m1;
             alpha[r] = 1.0f;
             _mm512_store_si512(pp + r * FA_LANES, _mm512_setzero_si512());
-            if (!fa_row_keys(lo[r], hi[r], j0, nk, &m0, &m1)) continue;
+            if (!fa_row_keys(fr.lo[r], fr.hi[r], j0, nk, &m0, &m1)) continue;
             any = 1;
             vf p0, p1;
             alpha[r] = fa_row_softmax(_mm512_mul_ps(s0[r], ks0), _mm512_mul_ps(s1[r], ks1), m0,
-                                      m1, m + r, l + r, &p0, &p1);
+                                      m1, fr.m + r, fr.l + r, &p0, &p1);
             /* p' = p * vd on the attended keys only (other rows' scales may be NaN bytes) */
             const vf w0 = _mm512_maskz_mul_ps(m0, p0, vs0), w1 = _mm512_maskz_mul_ps(m1, p1, vs1);
             _mm512_store_si512(pp + r * FA_LANES, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
@@ -261,10 +237,6 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
         }
 #undef FA_E4_PV
     }
-    uint16_t *ob = out;
-    for (int r = 0; r < R; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        fa_slot_row_out(o + r * hdp, l[r] > 0.0f ? 1.0f / l[r] : 0.0f,
-                        ob + (t0 + qi) * os + h * hd, hd);
-    }
+    for (int r = 0; r < R; r++)
+        fa_slot_row_out(o + r * hdp, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd);
 }

@@ -19,12 +19,13 @@ static ALWAYS_INLINE __mmask64 fa_i8_mask(int64_t d, int64_t hd) {
     return hd - d >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (hd - d)) - 1;
 }
 
-/* dst: [hd] bf16 = o * inv, o one row of the workspace in slot order: within each 64 values,
- * element 16 g + 4 L + e holds d = 16 L + 4 g + e (quad vector g, 128-bit lane L, dword e of
- * the re-laid values), so each 64 values are a 4 x 4 transpose of 128-bit lanes. */
-static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float inv, uint16_t *dst,
+/* dst: [hd] bf16 = o / l (zeros where l is 0), o one row of the workspace in slot order:
+ * within each 64 values, element 16 g + 4 L + e holds d = 16 L + 4 g + e (quad vector g,
+ * 128-bit lane L, dword e of the re-laid values), so each 64 values are a 4 x 4 transpose of
+ * 128-bit lanes. */
+static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t *dst,
                                               int64_t hd) {
-    const vf vi = _mm512_set1_ps(inv);
+    const vf vi = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
         const vf v0 = _mm512_loadu_ps(o + d0), v1 = _mm512_loadu_ps(o + d0 + 16);
         const vf v2 = _mm512_loadu_ps(o + d0 + 32), v3 = _mm512_loadu_ps(o + d0 + 48);
@@ -138,6 +139,19 @@ static ALWAYS_INLINE FA_I8_TGT void fa_i8_pv(float *o, int64_t hdp, const float 
     }
 }
 
+/* The 32-key chunk at j0 of a decode item on a cache of byte rows (int8, e4m3; keys [jlo, jhi],
+ * arguments as fa_item_run_few): kr, vr as fa_chunk_rows, pf planned over one step per 4 keys
+ * of the scores.  Returns its sub-chunks of 16 keys (1 or 2). */
+static ALWAYS_INLINE int fa_byte_chunk(const char **kr, const char **vr, fa_pf *pf,
+                                       const att_item *it, const int32_t *bt, int64_t max_blocks,
+                                       const fa_cache *c, int64_t nkv, int64_t bs, int64_t j0,
+                                       int64_t jlo, int64_t jhi, const fa_stream *st) {
+    const int nsub = j0 + 16 <= jhi ? 2 : 1;
+    fa_chunk_rows(kr, vr, it, bt, max_blocks, c, nkv, bs, j0, nsub);
+    fa_pf_plan(pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, 4 * nsub, st);
+    return nsub;
+}
+
 /* fa_item_run_few on an int8 cache (arguments as there). */
 static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const void *q, int64_t qs,
                                          const fa_cache *c, const int32_t *qsl,
@@ -146,39 +160,23 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
                                          int64_t nkv, int64_t hd, int64_t bs, float scale,
                                          int64_t window, const float *sinks, int R,
                                          const fa_stream *st) {
-    const int64_t G = nh / nkv, hdp = (hd + 63) & ~(int64_t)63, rb = c->rb;
-    const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
-    const int64_t t0 = qsl[it->s] + it->q0;
-    const uint16_t *qb = q;
-    const uint16_t *qr[FA_LANES];
-    int64_t lo[FA_LANES], hi[FA_LANES];
-    float m[FA_LANES], l[FA_LANES], qd[FA_LANES], off[FA_LANES], cq[FA_LANES];
-    int8_t *q8 = (int8_t *)w->kst;    /* [R][hdp] */
-    uint8_t *pu = (uint8_t *)w->p;    /* [R][FA_CHUNK] */
-    float *o = w->o;                  /* [R][hdp], slot order */
-    for (int r = 0; r < R; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const int64_t p = ctx - q_len + it->q0 + qi;
-        hi[r] = p;
-        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-        qr[r] = qb + (t0 + qi) * qs + h * hd;
-        m[r] = sinks ? sinks[h] : -INFINITY; /* the sink: a key of value 0 */
-        l[r] = sinks ? 1.0f : 0.0f;
-        memset(o + r * hdp, 0, sizeof(float) * (size_t)hdp);
-    }
-    fa_i8_queries(qr, R, hd, hdp, scale, q8, qd, off);
+    const int64_t hdp = (hd + 63) & ~(int64_t)63, rb = c->rb;
+    float qd[FA_LANES], off[FA_LANES], cq[FA_LANES];
+    int8_t *q8 = (int8_t *)w->kst; /* [R][hdp] */
+    uint8_t *pu = (uint8_t *)w->p; /* [R][FA_CHUNK] */
+    float *o = w->o;               /* [R][hdp], slot order */
+    fa_few_rows fr;
+    fa_few_rows_init(&fr, it, q, qs, qsl, seq_lens, nh, nkv, hd, window, sinks, R);
+    memset(o, 0, sizeof(float) * (size_t)(R * hdp));
+    fa_i8_queries(fr.qr, R, hd, hdp, scale, q8, qd, off);
     int64_t jlo, jhi;
     att_item_keys(it, qsl, seq_lens, window, &jlo, &jhi);
     for (int64_t j0 = jlo & ~(int64_t)15; j0 <= jhi; j0 += FA_CHUNK) {
-        const int nsub = j0 + 16 <= jhi ? 2 : 1, nk = 16 * nsub;
         const char *kr[2], *vr[2];
-        for (int u = 0; u < nsub; u++) {
-            const int64_t j = j0 + 16 * u, phys = bt[it->s * max_blocks + j / bs];
-            kr[u] = kv_row(c->k, phys, it->kvh, j % bs, nkv, bs, rb);
-            vr[u] = kv_row(c->v, phys, it->kvh, j % bs, nkv, bs, rb);
-        }
         fa_pf pf;
-        fa_pf_plan(&pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, 4 * nsub, st);
+        const int nsub =
+            fa_byte_chunk(kr, vr, &pf, it, bt, max_blocks, c, nkv, bs, j0, jlo, jhi, st);
+        const int nk = 16 * nsub;
         __m512 s0[FA_LANES], s1[FA_LANES];
         for (int r = 0; r < R; r++) s1[r] = _mm512_setzero_ps();
         for (int r0 = 0; r0 < R; r0 += 4) {
@@ -187,15 +185,7 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
 #define FA_I8_S(RC)                                                                            \
     fa_i8_scores(q8 + r0 * hdp, hdp, kr[0], rb, hd, RC, s0 + r0, pp);                          \
     if (nsub == 2) fa_i8_scores(q8 + r0 * hdp, hdp, kr[1], rb, hd, RC, s1 + r0, pp);
-            if (rc == 4) {
-                FA_I8_S(4)
-            } else if (rc == 3) {
-                FA_I8_S(3)
-            } else if (rc == 2) {
-                FA_I8_S(2)
-            } else {
-                FA_I8_S(1)
-            }
+            FA_FOR_RC(rc, FA_I8_S);
 #undef FA_I8_S
         }
         const vf ks0 = fa_kv_scales(kr[0], rb, hd), vs0 = fa_kv_scales(vr[0], rb, hd);
@@ -208,13 +198,13 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
             alpha[r] = 1.0f;
             cq[r] = 0.0f;
             memset(pu + r * FA_CHUNK, 0, FA_CHUNK);
-            if (!fa_row_keys(lo[r], hi[r], j0, nk, &m0, &m1)) continue;
+            if (!fa_row_keys(fr.lo[r], fr.hi[r], j0, nk, &m0, &m1)) continue;
             any = 1;
             const vf vo = _mm512_set1_ps(off[r]), vq = _mm512_set1_ps(qd[r]);
             const vf x0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(s0[r], vo), vq), ks0);
             const vf x1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(s1[r], vo), vq), ks1);
             vf p0, p1;
-            alpha[r] = fa_row_softmax(x0, x1, m0, m1, m + r, l + r, &p0, &p1);
+            alpha[r] = fa_row_softmax(x0, x1, m0, m1, fr.m + r, fr.l + r, &p0, &p1);
             /* p' = p * vd on the attended keys only (other rows' scales may be NaN bytes) */
             const vf w0 = _mm512_maskz_mul_ps(m0, p0, vs0), w1 = _mm512_maskz_mul_ps(m1, p1, vs1);
             const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
@@ -232,22 +222,10 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
             float *orow = o + r0 * hdp;
 #define FA_I8_PV(RC)                                                                           \
     fa_i8_pv(orow, hdp, alpha + r0, cq + r0, pu + r0 * FA_CHUNK, RC, vr, rb, nk, hd);
-            if (rc == 4) {
-                FA_I8_PV(4)
-            } else if (rc == 3) {
-                FA_I8_PV(3)
-            } else if (rc == 2) {
-                FA_I8_PV(2)
-            } else {
-                FA_I8_PV(1)
-            }
+            FA_FOR_RC(rc, FA_I8_PV);
 #undef FA_I8_PV
         }
     }
-    uint16_t *ob = out;
-    for (int r = 0; r < R; r++) {
-        const int64_t qi = r / G, h = it->kvh * G + r % G;
-        fa_slot_row_out(o + r * hdp, l[r] > 0.0f ? 1.0f / l[r] : 0.0f,
-                        ob + (t0 + qi) * os + h * hd, hd);
-    }
+    for (int r = 0; r < R; r++)
+        fa_slot_row_out(o + r * hdp, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd);
 }

@@ -37,11 +37,8 @@ static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
-    /* rows a, b -> dword i = (a[i], b[i]), i < 16 (lo) and 16..31 (hi), as fa_value_pairs */
-    const __m512i ilv_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
-                                            1, 32, 0);
-    const __m512i ilv_hi = _mm512_add_epi16(ilv_lo, _mm512_set1_epi16(16));
+    __m512i ilv_lo, ilv_hi; /* as fa_value_pairs */
+    fa_pair_perms(&ilv_lo, &ilv_hi);
     for (int kp = 0; kp < nk / 2; kp++) {
         const int64_t ja = j0 + 2 * kp, jb = ja + 1;
         const char *row = vr[kp / 8] + (2 * kp % 16) * rb;
@@ -56,8 +53,7 @@ static ALWAYS_INLINE TGT void fa_value_pairs_q(uint32_t *vp, const char *const *
             const __m512i z = _mm512_setzero_si512();
             const __m512i a = row_a ? fa_e5m2_bf16x32((const uint8_t *)row_a + d) : z;
             const __m512i b = row_b ? fa_e5m2_bf16x32((const uint8_t *)row_b + d) : z;
-            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, ilv_lo, b));
-            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, ilv_hi, b));
+            fa_store_pairs(dst + d, a, b, ilv_lo, ilv_hi);
         }
         for (; d < hd; d += 16) {
             const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(fa_qvals(row_b, d, kvt, db),
