@@ -3,6 +3,7 @@ reference. Chosen once per runner and passed to every layer; nothing switches at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -124,26 +125,48 @@ class TorchOps:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(query)
-        for seq, (start, qlen, ctx) in enumerate(
-            zip(meta.query_starts, meta.query_lens, meta.seq_lens)
-        ):
-            table = meta.block_tables[seq]
-            keys = gather_context(key_cache, table, ctx, query.dtype)
-            values = gather_context(value_cache, table, ctx, query.dtype)
-            q = query[start : start + qlen].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=causal_mask(qlen, ctx, sliding_window),
-                scale=scale,
-                enable_gqa=True,
+        def attend(
+            q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+        ) -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
-            out[start : start + qlen] = attn.transpose(0, 1)
-        return out
+
+        return paged_attention_per_sequence(
+            query, key, value, kv_cache, meta, sliding_window, attend, query.dtype
+        )
+
+
+# (q [nh, q_len, hd], keys [nkv, ctx, hd], values, mask [q_len, ctx] or None) -> [nh, q_len, hd]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def paged_attention_per_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    sliding_window: int | None,
+    attend: Attend,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """ops.attention's contract in torch, one sequence at a time: writes key/value into the
+    caches, then attend(q [nh, q_len, hd], keys, values [nkv, ctx, hd] read as dtype
+    (gather_context), causal mask [q_len, ctx] or None) -> [nh, q_len, hd] per sequence."""
+    key_cache, value_cache = kv_cache
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    out = torch.empty_like(query)
+    for seq, (start, qlen, ctx) in enumerate(
+        zip(meta.query_starts, meta.query_lens, meta.seq_lens)
+    ):
+        table = meta.block_tables[seq]
+        keys = gather_context(key_cache, table, ctx, dtype)
+        values = gather_context(value_cache, table, ctx, dtype)
+        q = query[start : start + qlen].transpose(0, 1)
+        attn = attend(q, keys, values, causal_mask(qlen, ctx, sliding_window))
+        out[start : start + qlen] = attn.transpose(0, 1)
+    return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpud.ranks.layers.base import Layer
-from cpud.ranks.paged_kv import AttentionMetadata, causal_mask, gather_context, write_kv
+from cpud.ranks.ops import paged_attention_per_sequence
+from cpud.ranks.paged_kv import AttentionMetadata
 
 if TYPE_CHECKING:
     from cpud.ranks.ops import Ops
@@ -57,20 +58,13 @@ def paged_sink_attention(
 ) -> torch.Tensor:
     """ops.attention's contract with sinks, in torch: query [T, nh, hd], key/value [T, nkv, hd]
     -> [T, nh, hd]; writes the KV cache."""
-    key_cache, value_cache = kv_cache
-    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-    out = torch.empty_like(query)
-    for seq, (start, qlen, ctx) in enumerate(
-        zip(meta.query_starts, meta.query_lens, meta.seq_lens)
-    ):
-        table = meta.block_tables[seq]
-        keys = gather_context(key_cache, table, ctx)
-        values = gather_context(value_cache, table, ctx)
-        q = query[start : start + qlen].transpose(0, 1)
-        mask = causal_mask(qlen, ctx, sliding_window)
-        attn = sink_attention(q, keys, values, sinks, scale, mask)
-        out[start : start + qlen] = attn.transpose(0, 1)
-    return out
+
+    def attend(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        return sink_attention(q, keys, values, sinks, scale, mask)
+
+    return paged_attention_per_sequence(query, key, value, kv_cache, meta, sliding_window, attend)
 
 
 class PagedAttention(Layer):
