@@ -51,6 +51,29 @@ def load_base(path: Path) -> Any:
     return mod.lib
 
 
+def add_ab_args(ap: argparse.ArgumentParser) -> None:
+    """The options of every paired A/B script: the baseline library, the tiers, the threads."""
+    ap.add_argument("--base", type=Path, required=True, help="baseline _cpud_native*.so")
+    ap.add_argument("--isas", nargs="+", default=None, help="tiers (default: all this CPU runs)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+
+
+def start_ab(args: argparse.Namespace) -> tuple[list[str], Any]:
+    """Checks add_ab_args' options and sets the threads: (the tiers to run, the baseline lib)."""
+    if not native.available():
+        raise SystemExit(f"error: native kernels not available: {native.load_error()}")
+    if not args.base.is_file():
+        raise SystemExit(f"error: --base {args.base} is not a file")
+    isas = args.isas or native.supported_isas()
+    unknown = [i for i in isas if i not in native.supported_isas()]
+    if unknown:
+        raise SystemExit(
+            f"error: this CPU does not run {unknown}; it runs {native.supported_isas()}"
+        )
+    torch.set_num_threads(args.threads)
+    return isas, load_base(args.base)
+
+
 def gemm(lib: Any, isa: int, x: torch.Tensor, p: native.PackedWeight, out: torch.Tensor) -> None:
     rc = lib.cpud_gemm_packed(
         isa, x.data_ptr(), CODES[x.dtype], x.stride(0), p.data.data_ptr(), 0, 0,
@@ -104,26 +127,13 @@ def case(base: Any, isa: str, n: int, k: int, m: int, pool_mib: int, reps: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", type=Path, required=True, help="baseline _cpud_native*.so")
-    ap.add_argument("--isas", nargs="+", default=None, help="tiers (default: all this CPU runs)")
+    add_ab_args(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--pool-mib", type=int, default=256, help="weight copies per shape (>> L3)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
-    if not native.available():
-        raise SystemExit(f"error: native kernels not available: {native.load_error()}")
-    if not args.base.is_file():
-        raise SystemExit(f"error: --base {args.base} is not a file")
-    isas = args.isas or native.supported_isas()
-    unknown = [i for i in isas if i not in native.supported_isas()]
-    if unknown:
-        raise SystemExit(
-            f"error: this CPU does not run {unknown}; it runs {native.supported_isas()}"
-        )
-    torch.set_num_threads(args.threads)
-    base = load_base(args.base)
+    isas, base = start_ab(args)
     rows = []
     print("| isa | layer | N | K | M | base ms | new ms | new/base (IQR) | identical |")
     print("|---|---|---:|---:|---:|---:|---:|---|---|")

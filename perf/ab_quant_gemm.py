@@ -1,6 +1,6 @@
 """Paired A/B of the quantized GEMM: a baseline build of the native library against this tree's.
 
-Both libraries are loaded into one process (ab_gemm_split.load_base) and called in turns on the
+Both libraries are loaded into one process (ab_gemm_split.start_ab) and called in turns on the
 same packed weights, inputs and threads; every timed sweep walks copies of the weight on huge
 pages totalling --pool-mib, so the weights come from memory as in decode.  Per case: median GB/s
 of the GGUF bytes of each side, the paired ratio new/base with its spread, and the read probe of
@@ -19,12 +19,11 @@ import argparse
 import dataclasses
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from ab_gemm_split import load_base
+from ab_gemm_split import add_ab_args, start_ab
 from bench_quant_kernels import ReadProbe, huge_copy, random_rows, raw_call
 
 from cpud import native
@@ -79,27 +78,14 @@ def case(base: Any, isa: str, flags: int, fmt: str, n: int, k: int, m: int, args
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", type=Path, required=True, help="baseline _cpud_native*.so")
-    ap.add_argument("--isas", nargs="+", default=None, help="tiers (default: all this CPU runs)")
+    add_ab_args(ap)
     ap.add_argument("--no-vnni", action="store_true", help="also each tier's vpmaddubsw kernels")
     ap.add_argument("--formats", nargs="+", default=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--pool-mib", type=int, default=640, help="weight copies per case (>> L3)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
-    if not native.available():
-        raise SystemExit(f"error: native kernels not available: {native.load_error()}")
-    if not args.base.is_file():
-        raise SystemExit(f"error: --base {args.base} is not a file")
-    isas = args.isas or native.supported_isas()
-    unknown = [i for i in isas if i not in native.supported_isas()]
-    if unknown:
-        raise SystemExit(
-            f"error: this CPU does not run {unknown}; it runs {native.supported_isas()}"
-        )
-    torch.set_num_threads(args.threads)
-    base = load_base(args.base)
+    isas, base = start_ab(args)
     args.probe = ReadProbe(1 << 30)
     print("| isa | format | N x K | M | base GB/s | new GB/s | probe GB/s | new/base speed (IQR) |")
     print("|---|---|---|---:|---:|---:|---:|---|")
