@@ -16,7 +16,12 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 from test_gguf_quantized import prefill_logits, runner
 from test_gpt_oss_gguf import write_gpt_oss_gguf
-from test_moe_gguf_quant import quant_moe, stack_types, tp_logits  # noqa: F401 (fixture)
+from test_moe_gguf_quant import (  # noqa: F401 (quant_moe: a fixture)
+    one_torch_thread,
+    quant_moe,
+    stack_types,
+    tp_logits,
+)
 from test_tp_sharding import logits_with
 
 from cpud.model.gguf_model import check_gguf_split, read_gguf_model
@@ -107,12 +112,8 @@ def test_fused_experts_tp2_equal_the_separate_file(files):
     """Each rank takes its intermediate rows of the gate half and of the up half."""
     plain, fused = files
     prompt = prompt_of(20, seed=2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         got, want = tp_logits(fused, prompt, 2), tp_logits(plain, prompt, 2)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -161,10 +162,6 @@ def test_fused_biases_tp2_equal_the_separate_file(gpt_oss_files):
     plain, fused = gpt_oss_files(T.F32)
     check_gguf_split(read_gguf_model(fused), 2)
     prompt = prompt_of(20, seed=2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         got, want = logits_with(fused, prompt, 2), logits_with(plain, prompt, 2)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -6,7 +6,9 @@ TP=2 against TP=1, the weight cache, and the experts' resident bytes against the
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -112,6 +114,17 @@ def test_quantized_experts_greedy_tokens(arch, preset, mix, quant_moe, hf_models
     assert sum(p > 0 for p in prefixes) >= 2 and sum(prefixes) >= 12, prefixes
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread inside: the ranks of tp_logits run as threads of this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tp_logits(path, prompt: list[int], tp: int) -> torch.Tensor:
     cfg = load_model_config(path)
     plan = StepPlan(0, [SeqWork(0, prompt, 0, list(range(-(-len(prompt) // 16))), False)])
@@ -132,12 +145,8 @@ def test_tp2_equals_tp1(arch, preset, mix, quant_moe):
     ranks' partial sums add up to the single rank's logits (fp32: up to summation order)."""
     path, _ = quant_moe(arch, preset, mix)
     prompt = prompt_of(20, seed=2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         full, sharded = tp_logits(path, prompt, 1), tp_logits(path, prompt, 2)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(sharded, full, rtol=1e-3, atol=1e-3 * float(full.std()))
 
 
