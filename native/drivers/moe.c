@@ -5,13 +5,14 @@
  * out in ascending expert order, rounding as transformers' index_add does (exact in fp32, bf16
  * steps for bf16).
  *
- * Both kinds of stacks run in one parallel region: the rows gathered (quantized stacks: x
- * quantized to int8 once per token row), a work list of (expert, weight groups, rows) items
- * for every routed expert's gate/up, the activation (and its int8 quantization) by row
- * shares, then down and combine (bf16 stacks: down items, then the combine by tokens;
- * quantized stacks: each thread's share of the output columns, down then combine); each item
- * writes its own rows and columns only, so no two threads write one output.  Quantized items run the int8 tiles of cpud_qops.rows;
- * bf16 items run the packed GEMM on their panels over all of the expert's rows. */
+ * Both kinds of stacks run in one parallel region.  bf16 stacks: the rows gathered, work
+ * lists of (expert, weight groups, rows) items for every routed expert's gate/up (the packed
+ * GEMM on their panels over all of the expert's rows), the activation by row shares, the down
+ * items, then the combine by tokens.  Quantized stacks (the int8 tiles of cpud_qops.rows): x
+ * quantized to int8 once per token row (gathered in sorted order only where an expert has
+ * several rows), then each thread's share of the intermediate columns (gate/up of every
+ * routed expert, the activation, its int8 quantization), a barrier, then its share of the
+ * output columns (down, then the combine).  No two threads write one output. */
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
@@ -42,6 +43,7 @@ struct cpud_moe_job {
     moe_item *gu_items, *down_items;
     int64_t n_gu, n_down;
     char *xg, *gu, *act;        /* xg: bf16 stacks' gathered rows */
+    char *tmp;                  /* quantized stacks: activation_columns' scratch */
     float *y;
     char *logits;               /* a layer job's router logits, weights and ids; NULL: routed */
     float *w;
@@ -66,7 +68,8 @@ static int job_alloc(cpud_moe_job *j) {
         j->xg = malloc((size_t)(pairs * H * es));
         return j->xg ? CPUD_OK : CPUD_ENOMEM;
     }
-    if (qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
+    j->tmp = malloc((size_t)(pairs * 2 * I * es));
+    if (!j->tmp || qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
         qbuf_alloc(&j->qa, pairs, I))
         return CPUD_ENOMEM;
     return CPUD_OK;
@@ -85,7 +88,7 @@ static int job_group(cpud_moe_job *j) {
             return CPUD_ENOMEM;
         return CPUD_OK;
     }
-    return item_list(j->g.start, E, 2 * I, QR, QMC, &j->gu_items, &j->n_gu);
+    return CPUD_OK;
 }
 
 static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, float *w,
@@ -113,7 +116,6 @@ static void job_run_bf16(cpud_moe_job *j) {
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < pairs; r++) {
-        g->row_of[g->rows[r]] = r;
         memcpy(j->xg + r * H * es, (const char *)j->x + g->rows[r] / k * H * es, (size_t)(H * es));
     }
     failed |= run_bf16_items(j->ops, dtype, j->gu_items, j->n_gu, j->xg, H,
@@ -138,38 +140,53 @@ static void job_run_quant(cpud_moe_job *j) {
     const cpud_moe *m = j->m;
     const cpud_qops *q = j->q;
     const int64_t k = m->k, H = m->H, I = m->I, pairs = j->T * k;
-    const int dt = j->dt, gqt = m->gate_up_qtype, dqt = m->down_qtype;
+    const int dt = j->dt, es = dtype_size(dt), gqt = m->gate_up_qtype, dqt = m->down_qtype;
     int64_t guq, gus, dq, dsb;
     q_bytes(gqt, 2 * I, H, &guq, &gus);
     q_bytes(dqt, H, I, &dq, &dsb);
     const grouping *g = &j->g;
-    const qbuf *qx = &j->qx, *qg = &j->qg;
-    const qact ag = {qg->q, qg->d, qg->s, H}, aa = {j->qa.q, j->qa.d, j->qa.s, I};
+    const qbuf *qx = &j->qx, *qg = &j->qg, *qa = &j->qa;
+    const qact ax = {qx->q, qx->d, qx->s, H}, ag = {qg->q, qg->d, qg->s, H};
+    const qact aa = {qa->q, qa->d, qa->s, I};
     int64_t r0, r1;
     share(j->T, &r0, &r1);
     quantize_rows(q, dt, j->x, r0, r1 - r0, H, qx);
     if (j->logits && omp_get_thread_num() == 0) job_route(j); /* beside the quantization */
 #pragma omp barrier
     if (atomic_load(&j->failed)) return;
+    if (g->multi) { /* experts of several rows read them gathered in sorted order */
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < pairs; r++) {
-        const int64_t t = g->rows[r] / k;
-        g->row_of[g->rows[r]] = r;
-        memcpy(qg->q + r * H, qx->q + t * H, (size_t)H);
-        memcpy(qg->d + r * (H / 32), qx->d + t * (H / 32), (size_t)(H / 32) * sizeof(float));
-        memcpy(qg->s + r * (H / 16), qx->s + t * (H / 16), (size_t)(H / 16) * sizeof(int32_t));
+        for (int64_t r = 0; r < pairs; r++) {
+            const int64_t t = g->rows[r] / k;
+            memcpy(qg->q + r * H, qx->q + t * H, (size_t)H);
+            memcpy(qg->d + r * (H / 32), qx->d + t * (H / 32), (size_t)(H / 32) * sizeof(float));
+            memcpy(qg->s + r * (H / 16), qx->s + t * (H / 16),
+                   (size_t)(H / 16) * sizeof(int32_t));
+        }
     }
-    run_items(q, gqt, j->gu_items, j->n_gu, &ag, (const uint8_t *)m->gate_up,
-              (const uint8_t *)m->gate_up_sc, guq, gus, m->gate_up_bias, j->gu, dt, 2 * I);
-    share(pairs, &r0, &r1);
-    activation_rows(j->ops, dt, m, j->gu, j->act, r0, r1);
-    quantize_rows(q, dt, j->act, r0, r1 - r0, I, &j->qa);
+    /* gate/up, the activation and its int8 quantization by intermediate columns: this
+     * thread's share in runs of 32, their gate and up weight groups of every routed expert,
+     * so no barrier between them */
+    int64_t c0, c1;
+    share(I / 32, &c0, &c1);
+    c0 *= 32;
+    c1 *= 32;
+    const qact *direct = g->multi ? NULL : &ax;
+    const uint8_t *guw = (const uint8_t *)m->gate_up, *gus_ = (const uint8_t *)m->gate_up_sc;
+    run_columns(q, gqt, g, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu, dt,
+                2 * I, c0 / QR, c1 / QR);
+    run_columns(q, gqt, g, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu, dt,
+                2 * I, (I + c0) / QR, (I + c1) / QR);
+    activation_columns(j->ops, dt, m, j->gu, j->act, pairs, c0, c1, j->tmp + pairs * 2 * c0 * es);
+    for (int64_t r = 0; r < pairs && c1 > c0; r++)
+        q->quantize(j->act + (r * I + c0) * es, dt, I, 1, c1 - c0, qa->q + r * I + c0,
+                    qa->d + r * (I / 32) + c0 / 32, qa->s + r * (I / 16) + c0 / 16);
 #pragma omp barrier
     /* down and combine by output columns: this thread's weight groups of every routed
      * expert, then the same columns of every token, so no barrier between them */
     int64_t g0, g1;
     share((H + QR - 1) / QR, &g0, &g1);
-    run_columns(q, dqt, g->start, m->E, &aa, (const uint8_t *)m->down,
+    run_columns(q, dqt, g, m->E, k, &aa, NULL, (const uint8_t *)m->down,
                 (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, j->y, CPUD_F32, H, g0, g1);
     const int64_t h0 = g0 * QR < H ? g0 * QR : H, h1 = g1 * QR < H ? g1 * QR : H;
     for (int64_t t = 0; t < j->T; t++)
@@ -194,6 +211,7 @@ static void job_free(cpud_moe_job *j) {
     free(j->gu_items);
     free(j->down_items);
     free(j->xg);
+    free(j->tmp);
     free(j->gu);
     free(j->act);
     free(j->y);

@@ -60,11 +60,12 @@ static void combine_token(int dt, const float *y, const int64_t *row_of, const i
     }
 }
 
-/* act rows [r0, r1) = the clamped SwiGLU of gpt-oss on gu's gate | up halves. */
+/* act rows [r0, r1), columns [c0, c1) = the clamped SwiGLU of gpt-oss on gu's gate | up
+ * halves. */
 static void swiglu_oai_rows(int dt, const void *gu, void *act, int64_t r0, int64_t r1,
-                            int64_t I, float alpha, float limit) {
+                            int64_t c0, int64_t c1, int64_t I, float alpha, float limit) {
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t i = 0; i < I; i++) {
+        for (int64_t i = c0; i < c1; i++) {
             const float g = fminf(ld1(gu, r * 2 * I + i, dt), limit);
             const float u = fmaxf(fminf(ld1(gu, r * 2 * I + I + i, dt), limit), -limit);
             st1(act, r * I + i, (u + 1.0f) * (g / (1.0f + expf(-alpha * g))), dt);
@@ -76,26 +77,51 @@ static void activation_rows(const cpud_ops *ops, int dt, const cpud_moe *m, cons
     const int es = dtype_size(dt);
     if (r1 <= r0) return;
     if (m->activation == CPUD_MOE_SWIGLU_OAI)
-        swiglu_oai_rows(dt, gu, act, r0, r1, m->I, m->swiglu_alpha, m->swiglu_limit);
+        swiglu_oai_rows(dt, gu, act, r0, r1, 0, m->I, m->I, m->swiglu_alpha, m->swiglu_limit);
     else
         ops->silu_and_mul(dt, gu + r0 * 2 * m->I * es, 2 * m->I, act + r0 * m->I * es, m->I,
                           r1 - r0, m->I);
+}
+
+/* act columns [c0, c1) (c0 a multiple of 32) of rows [0, rows); silu: through tmp [rows][2
+ * (c1 - c0)], the gate and up columns side by side, so that each element takes the path (vector
+ * or tail) it takes in a whole row. */
+static void activation_columns(const cpud_ops *ops, int dt, const cpud_moe *m, const char *gu,
+                               char *act, int64_t rows, int64_t c0, int64_t c1, char *tmp) {
+    const int es = dtype_size(dt);
+    const int64_t I = m->I, w = c1 - c0;
+    if (rows <= 0 || w <= 0) return;
+    if (m->activation == CPUD_MOE_SWIGLU_OAI) {
+        swiglu_oai_rows(dt, gu, act, 0, rows, c0, c1, I, m->swiglu_alpha, m->swiglu_limit);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(tmp + r * 2 * w * es, gu + (r * 2 * I + c0) * es, (size_t)(w * es));
+        memcpy(tmp + (r * 2 + 1) * w * es, gu + (r * 2 * I + I + c0) * es, (size_t)(w * es));
+    }
+    ops->silu_and_mul(dt, tmp, 2 * w, act + c0 * es, I, rows, w);
 }
 
 static const float *bias_of(intptr_t bias, int64_t e, int64_t n) {
     return bias ? (const float *)bias + e * n : NULL;
 }
 
-/* The routing, grouped: start [E + 1], rows, row_of [pairs] (sorted row of each pair). */
+/* The routing, grouped: start [E + 1], rows, row_of [pairs] (sorted row of each pair);
+ * multi: some expert has two rows or more. */
 typedef struct grouping {
     int64_t *start, *rows, *row_of;
+    int multi;
 } grouping;
 
-/* g's arrays allocated: fills start and rows. */
+/* g's arrays allocated: fills them. */
 static int group(const int32_t *id, int64_t pairs, int64_t E, grouping *g) {
     group_by_expert(id, pairs, E, g->start, g->rows);
     /* short of pairs: the grouping's scratch could not be allocated */
-    return g->start[E] == pairs ? CPUD_OK : CPUD_ENOMEM;
+    if (g->start[E] != pairs) return CPUD_ENOMEM;
+    for (int64_t r = 0; r < pairs; r++) g->row_of[g->rows[r]] = r;
+    g->multi = 0;
+    for (int64_t e = 0; e < E; e++) g->multi |= g->start[e + 1] - g->start[e] > 1;
+    return CPUD_OK;
 }
 
 static void ungroup(grouping *g) {
@@ -178,32 +204,32 @@ static int item_list(const int64_t *start, int64_t E, int64_t n, int64_t unit, i
     return CPUD_OK;
 }
 
-/* One projection's items: out rows (dtype odt, row stride n) from a's rows. */
-static void run_items(const cpud_qops *q, int qt, const moe_item *items, int64_t count,
-                      const qact *a, const uint8_t *qs, const uint8_t *sc, int64_t qb, int64_t sb,
-                      intptr_t bias, void *out, int odt, int64_t n) {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; i++) {
-        const moe_item *it = &items[i];
-        for (int64_t g = it->g0; g < it->g1; g++)
-            q->rows(qt, a, qs + it->e * qb, sc + it->e * sb, bias_of(bias, it->e, n), out, odt, n,
-                    it->m0, it->m1, g, n);
-    }
-}
-
 /* One projection by output columns: weight groups [g0, g1) of every routed expert over all
- * of its rows, in runs of QMC rows, on the calling thread (a share of the caller's team). */
-static void run_columns(const cpud_qops *q, int qt, const int64_t *start, int64_t E,
-                        const qact *a, const uint8_t *qs, const uint8_t *sc, int64_t qb,
-                        int64_t sb, intptr_t bias, void *out, int odt, int64_t n, int64_t g0,
-                        int64_t g1) {
-    for (int64_t e = 0; e < E; e++)
+ * of its rows (a: in sorted order), in runs of QMC rows, on the calling thread (a share of the
+ * caller's team).  With ax (x's rows by token), an expert of one row reads its token's row
+ * there: the same int8 row as the sorted copy. */
+static void run_columns(const cpud_qops *q, int qt, const grouping *gr, int64_t E, int64_t k,
+                        const qact *a, const qact *ax, const uint8_t *qs, const uint8_t *sc,
+                        int64_t qb, int64_t sb, intptr_t bias, void *out, int odt, int64_t n,
+                        int64_t g0, int64_t g1) {
+    const int64_t *start = gr->start;
+    const int os = dtype_size(odt);
+    for (int64_t e = 0; e < E; e++) {
+        const float *b = bias_of(bias, e, n);
+        if (ax && start[e + 1] - start[e] == 1) {
+            const int64_t r = start[e], t = gr->rows[r] / k, K = ax->K;
+            const qact one = {ax->q + t * K, ax->d + t * (K / 32), ax->s + t * (K / 16), K};
+            for (int64_t g = g0; g < g1; g++)
+                q->rows(qt, &one, qs + e * qb, sc + e * sb, b, (char *)out + r * n * os, odt, n,
+                        0, 1, g, n);
+            continue;
+        }
         for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += QMC) {
             const int64_t m1 = m0 + QMC < start[e + 1] ? m0 + QMC : start[e + 1];
             for (int64_t g = g0; g < g1; g++)
-                q->rows(qt, a, qs + e * qb, sc + e * sb, bias_of(bias, e, n), out, odt, n, m0, m1,
-                        g, n);
+                q->rows(qt, a, qs + e * qb, sc + e * sb, b, out, odt, n, m0, m1, g, n);
         }
+    }
 }
 
 /* Packed bf16 [n][K] stacks: elements of one expert, and of one panel of GEMM_NB rows. */
