@@ -32,6 +32,27 @@
 
 _Static_assert(FA_MIN_ROWS <= FA_LANES + 1, "fa_item_run_few holds at most 16 rows");
 
+/* CALL(N) with N the constant equal to n (1..3, or 1..4), so the always-inline kernels CALL
+ * runs compile once per count. */
+#define FA_FOR_1TO3(n, CALL)      \
+    do {                          \
+        if ((n) == 3) {           \
+            CALL(3)               \
+        } else if ((n) == 2) {    \
+            CALL(2)               \
+        } else {                  \
+            CALL(1)               \
+        }                         \
+    } while (0)
+#define FA_FOR_1TO4(n, CALL)      \
+    do {                          \
+        if ((n) == 4) {           \
+            CALL(4)               \
+        } else {                  \
+            FA_FOR_1TO3(n, CALL); \
+        }                         \
+    } while (0)
+
 static ALWAYS_INLINE int fa_usable(int dt, int64_t hd, int64_t bs) {
     return dt == CPUD_BF16 && hd % 16 == 0 && bs % 16 == 0;
 }
@@ -166,13 +187,7 @@ static ALWAYS_INLINE TGT void fa_scores(const uint32_t *qt, const uint32_t *cons
         fa_scores8(q, kj, 32, sg, NGC);                \
     else                                               \
         fa_scores8(q, kj, hp, sg, NGC);
-            if (NG == 3) {
-                FA_S(3)
-            } else if (NG == 2) {
-                FA_S(2)
-            } else {
-                FA_S(1)
-            }
+            FA_FOR_1TO3(NG, FA_S);
 #undef FA_S
         }
     }
@@ -232,13 +247,7 @@ static ALWAYS_INLINE TGT void fa_pv(float *o, const float *alpha, int rescale, c
         fa_pv_rows(orow, ar, rescale, pr0, pk, pr, vp, nkp, hd, RT, 4);        \
     else                                                              \
         fa_pv_rows(orow, ar, rescale, pr0, pk, pr, vp, nkp, hd, RT, 1);
-        if (rt == 3) {
-            FA_PV_NV(3)
-        } else if (rt == 2) {
-            FA_PV_NV(2)
-        } else {
-            FA_PV_NV(1)
-        }
+        FA_FOR_1TO3(rt, FA_PV_NV);
 #undef FA_PV_NV
         r += rt;
     }
@@ -700,21 +709,6 @@ static ALWAYS_INLINE uint16_t *fa_few_out(const fa_few_rows *fr, const att_item 
     return (uint16_t *)out + fa_row_at(it, fr->t0, fr->G, r, os, hd);
 }
 
-/* CALL(RC) with RC the constant equal to rc (1..4): the always-inline kernels CALL runs
- * compile once per row count. */
-#define FA_FOR_RC(rc, CALL)     \
-    do {                        \
-        if ((rc) == 4) {        \
-            CALL(4)             \
-        } else if ((rc) == 3) { \
-            CALL(3)             \
-        } else if ((rc) == 2) { \
-            CALL(2)             \
-        } else {                \
-            CALL(1)             \
-        }                       \
-    } while (0)
-
 /* Work items of R < FA_MIN_ROWS rows (decode: one query x G heads): scores per
  * row with keys in lanes (no idle lanes), softmax per row, the same value
  * product as the row-group path.  Arguments as fa_item_run. */
@@ -756,7 +750,7 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
 #define FA_SR(RC)                                       \
     fa_scores_rows(fr.qr + rb, kb[0], hd, RC, s0 + rb, pp); \
     if (nsub == 2) fa_scores_rows(fr.qr + rb, kb[1], hd, RC, s1 + rb, pp);
-            FA_FOR_RC(rc, FA_SR);
+            FA_FOR_1TO4(rc, FA_SR);
 #undef FA_SR
         }
         int rescale = 0;

@@ -199,7 +199,7 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
 #define FA_E4_S(RC)                                                                            \
     fa_e4_scores(qp + r0 * hdp, hdp, kr[0], rb, hd, RC, s0 + r0, pq);                          \
     if (nsub == 2) fa_e4_scores(qp + r0 * hdp, hdp, kr[1], rb, hd, RC, s1 + r0, pq);
-            FA_FOR_RC(rc, FA_E4_S);
+            FA_FOR_1TO4(rc, FA_E4_S);
 #undef FA_E4_S
         }
         const vf ks0 = _mm512_mul_ps(fa_kv_scales(kr[0], rb, hd), kmul);

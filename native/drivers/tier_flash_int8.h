@@ -185,7 +185,7 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
 #define FA_I8_S(RC)                                                                            \
     fa_i8_scores(q8 + r0 * hdp, hdp, kr[0], rb, hd, RC, s0 + r0, pp);                          \
     if (nsub == 2) fa_i8_scores(q8 + r0 * hdp, hdp, kr[1], rb, hd, RC, s1 + r0, pp);
-            FA_FOR_RC(rc, FA_I8_S);
+            FA_FOR_1TO4(rc, FA_I8_S);
 #undef FA_I8_S
         }
         const vf ks0 = fa_kv_scales(kr[0], rb, hd), vs0 = fa_kv_scales(vr[0], rb, hd);
@@ -222,7 +222,7 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
             float *orow = o + r0 * hdp;
 #define FA_I8_PV(RC)                                                                           \
     fa_i8_pv(orow, hdp, alpha + r0, cq + r0, pu + r0 * FA_CHUNK, RC, vr, rb, nk, hd);
-            FA_FOR_RC(rc, FA_I8_PV);
+            FA_FOR_1TO4(rc, FA_I8_PV);
 #undef FA_I8_PV
         }
     }
