@@ -67,6 +67,18 @@ def fuse_gate_up_exps(source: Path, out: Path, keep_gate: bool = False) -> Path:
     return out
 
 
+def assert_blocks_and_logits_equal(
+    plain: Path, fused: Path, types: tuple[str, str], seed: int
+) -> None:
+    """The fused file's expert stacks stay in blocks of `types` (gate/up, down) and its bf16
+    prefill logits are the separate file's, bit for bit."""
+    prompt = prompt_of(24, seed=seed)
+    got_runner = runner(fused, torch.bfloat16)
+    assert stack_types(got_runner.model) == {types}
+    want = prefill_logits(runner(plain, torch.bfloat16), prompt)
+    torch.testing.assert_close(prefill_logits(got_runner, prompt), want, rtol=0, atol=0)
+
+
 def torch_runner(path: Path) -> ModelRunner:
     """fp32 on the torch kernels: the experts dequantized at load."""
     config = RunnerConfig(path, torch.float32, 512, 16, 32, kernels="torch")
@@ -92,12 +104,7 @@ def test_fused_file_checks_and_names_its_stack(files):
 
 
 def test_fused_experts_stay_in_blocks_and_equal_the_separate_file(files):
-    plain, fused = files
-    prompt = prompt_of(24, seed=3)
-    got_runner = runner(fused, torch.bfloat16)
-    assert stack_types(got_runner.model) == {("Q4_K", "Q8_0")}
-    want = prefill_logits(runner(plain, torch.bfloat16), prompt)
-    torch.testing.assert_close(prefill_logits(got_runner, prompt), want, rtol=0, atol=0)
+    assert_blocks_and_logits_equal(*files, ("Q4_K", "Q8_0"), seed=3)
 
 
 @pytest.mark.slow
@@ -149,11 +156,7 @@ def test_fused_biases_in_blocks_equal_the_separate_file(gpt_oss_files):
     cfg = read_gguf_model(plain).config
     plans = [quantized_weight_bytes(cfg, "bfloat16", 1, path, "auto") for path in (plain, fused)]
     assert plans[0] == plans[1]
-    prompt = prompt_of(24, seed=5)
-    got_runner = runner(fused, torch.bfloat16)
-    assert stack_types(got_runner.model) == {("MXFP4", "MXFP4")}
-    want = prefill_logits(runner(plain, torch.bfloat16), prompt)
-    torch.testing.assert_close(prefill_logits(got_runner, prompt), want, rtol=0, atol=0)
+    assert_blocks_and_logits_equal(plain, fused, ("MXFP4", "MXFP4"), seed=5)
 
 
 def test_fused_biases_tp2_equal_the_separate_file(gpt_oss_files):
