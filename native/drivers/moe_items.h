@@ -34,8 +34,23 @@ static void group_by_expert(const int32_t *ids, int64_t pairs, int64_t E, int64_
     free(fill);
 }
 
+/* v rounded to bf16 and back (rnd1's rule, NaN to the canonical quiet NaN) without a branch,
+ * so that loops over columns vectorize. */
+static inline float rnd_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* Columns combined per pass: combine_token's fp32 accumulators. */
+#define COMBINE_RUN 256
+
 /* out[t] columns [h0, h1) = sum over t's slots, ascending expert, of weight * y[row of the
- * slot]. */
+ * slot], each product and sum rounded to dt as transformers' index_add does; the slots' loop
+ * outside the columns' (each column's order of sums is the same). */
 static void combine_token(int dt, const float *y, const int64_t *row_of, const int32_t *ids,
                           const float *w, int64_t t, int64_t k, int64_t H, int64_t h0,
                           int64_t h1, void *out) {
@@ -48,15 +63,20 @@ static void combine_token(int dt, const float *y, const int64_t *row_of, const i
         }
         order[i] = j;
     }
-    void *dst = (char *)out + t * H * dtype_size(dt);
-    for (int64_t h = h0; h < h1; h++) {
-        float acc = 0.0f;
+    float acc[COMBINE_RUN];
+    for (int64_t c0 = h0; c0 < h1; c0 += COMBINE_RUN) {
+        const int64_t n = h1 - c0 < COMBINE_RUN ? h1 - c0 : COMBINE_RUN;
+        for (int64_t i = 0; i < n; i++) acc[i] = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             const int64_t slot = t * k + order[j];
-            const float v = rnd1(y[row_of[slot] * H + h], dt);
-            acc = rnd1(acc + rnd1(v * w[slot], dt), dt);
+            const float *yr = y + row_of[slot] * H + c0, ws = w[slot];
+            if (dt == CPUD_BF16)
+                for (int64_t i = 0; i < n; i++)
+                    acc[i] = rnd_bf16(acc[i] + rnd_bf16(rnd_bf16(yr[i]) * ws));
+            else
+                for (int64_t i = 0; i < n; i++) acc[i] = acc[i] + yr[i] * ws;
         }
-        st1(dst, h, acc, dt);
+        for (int64_t i = 0; i < n; i++) st1(out, t * H + c0 + i, acc[i], dt);
     }
 }
 
