@@ -164,6 +164,33 @@ static void job_run_quant(cpud_moe_job *j) {
                    (size_t)(H / 16) * sizeof(int32_t));
         }
     }
+    const uint8_t *guw = (const uint8_t *)m->gate_up, *gus_ = (const uint8_t *)m->gate_up_sc;
+    const uint8_t *dw = (const uint8_t *)m->down, *dsc = (const uint8_t *)m->down_sc;
+    int64_t g0, g1;
+    share((H + QR - 1) / QR, &g0, &g1);
+    const int64_t h0 = g0 * QR < H ? g0 * QR : H, h1 = g1 * QR < H ? g1 * QR : H;
+    if (!g->multi && g->routed % omp_get_num_threads() == 0) {
+        /* one row per expert, as many experts per thread: each thread runs its experts whole
+         * (gate/up, the activation and its quantization, down: two streams per expert, no
+         * barrier between them), then its columns of the combine */
+        int64_t e0, e1;
+        expert_share(g, m->E, &e0, &e1);
+        for (int64_t e = e0; e < e1; e++) {
+            const int64_t r = g->start[e];
+            if (g->start[e + 1] == r) continue;
+            run_columns(q, gqt, g, e, e + 1, k, &ag, &ax, guw, gus_, guq, gus, m->gate_up_bias,
+                        j->gu, dt, 2 * I, 0, 2 * I / QR);
+            activation_rows(j->ops, dt, m, j->gu, j->act, r, r + 1);
+            quantize_rows(q, dt, j->act, r, 1, I, qa);
+            run_columns(q, dqt, g, e, e + 1, k, &aa, NULL, dw, dsc, dq, dsb, m->down_bias, j->y,
+                        CPUD_F32, H, 0, (H + QR - 1) / QR);
+        }
+#pragma omp barrier
+        for (int64_t t = 0; t < j->T; t++)
+            combine_token(dt, j->y, g->row_of, j->id, j->weights, t, k, H, h0, h1, j->out);
+#pragma omp barrier
+        return;
+    }
     /* gate/up, the activation and its int8 quantization by intermediate columns: this
      * thread's share in runs of 32, their gate and up weight groups of every routed expert,
      * so no barrier between them */
@@ -172,11 +199,10 @@ static void job_run_quant(cpud_moe_job *j) {
     c0 *= 32;
     c1 *= 32;
     const qact *direct = g->multi ? NULL : &ax;
-    const uint8_t *guw = (const uint8_t *)m->gate_up, *gus_ = (const uint8_t *)m->gate_up_sc;
-    run_columns(q, gqt, g, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu, dt,
-                2 * I, c0 / QR, c1 / QR);
-    run_columns(q, gqt, g, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu, dt,
-                2 * I, (I + c0) / QR, (I + c1) / QR);
+    run_columns(q, gqt, g, 0, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu,
+                dt, 2 * I, c0 / QR, c1 / QR);
+    run_columns(q, gqt, g, 0, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu,
+                dt, 2 * I, (I + c0) / QR, (I + c1) / QR);
     activation_columns(j->ops, dt, m, j->gu, j->act, pairs, c0, c1, j->tmp + pairs * 2 * c0 * es);
     for (int64_t r = 0; r < pairs && c1 > c0; r++)
         q->quantize(j->act + (r * I + c0) * es, dt, I, 1, c1 - c0, qa->q + r * I + c0,
@@ -184,11 +210,8 @@ static void job_run_quant(cpud_moe_job *j) {
 #pragma omp barrier
     /* down and combine by output columns: this thread's weight groups of every routed
      * expert, then the same columns of every token, so no barrier between them */
-    int64_t g0, g1;
-    share((H + QR - 1) / QR, &g0, &g1);
-    run_columns(q, dqt, g, m->E, k, &aa, NULL, (const uint8_t *)m->down,
-                (const uint8_t *)m->down_sc, dq, dsb, m->down_bias, j->y, CPUD_F32, H, g0, g1);
-    const int64_t h0 = g0 * QR < H ? g0 * QR : H, h1 = g1 * QR < H ? g1 * QR : H;
+    run_columns(q, dqt, g, 0, m->E, k, &aa, NULL, dw, dsc, dq, dsb, m->down_bias, j->y, CPUD_F32,
+                H, g0, g1);
     for (int64_t t = 0; t < j->T; t++)
         combine_token(dt, j->y, g->row_of, j->id, j->weights, t, k, H, h0, h1, j->out);
 #pragma omp barrier

@@ -127,9 +127,10 @@ static const float *bias_of(intptr_t bias, int64_t e, int64_t n) {
 }
 
 /* The routing, grouped: start [E + 1], rows, row_of [pairs] (sorted row of each pair);
- * multi: some expert has two rows or more. */
+ * routed: the experts with rows; multi: some expert has two rows or more. */
 typedef struct grouping {
     int64_t *start, *rows, *row_of;
+    int64_t routed;
     int multi;
 } grouping;
 
@@ -140,7 +141,11 @@ static int group(const int32_t *id, int64_t pairs, int64_t E, grouping *g) {
     if (g->start[E] != pairs) return CPUD_ENOMEM;
     for (int64_t r = 0; r < pairs; r++) g->row_of[g->rows[r]] = r;
     g->multi = 0;
-    for (int64_t e = 0; e < E; e++) g->multi |= g->start[e + 1] - g->start[e] > 1;
+    g->routed = 0;
+    for (int64_t e = 0; e < E; e++) {
+        g->multi |= g->start[e + 1] - g->start[e] > 1;
+        g->routed += g->start[e + 1] > g->start[e];
+    }
     return CPUD_OK;
 }
 
@@ -175,6 +180,23 @@ static void share(int64_t n, int64_t *r0, int64_t *r1) {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     *r0 = n * t / nt;
     *r1 = n * (t + 1) / nt;
+}
+
+/* Experts [*e0, *e1): those holding this thread's share of the routed experts. */
+static void expert_share(const grouping *g, int64_t E, int64_t *e0, int64_t *e1) {
+    int64_t i0, i1, seen = 0;
+    share(g->routed, &i0, &i1);
+    *e0 = *e1 = E;
+    for (int64_t e = 0; e < E; e++) {
+        if (g->start[e + 1] == g->start[e]) continue;
+        if (seen == i0 && *e0 == E) *e0 = e;
+        if (seen == i1) {
+            *e1 = e;
+            break;
+        }
+        seen++;
+    }
+    if (*e0 > *e1) *e0 = *e1;
 }
 
 /* Quantizes rows of x [n][K] (dtype dt, contiguous) into b's rows from `row`. */
@@ -224,17 +246,17 @@ static int item_list(const int64_t *start, int64_t E, int64_t n, int64_t unit, i
     return CPUD_OK;
 }
 
-/* One projection by output columns: weight groups [g0, g1) of every routed expert over all
- * of its rows (a: in sorted order), in runs of QMC rows, on the calling thread (a share of the
- * caller's team).  With ax (x's rows by token), an expert of one row reads its token's row
- * there: the same int8 row as the sorted copy. */
-static void run_columns(const cpud_qops *q, int qt, const grouping *gr, int64_t E, int64_t k,
-                        const qact *a, const qact *ax, const uint8_t *qs, const uint8_t *sc,
-                        int64_t qb, int64_t sb, intptr_t bias, void *out, int odt, int64_t n,
-                        int64_t g0, int64_t g1) {
+/* One projection by output columns: weight groups [g0, g1) of every routed expert of [e0, e1)
+ * over all of its rows (a: in sorted order), in runs of QMC rows, on the calling thread (a
+ * share of the caller's team).  With ax (x's rows by token), an expert of one row reads its
+ * token's row there: the same int8 row as the sorted copy. */
+static void run_columns(const cpud_qops *q, int qt, const grouping *gr, int64_t e0, int64_t e1,
+                        int64_t k, const qact *a, const qact *ax, const uint8_t *qs,
+                        const uint8_t *sc, int64_t qb, int64_t sb, intptr_t bias, void *out,
+                        int odt, int64_t n, int64_t g0, int64_t g1) {
     const int64_t *start = gr->start;
     const int os = dtype_size(odt);
-    for (int64_t e = 0; e < E; e++) {
+    for (int64_t e = e0; e < e1; e++) {
         const float *b = bias_of(bias, e, n);
         if (ax && start[e + 1] - start[e] == 1) {
             const int64_t r = start[e], t = gr->rows[r] / k, K = ax->K;
