@@ -13,6 +13,7 @@
  * several rows), then each thread's share of the intermediate columns (gate/up of every
  * routed expert, the activation, its int8 quantization), a barrier, then its share of the
  * output columns (down, then the combine).  No two threads write one output. */
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
@@ -44,6 +45,7 @@ struct cpud_moe_job {
     int64_t n_gu, n_down;
     char *xg, *gu, *act;        /* xg: bf16 stacks' gathered rows */
     char *tmp;                  /* quantized stacks: activation_columns' scratch */
+    _Atomic int *ready;         /* [E]: routed expert i's gate/up done (by_experts) */
     float *y;
     char *logits;               /* a layer job's router logits, weights and ids; NULL: routed */
     float *w;
@@ -62,7 +64,10 @@ static int job_alloc(cpud_moe_job *j) {
     j->g.start = malloc((size_t)(E + 1) * sizeof *j->g.start);
     j->g.rows = malloc((size_t)pairs * sizeof *j->g.rows);
     j->g.row_of = malloc((size_t)pairs * sizeof *j->g.row_of);
-    if (!j->gu || !j->act || !j->y || !j->g.start || !j->g.rows || !j->g.row_of)
+    j->g.experts = malloc((size_t)E * sizeof *j->g.experts);
+    j->ready = malloc((size_t)E * sizeof *j->ready);
+    if (!j->gu || !j->act || !j->y || !j->g.start || !j->g.rows || !j->g.row_of ||
+        !j->g.experts || !j->ready)
         return CPUD_ENOMEM;
     if (!j->q) {
         j->xg = malloc((size_t)(pairs * H * es));
@@ -80,6 +85,7 @@ static int job_group(cpud_moe_job *j) {
     const cpud_moe *m = j->m;
     const int64_t k = m->k, H = m->H, I = m->I, E = m->E, pairs = j->T * k;
     if (group(j->id, pairs, E, &j->g)) return CPUD_ENOMEM;
+    for (int64_t i = 0; i < j->g.routed; i++) atomic_init(&j->ready[i], 0);
     if (!j->q) {
         /* every item spans all of its expert's rows: the GEMM then picks its kernel as for one
          * call per expert, so the results are those of such calls, bit for bit */
@@ -169,19 +175,24 @@ static void job_run_quant(cpud_moe_job *j) {
     int64_t g0, g1;
     share((H + QR - 1) / QR, &g0, &g1);
     const int64_t h0 = g0 * QR < H ? g0 * QR : H, h1 = g1 * QR < H ? g1 * QR : H;
-    if (!g->multi && g->routed % omp_get_num_threads() == 0) {
-        /* one row per expert, as many experts per thread: each thread runs its experts whole
-         * (gate/up, the activation and its quantization, down: two streams per expert, no
-         * barrier between them), then its columns of the combine */
-        int64_t e0, e1;
-        expert_share(g, m->E, &e0, &e1);
-        for (int64_t e = e0; e < e1; e++) {
-            const int64_t r = g->start[e];
-            if (g->start[e + 1] == r) continue;
-            run_columns(q, gqt, g, e, e + 1, k, &ag, &ax, guw, gus_, guq, gus, m->gate_up_bias,
-                        j->gu, dt, 2 * I, 0, 2 * I / QR);
-            activation_rows(j->ops, dt, m, j->gu, j->act, r, r + 1);
-            quantize_rows(q, dt, j->act, r, 1, I, qa);
+    if (!g->multi && g->routed >= 2 * omp_get_num_threads()) {
+        /* one row per expert, two experts or more per thread: work items of whole experts,
+         * their gate/up (with the activation and its quantization), then their down, handed
+         * out in that order as threads come free (one stream each, no barrier between them);
+         * a down item waits for its gate/up item, handed out routed items before */
+        const int64_t n = g->routed;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t i = 0; i < 2 * n; i++) {
+            const int64_t e = g->experts[i % n], r = g->start[e];
+            if (i < n) {
+                run_columns(q, gqt, g, e, e + 1, k, &ag, &ax, guw, gus_, guq, gus,
+                            m->gate_up_bias, j->gu, dt, 2 * I, 0, 2 * I / QR);
+                activation_rows(j->ops, dt, m, j->gu, j->act, r, r + 1);
+                quantize_rows(q, dt, j->act, r, 1, I, qa);
+                atomic_store_explicit(&j->ready[i], 1, memory_order_release);
+                continue;
+            }
+            while (!atomic_load_explicit(&j->ready[i - n], memory_order_acquire)) _mm_pause();
             run_columns(q, dqt, g, e, e + 1, k, &aa, NULL, dw, dsc, dq, dsb, m->down_bias, j->y,
                         CPUD_F32, H, 0, (H + QR - 1) / QR);
         }
@@ -235,6 +246,7 @@ static void job_free(cpud_moe_job *j) {
     free(j->down_items);
     free(j->xg);
     free(j->tmp);
+    free((void *)j->ready);
     free(j->gu);
     free(j->act);
     free(j->y);

@@ -130,6 +130,7 @@ static const float *bias_of(intptr_t bias, int64_t e, int64_t n) {
  * routed: the experts with rows; multi: some expert has two rows or more. */
 typedef struct grouping {
     int64_t *start, *rows, *row_of;
+    int64_t *experts; /* [E]: the routed experts, ascending; routed of them */
     int64_t routed;
     int multi;
 } grouping;
@@ -144,12 +145,13 @@ static int group(const int32_t *id, int64_t pairs, int64_t E, grouping *g) {
     g->routed = 0;
     for (int64_t e = 0; e < E; e++) {
         g->multi |= g->start[e + 1] - g->start[e] > 1;
-        g->routed += g->start[e + 1] > g->start[e];
+        if (g->start[e + 1] > g->start[e]) g->experts[g->routed++] = e;
     }
     return CPUD_OK;
 }
 
 static void ungroup(grouping *g) {
+    free(g->experts);
     free(g->start);
     free(g->rows);
     free(g->row_of);
@@ -180,23 +182,6 @@ static void share(int64_t n, int64_t *r0, int64_t *r1) {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     *r0 = n * t / nt;
     *r1 = n * (t + 1) / nt;
-}
-
-/* Experts [*e0, *e1): those holding this thread's share of the routed experts. */
-static void expert_share(const grouping *g, int64_t E, int64_t *e0, int64_t *e1) {
-    int64_t i0, i1, seen = 0;
-    share(g->routed, &i0, &i1);
-    *e0 = *e1 = E;
-    for (int64_t e = 0; e < E; e++) {
-        if (g->start[e + 1] == g->start[e]) continue;
-        if (seen == i0 && *e0 == E) *e0 = e;
-        if (seen == i1) {
-            *e1 = e;
-            break;
-        }
-        seen++;
-    }
-    if (*e0 > *e1) *e0 = *e1;
 }
 
 /* Quantizes rows of x [n][K] (dtype dt, contiguous) into b's rows from `row`. */
