@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,6 +143,17 @@ static void job_run_bf16(cpud_moe_job *j) {
     if (failed) atomic_store(&j->failed, 1);
 }
 
+/* Until *flag is set (release): pauses, then yields the core to the thread that sets it where
+ * the team has more threads than cores. */
+static void wait_ready(_Atomic int *flag) {
+    for (int spins = 0; !atomic_load_explicit(flag, memory_order_acquire); spins++) {
+        if (spins < 1 << 14)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+}
+
 static void job_run_quant(cpud_moe_job *j) {
     const cpud_moe *m = j->m;
     const cpud_qops *q = j->q;
@@ -192,7 +204,7 @@ static void job_run_quant(cpud_moe_job *j) {
                 atomic_store_explicit(&j->ready[i], 1, memory_order_release);
                 continue;
             }
-            while (!atomic_load_explicit(&j->ready[i - n], memory_order_acquire)) _mm_pause();
+            wait_ready(&j->ready[i - n]);
             run_columns(q, dqt, g, e, e + 1, k, &aa, NULL, dw, dsc, dq, dsb, m->down_bias, j->y,
                         CPUD_F32, H, 0, (H + QR - 1) / QR);
         }

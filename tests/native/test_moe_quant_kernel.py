@@ -218,3 +218,25 @@ def test_route_variants():
     assert ids.tolist() == [[1, 2]] and float(w.sum()) < 0.95
     w, _ = route(logits, 2, True, torch.float32)
     torch.testing.assert_close(w.sum(-1), torch.ones(1))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_one_token_same_bits_on_every_work_split(kern, k):
+    """One token (an expert per row): with two experts or more per thread the kernel runs whole
+    experts as work items, else each thread's share of the columns; both give the composed
+    result, and the same bits at 1, 2 and 3 threads (Q4_K gate/up, Q6_K down, bf16)."""
+    gate_up, down, _, _ = stacks("Q4_K", "Q6_K")
+    weights, ids = routing(1, k, seed=k)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(moe_routed(kern, x, gate_up, down, weights, ids, SILU))
+    finally:
+        torch.set_num_threads(threads)
+    want = composed(x, gate_up, down, weights, ids, kern.isa, True)
+    torch.testing.assert_close(outs[0], want, rtol=1e-2, atol=1e-2)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
