@@ -1,8 +1,10 @@
-"""Decode 1 of two or more builds of the native library in one process, step by step: one
-model load, the fused decoder's layer call (cpud_decoder_layers) sent to build A, B, B, A, ...
-in turn, so every build runs in the same seconds of the host's read rate; the rest of the step
-(embedding, LM head, sampling) runs on the installed build. Reports each build's median time of
-the layer call and the read probe (perf/bench_moe.py's, 1 GiB) before and after.
+"""Decode (or prefill) of two or more builds of the native library in one process, step by
+step: one model load, the fused decoder's layer call (cpud_decoder_layers) sent to build A, B,
+B, A, ... in turn, so every build runs in the same seconds of the host's read rate; the rest of
+the step (embedding, LM head, sampling) runs on the installed build.  --streams S: decode steps
+of S sequences; --prompt N: each step a new sequence's prompt of N tokens instead.  Reports
+each build's median time of the layer call and the read probe (perf/bench_moe.py's, 1 GiB)
+before and after.
 
 --check runs every step on each build from the same inputs instead and reports whether the
 layers' outputs (hidden state and residual) are equal bit for bit.
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=192)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--check", action="store_true", help="bit equality instead of timing")
+    ap.add_argument("--streams", type=int, default=1, help="decode this many sequences, <= 32")
+    ap.add_argument("--prompt", type=int, default=0, help="steps of a prompt this long instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     pairs = [b.split("=", 1) for b in args.build]
@@ -103,8 +107,13 @@ def main() -> None:
     routed = Builds(run.decoder, builds)
     run.decoder._run = routed.check if args.check else routed.run
     tags = list(builds)
-    table = list(range(-(-(args.steps + 16) // 16)))
-    run.execute(StepPlan(0, [SeqWork(0, [11] * 8, 0, table, True)]))
+    per = -(-(args.steps + 16) // 16)
+    tables = [list(range(s * per, (s + 1) * per)) for s in range(args.streams)]
+    run.execute(
+        StepPlan(0, [SeqWork(s, [11] * 8, 0, tables[s], True) for s in range(args.streams)])
+    )
+    prompt = [(37 * i + 11) % 500 + 3 for i in range(args.prompt)]
+    prompt_table = list(range(-(-args.prompt // 16)))
     for times in routed.ns.values():
         times.clear()
     probe = None if args.check else ReadProbe(1024)
@@ -112,7 +121,13 @@ def main() -> None:
     for i in range(args.steps):
         order = tags if (i // len(tags)) % 2 == 0 else tags[::-1]
         routed.current = order[i % len(tags)]
-        run.execute(StepPlan(1 + i, [SeqWork(0, [20 + i], 8 + i, table, True)]))
+        if prompt:
+            seqs = [SeqWork(args.streams + i, prompt, 0, prompt_table, True)]
+        else:
+            seqs = [
+                SeqWork(s, [20 + 7 * s + i], 8 + i, tables[s], True) for s in range(args.streams)
+            ]
+        run.execute(StepPlan(1 + i, seqs))
     if args.check:
         print(f"bit-equal steps: {sum(routed.equal)} of {len(routed.equal)}")
         return
