@@ -7,6 +7,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from cpud.native.dequant_rows import dequant_rows, dequant_rows_supported
 from cpud.native.quant import QuantWeight, quant_gemm
 from cpud.ranks.gguf_blocks import Blocks
 
@@ -29,7 +30,10 @@ def quant_matmul(
 
 
 def dequantize_rows(blocks: Blocks, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a table kept in blocks, dequantized to dtype: [len(ids), columns]."""
+    """Rows `ids` of a table kept in blocks, dequantized to dtype: [len(ids), columns]; native
+    for the block types it reads (ValueError for an id outside the table), else gguf-py's."""
+    if dequant_rows_supported(blocks.qtype):
+        return dequant_rows(blocks.data, blocks.qtype, blocks.shape[1], ids, dtype)
     picked = blocks.data[ids.numpy()]
     values = dequantize(picked, GGMLQuantizationType(blocks.qtype)).reshape(len(ids), -1)
     return torch.from_numpy(values).to(dtype)

@@ -433,4 +433,17 @@ double cpud_quant_compute_probe(int isa, int flags, int64_t iters);
 int cpud_quant_format(int qtype, int *ggml_type, int *block_values, int *block_bytes,
                       int *qbytes, int *sbytes);
 
+/* Rows of a table kept in GGUF blocks (an embedding lookup; dequant_rows.c), in the operations
+ * and order of gguf-py's numpy dequantize (f32 rows equal it bit for bit).  ggml_type: gguf's
+ * type id, one of Q8_0 8, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, MXFP4 39.
+ * table: n_rows rows row_stride bytes apart, each starting with cols / block_values consecutive
+ * blocks (row_stride at least their bytes: a table's column range is a strided view); ids:
+ * [n_ids] int64; out: [n_ids][cols] of out_dtype (CPUD_F32 or CPUD_BF16, rounded to nearest
+ * even).  CPUD_EARG for another type, sizes that disagree or an id outside [0, n_rows) (nothing
+ * written then). */
+int cpud_dequant_rows(int ggml_type, intptr_t table, int64_t n_rows, int64_t row_stride,
+                      int64_t cols, intptr_t ids, int64_t n_ids, intptr_t out, int out_dtype);
+/* Values and bytes per block of a type cpud_dequant_rows reads; CPUD_EARG for any other. */
+int cpud_dequant_rows_format(int ggml_type, int *block_values, int *block_bytes);
+
 #endif
