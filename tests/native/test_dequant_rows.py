@@ -122,3 +122,11 @@ def test_model_embedding_rows_equal_the_file(arch, qtype, gguf_file):
     want = dequantize(np.asarray(embd.data)[tokens], qtype).reshape(len(tokens), -1)
     got = table(torch.tensor(tokens))
     np.testing.assert_array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_sizes_that_disagree_with_the_type_are_refused():
+    table = random_table(T.Q4_K, ROWS, 1, seed=2)
+    with pytest.raises(ValueError, match="invalid argument"):
+        dequant_rows(table, T.Q4_K, 128, torch.tensor([0]), torch.float32)  # not 256 a block
+    with pytest.raises(ValueError, match="invalid argument"):
+        dequant_rows(table, T.Q4_K, 512, torch.tensor([0]), torch.float32)  # rows too short
