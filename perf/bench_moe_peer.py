@@ -11,6 +11,11 @@ bench_moe.py does; --preset gpt-oss-20b-4l the gpt-oss fixture as a GGUF file wi
 experts (perf/bench_moe_gptoss.py). cpud's side also reports its resident memory against the
 file's size, decode 1's phases and read rates against the read probe. llama.cpp comes from
 perf/peers/llamacpp.py (b11434); perf/bench_moe_check.py checks both read the file alike.
+
+The host's read rate may change by itself between and within runs: the read probe is measured
+right before and after llama.cpp's decode 1 too, and a round whose probe readings (those two,
+cpud's before its decode, and cpud's LM head read alone) spread by more than MIXED_SPREAD is
+marked "mixed_periods": its decode 1 ratio compares two engines at two memory speeds.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 
 import llamacpp  # noqa: E402
+
+MIXED_SPREAD = 1.25
 
 
 def cpud_round(gguf: Path, threads: int, steps: int) -> dict:
@@ -51,13 +58,26 @@ def cpud_round(gguf: Path, threads: int, steps: int) -> dict:
     }
 
 
-def peer_round(gguf: Path, threads: int) -> dict:
+def peer_round(gguf: Path, threads: int, probe) -> dict:
     bins = llamacpp.ensure_built()
+    prefill = llamacpp.bench_prefill(gguf, 512, threads, reps=1, bin_dir=bins)["tok_s"]
+    before = probe.gbs()
+    decode_1 = llamacpp.bench_decode(gguf, threads, 64, reps=1, bin_dir=bins)["tok_s"]
+    after = probe.gbs()
     return {
-        "prefill_512": llamacpp.bench_prefill(gguf, 512, threads, reps=1, bin_dir=bins)["tok_s"],
-        "decode_1": llamacpp.bench_decode(gguf, threads, 64, reps=1, bin_dir=bins)["tok_s"],
+        "prefill_512": prefill,
+        "decode_1": decode_1,
         "decode_32": llamacpp.bench_batched(gguf, 32, threads=threads, bin_dir=bins)["tok_s"],
+        "decode_1_read_probe_gbs": [before, after],
     }
+
+
+def mixed_periods(peer: dict, ours: dict) -> bool:
+    """Whether the round's probe readings spread past MIXED_SPREAD (see the module's text)."""
+    readings = [*peer["decode_1_read_probe_gbs"], ours["read_probe_gbs"]]
+    if ours.get("decode_1_lm_head_alone_gbs"):
+        readings.append(ours["decode_1_lm_head_alone_gbs"])
+    return max(readings) > MIXED_SPREAD * min(readings)
 
 
 def main() -> None:
@@ -90,12 +110,16 @@ def main() -> None:
         if not (source / "config.json").exists():
             make_model("qwen3_moe", bench_moe.PRESET, source, dtype="bfloat16")
         gguf = bench_moe.make_gguf(source, args.quant, args.workdir)
+    from bench_moe import ReadProbe
+
+    probe = ReadProbe(1024)
     rounds = []
     for i in range(args.rounds):
-        peer = peer_round(gguf, args.threads)
+        peer = peer_round(gguf, args.threads, probe)
         ours = cpud_round(gguf, args.threads, args.steps)
-        ratio = {k: ours[k] / peer[k] for k in peer}  # cpud / llama.cpp
-        rounds.append({"llama.cpp": peer, "cpud": ours, "ratio": ratio})
+        ratio = {k: ours[k] / peer[k] for k in ("prefill_512", "decode_1", "decode_32")}
+        mixed = mixed_periods(peer, ours)
+        rounds.append({"llama.cpp": peer, "cpud": ours, "ratio": ratio, "mixed_periods": mixed})
         print(json.dumps({"round": i + 1, **rounds[-1]}), flush=True)
     result = {"gguf": str(gguf), "bytes": gguf.stat().st_size, "threads": args.threads}
     result["rounds"] = rounds
