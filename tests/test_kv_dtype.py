@@ -136,7 +136,9 @@ def long_real_text() -> str:
 def mean_nll(kv: str) -> float:
     from cpud.model.default_model import default_model_path
 
-    llm = LLM(default_model_path(), kv_cache_dtype=kv)
+    # A small cache, not pre-faulted: the default (half the free memory, faulted in while idle)
+    # would hold gigabytes per engine for a 2.4k-token text.
+    llm = LLM(default_model_path(), kv_cache_dtype=kv, kv_cache_space_gib=0.25, kv_pretouch=False)
     try:
         tokens = llm.tokenizer.encode(long_real_text())
         assert len(tokens) > 2000
