@@ -81,25 +81,12 @@ static void k_scale_min(const uint8_t *s12, int s, int *sc, int *mn) {
     }
 }
 
-/* Q4_K: d, dmin, 12 scale bytes, 128 bytes of quants (32 bytes per pair of sub-blocks). */
-static void dq_q4_k(const uint8_t *b, float *y) {
+/* Q4_K: d, dmin, 12 scale bytes, 128 bytes of quants (32 bytes per pair of sub-blocks).
+ * Q5_K (qh): the same fields with 32 bytes of high bits before the quants (bit s of byte l:
+ * value s * 32 + l). */
+static void dq_k45(const uint8_t *b, float *y, const uint8_t *qh) {
     const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
-    const uint8_t *qs = b + 16;
-    for (int s = 0; s < 8; s++) {
-        int sc, mn;
-        k_scale_min(b + 4, s, &sc, &mn);
-        const float ds = d * (float)sc, dm = dmin * (float)mn;
-        const uint8_t *q = qs + (s / 2) * 32;
-        const int shift = (s % 2) * 4;
-        for (int l = 0; l < 32; l++) y[s * 32 + l] = ds * (float)((q[l] >> shift) & 0x0f) - dm;
-    }
-}
-
-/* Q5_K: Q4_K's fields with 32 bytes of high bits (bit s of byte l: value s * 32 + l) before the
- * quants. */
-static void dq_q5_k(const uint8_t *b, float *y) {
-    const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
-    const uint8_t *qh = b + 16, *qs = b + 48;
+    const uint8_t *qs = qh ? b + 48 : b + 16;
     for (int s = 0; s < 8; s++) {
         int sc, mn;
         k_scale_min(b + 4, s, &sc, &mn);
@@ -107,11 +94,15 @@ static void dq_q5_k(const uint8_t *b, float *y) {
         const uint8_t *q = qs + (s / 2) * 32;
         const int shift = (s % 2) * 4;
         for (int l = 0; l < 32; l++) {
-            const int v = ((q[l] >> shift) & 0x0f) | ((qh[l] >> s) & 1) << 4;
-            y[s * 32 + l] = ds * (float)v - dm;
+            const int high = qh ? ((qh[l] >> s) & 1) << 4 : 0;
+            y[s * 32 + l] = ds * (float)(((q[l] >> shift) & 0x0f) | high) - dm;
         }
     }
 }
+
+static void dq_q4_k(const uint8_t *b, float *y) { dq_k45(b, y, NULL); }
+
+static void dq_q5_k(const uint8_t *b, float *y) { dq_k45(b, y, b + 16); }
 
 /* Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 values), d. */
 static void dq_q6_k(const uint8_t *b, float *y) {
