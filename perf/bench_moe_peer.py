@@ -15,7 +15,8 @@ perf/peers/llamacpp.py (b11434); perf/bench_moe_check.py checks both read the fi
 The host's read rate may change by itself between and within runs: the read probe is measured
 right before and after llama.cpp's decode 1 too, and a round whose probe readings (those two,
 cpud's before its decode, and cpud's LM head read alone) spread by more than MIXED_SPREAD is
-marked "mixed_periods": its decode 1 ratio compares two engines at two memory speeds.
+marked "mixed_periods": its decode 1 ratio compares two engines at two memory speeds;
+"decode_1_by_period" compares the engines' decode 1 within one period (perf/read_periods.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 
 import llamacpp  # noqa: E402
-
-MIXED_SPREAD = 1.25
+from read_periods import mixed, paired_by_period  # noqa: E402
 
 
 def cpud_round(gguf: Path, threads: int, steps: int) -> dict:
@@ -72,12 +72,10 @@ def peer_round(gguf: Path, threads: int, probe) -> dict:
     }
 
 
-def mixed_periods(peer: dict, ours: dict) -> bool:
-    """Whether the round's probe readings spread past MIXED_SPREAD (see the module's text)."""
-    readings = [*peer["decode_1_read_probe_gbs"], ours["read_probe_gbs"]]
-    if ours.get("decode_1_lm_head_alone_gbs"):
-        readings.append(ours["decode_1_lm_head_alone_gbs"])
-    return max(readings) > MIXED_SPREAD * min(readings)
+def cpud_readings(ours: dict) -> list[float]:
+    """cpud's probe readings of its decode 1: before it, and its LM head read alone."""
+    lm_head = ours.get("decode_1_lm_head_alone_gbs")
+    return [ours["read_probe_gbs"], *([lm_head] if lm_head else [])]
 
 
 def main() -> None:
@@ -118,11 +116,21 @@ def main() -> None:
         peer = peer_round(gguf, args.threads, probe)
         ours = cpud_round(gguf, args.threads, args.steps)
         ratio = {k: ours[k] / peer[k] for k in ("prefill_512", "decode_1", "decode_32")}
-        mixed = mixed_periods(peer, ours)
-        rounds.append({"llama.cpp": peer, "cpud": ours, "ratio": ratio, "mixed_periods": mixed})
+        spread = mixed([*peer["decode_1_read_probe_gbs"], *cpud_readings(ours)])
+        rounds.append({"llama.cpp": peer, "cpud": ours, "ratio": ratio, "mixed_periods": spread})
         print(json.dumps({"round": i + 1, **rounds[-1]}), flush=True)
     result = {"gguf": str(gguf), "bytes": gguf.stat().st_size, "threads": args.threads}
     result["rounds"] = rounds
+    result["decode_1_by_period"] = paired_by_period(
+        {
+            "cpud": [(r["cpud"]["decode_1"], cpud_readings(r["cpud"])) for r in rounds],
+            "llama.cpp": [
+                (r["llama.cpp"]["decode_1"], r["llama.cpp"]["decode_1_read_probe_gbs"])
+                for r in rounds
+            ],
+        }
+    )
+    print(json.dumps({"decode_1_by_period": result["decode_1_by_period"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -7,6 +7,10 @@ reports the ratio of that round: decode 1 stream (cpud t(129) - t(1); llama-benc
 decode 32 streams (output tok/s; llama-batched-bench S_TG), prefill 512. cpud's own bf16
 decode-1 on the bf16 GGUF gives the "quantized vs own bf16" ratio.
 
+Each engine's decode 1 is bracketed by the read probe (perf/read_periods.py): a round whose
+readings spread past 1.25x is marked "mixed_periods", and "decode_1_by_period" compares the
+engines within one memory-read period of the host (slow / fast, or one).
+
     python perf/bench_quant_peer.py --rounds 3 --json perf/results/quant_peer.json
     python perf/bench_quant_peer.py --quick     # one round, short runs: checks the plumbing
 """
@@ -26,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 
 import llamacpp  # noqa: E402
+from read_periods import ProbeProcess, bracketed, mixed, paired_by_period  # noqa: E402
 
 # Issue #22's targets against llama.cpp on each file, and against cpud's own bf16.
 PEER_TARGETS = {"decode-1": 1.3, "decode-32": 1.3, "prefill-512": 1.2}
@@ -53,7 +58,7 @@ def suite_rows(data: dict[str, Any] | None, err: str) -> dict[str, dict[str, Any
     rows: dict[str, dict[str, Any]] = {}
     for qtype, entry in data["types"].items():
         rounds = entry["rounds"]
-        for key in rounds[0]["cpud"]:
+        for key in (k for k, v in rounds[0]["cpud"].items() if isinstance(v, float)):
             ratios = [r["ratio"][key] for r in rounds if key in r["ratio"]]
             theirs = [r["llama.cpp"][key] for r in rounds if r["llama.cpp"][key]]
             peer = {"status": "failed (see quantized.log)"}
@@ -91,7 +96,7 @@ def cpud_llm(path: Path, quantization: str) -> Any:
     return llm
 
 
-def cpud_round(llm: Any, gen: int, streams: int, prompt: int) -> dict[str, float]:
+def cpud_round(llm: Any, gen: int, streams: int, prompt: int, probe: Any) -> dict[str, Any]:
     from cpud import SamplingParams
 
     def timed(prompts: list[list[int]], tokens: int) -> float:
@@ -101,16 +106,23 @@ def cpud_round(llm: Any, gen: int, streams: int, prompt: int) -> dict[str, float
         return time.perf_counter() - t0
 
     one = [list(range(7, 15))]
-    decode_1 = gen / max(1e-9, timed(one, gen + 1) - timed(one, 1))
+    decode_1, readings = bracketed(
+        probe, lambda: gen / max(1e-9, timed(one, gen + 1) - timed(one, 1))
+    )
     many = [[7 + s, *range(20, 51)] for s in range(streams)]
     decode_n = streams * gen / timed(many, gen)
     prefill = prompt / timed([list(range(7, 7 + prompt))], 1)
-    return {"decode_1": decode_1, f"decode_{streams}": decode_n, f"prefill_{prompt}": prefill}
+    return {
+        "decode_1": decode_1,
+        f"decode_{streams}": decode_n,
+        f"prefill_{prompt}": prefill,
+        "decode_1_read_probe_gbs": readings,
+    }
 
 
 def llamacpp_round(
-    path: Path, gen: int, streams: int, prompt: int, no_repack: set[str]
-) -> dict[str, float | None]:
+    path: Path, gen: int, streams: int, prompt: int, no_repack: set[str], probe: Any
+) -> dict[str, Any]:
     """llama.cpp's figures; a tool that crashes with weight repacking (its fastest kernels) is
     run again without it, and its key joins no_repack; None for one that fails both ways."""
 
@@ -125,10 +137,15 @@ def llamacpp_round(
                 no_repack.add(key)
         return None
 
-    return {
-        "decode_1": tok_s(
+    decode_1, readings = bracketed(
+        probe,
+        lambda: tok_s(
             "decode_1", lambda rp: llamacpp.bench_decode(path, n_gen=gen, reps=1, repack=rp)
         ),
+    )
+    return {
+        "decode_1": decode_1,
+        "decode_1_read_probe_gbs": readings,
         f"decode_{streams}": tok_s(
             f"decode_{streams}",
             lambda rp: llamacpp.bench_batched(path, streams, n_prompt=32, n_gen=gen, repack=rp),
@@ -138,6 +155,10 @@ def llamacpp_round(
             lambda rp: llamacpp.bench_prefill(path, n_prompt=prompt, reps=1, repack=rp),
         ),
     }
+
+
+def figures(streams: int, prompt: int) -> tuple[str, ...]:
+    return ("decode_1", f"decode_{streams}", f"prefill_{prompt}")
 
 
 def files(types: list[str], cache: Path, preset: str) -> dict[str, Path]:
@@ -160,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     gen, streams, prompt, rounds = (16, 8, 128, 1) if args.quick else (128, 32, 512, args.rounds)
     paths = files(args.types, llamacpp.default_cache_dir(), args.preset)
+    probe = ProbeProcess()
     own = cpud_llm(paths["BF16"], "none")
-    bf16_decode = [cpud_round(own, gen, 1, 8)["decode_1"] for _ in range(rounds)]
+    bf16_decode = [cpud_round(own, gen, 1, 8, probe)["decode_1"] for _ in range(rounds)]
     own.shutdown()
     results: dict[str, Any] = {"cpud_bf16_decode_1": bf16_decode, "types": {}}
     for qtype in args.types:
@@ -169,10 +191,12 @@ def main(argv: list[str] | None = None) -> None:
         per_round = []
         no_repack: set[str] = set()
         for r in range(rounds):
-            ours = cpud_round(llm, gen, streams, prompt)
-            theirs = llamacpp_round(paths[qtype], gen, streams, prompt, no_repack)
-            ratios = {k: ours[k] / theirs[k] for k in ours if theirs[k]}
+            ours = cpud_round(llm, gen, streams, prompt, probe)
+            theirs = llamacpp_round(paths[qtype], gen, streams, prompt, no_repack, probe)
+            ratios = {k: ours[k] / theirs[k] for k in figures(streams, prompt) if theirs[k]}
+            readings = ours["decode_1_read_probe_gbs"] + theirs["decode_1_read_probe_gbs"]
             per_round.append({"cpud": ours, "llama.cpp": theirs, "ratio": ratios})
+            per_round[-1]["mixed_periods"] = mixed(readings)
             print(
                 f"{qtype} round {r + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
             )
@@ -181,8 +205,20 @@ def main(argv: list[str] | None = None) -> None:
             bf16_decode
         )
         print(f"{qtype}: cpud decode-1 vs cpud bf16 {own_ratio:.2f}x")
+        by_period = paired_by_period(
+            {
+                engine: [
+                    (p[engine]["decode_1"], p[engine]["decode_1_read_probe_gbs"])
+                    for p in per_round
+                    if p[engine]["decode_1"]
+                ]
+                for engine in ("cpud", "llama.cpp")
+            }
+        )
+        print(f"{qtype} decode 1 by period: {json.dumps(by_period)}")
         results["types"][qtype] = {
             "rounds": per_round,
+            "decode_1_by_period": by_period,
             "vs_own_bf16_decode_1": own_ratio,
             "llama.cpp without repacking": sorted(no_repack),
         }
