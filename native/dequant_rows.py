@@ -11,6 +11,8 @@ even.  Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -18,8 +20,10 @@ from . import _loader
 from .kernels import DTYPE_CODE, check_rc
 
 
+@functools.cache
 def dequant_rows_supported(ggml_type: int) -> bool:
-    """Whether the native row dequantization reads this GGUF type id (and the module loaded)."""
+    """Whether the native row dequantization reads this GGUF type id (and the module loaded):
+    fixed for the process, so asked of the library once per type."""
     if not _loader.available():
         return False
     return (
