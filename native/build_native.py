@@ -32,6 +32,7 @@ HEADER = "c_api/cpud_native.h"
 SOURCES = [
     "c_api/api.c",
     "c_api/quant_api.c",
+    "c_api/quant_pack.c",
     "c_api/dequant_rows.c",
     "c_api/dispatch.c",
     "c_api/pin.c",

@@ -1,8 +1,8 @@
 """The native expert layer (native/drivers/moe.c) on stacked expert weights, as its MoeRecipe
-says: bf16 stacks packed for the skinny GEMM, or stacks kept in their GGUF blocks (packed per
-expert by ``pack_quantized``) that run on the int8 kernels in one parallel region.
+says: bf16 stacks packed for the skinny GEMM, or stacks kept in their GGUF blocks (every expert
+laid out as ``pack_quantized`` lays it out) that run on the int8 kernels in one parallel region.
 
-    gate_up = quant_stack(raws, "Q4_K", 2 * inter, hidden)   # raws: one [n, bytes] per expert
+    gate_up = quant_stack(raws, "Q4_K", 2 * inter, hidden)   # raws: [n, bytes] rows per expert
     out = moe_routed(kernels, x, gate_up, down, weights, ids, recipe)
     out = moe_layer(kernels, x, router, gate_up, down, top_k, recipe)
 """
@@ -21,7 +21,7 @@ from cpud.model.moe_recipe import MoeRecipe
 from . import _loader
 from .hugepages import huge_empty
 from .kernels import Kernels, PackedWeight, _contig, _dtype, check_rc, packed_shape
-from .quant import QuantWeight, pack_quantized, qtype_name
+from .quant import QuantWeight, pack_rows_into, qtype_name
 from .quant_formats import KERNEL_FORMATS
 
 RENORMALIZE = 1  # cpud_moe_flags
@@ -80,16 +80,21 @@ def quant_stack_shapes(qtype: str, experts: int, n: int, k: int) -> tuple[tuple[
     return (*shape, fmt.qbytes), (*shape, fmt.sbytes)
 
 
+Rows = np.ndarray | torch.Tensor
+
+
 def quant_stack(
-    raws: Sequence[np.ndarray] | Callable[[int], np.ndarray],
+    raws: Sequence[Rows | Sequence[Rows]] | Callable[[int], Rows | Sequence[Rows]],
     qtype: Any,
     n: int,
     k: int,
     experts: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ExpertStack:
-    """Repacks each expert's GGUF rows (raws[e] or raws(e): [n, bytes per row] u8) into one
-    stack, on huge pages unless `out` gives the (quants, scales) tensors to fill."""
+    """Repacks each expert's GGUF rows (raws[e] or raws(e): [n, bytes per row] u8, or parts
+    of them stacked in order, e.g. views of the gate rows and the up rows in the mapped file)
+    into one stack, in one native call, on huge pages unless `out` gives the (quants, scales)
+    tensors to fill."""
     name = qtype_name(qtype)
     count = len(raws) if experts is None else experts
     get = raws if callable(raws) else raws.__getitem__
@@ -97,9 +102,11 @@ def quant_stack(
         qs_shape, sc_shape = quant_stack_shapes(name, count, n, k)
         out = huge_empty(qs_shape, torch.uint8), huge_empty(sc_shape, torch.uint8)
     qs, sc = out
+    sources = []
     for e in range(count):
-        slots = iter((qs[e], sc[e]))
-        pack_quantized(get(e), name, n, k, alloc=lambda shape, dtype, slots=slots: next(slots))
+        rows = get(e)
+        sources.append([rows] if isinstance(rows, (np.ndarray, torch.Tensor)) else list(rows))
+    pack_rows_into(sources, name, n, k, qs, sc)
     return ExpertStack(n, k, qs, name, sc)
 
 

@@ -23,7 +23,7 @@ third to a fifth of the AVX512-VNNI kernels' rate on these blocks (measured).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,6 @@ QTYPES: dict[str, tuple[int, int, int, int, int]] = {
     f.name: (f.code, f.block_values, f.block_bytes, f.qbytes, f.sbytes)
     for f in KERNEL_FORMATS.values()
 }
-_CHUNK_GROUPS = 64  # row groups repacked per numpy pass (bounds the scratch)
 
 
 @dataclass(frozen=True)
@@ -85,88 +84,75 @@ def qtype_name(qtype: Any) -> str:
     return name
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """[..., 2] u8 -> [...] fp16 bits as uint16."""
-    return np.ascontiguousarray(b).view(np.uint16)[..., 0]
+def _u8(raw: np.ndarray | torch.Tensor) -> np.ndarray:
+    return raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
 
 
-def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
-    """[..., nbytes] u8 whose low nibbles hold values 0..run-1 of each 2*run and high nibbles
-    the next run -> [..., 2 * nbytes] values."""
-    q = qs.reshape(*qs.shape[:-1], -1, 1, run)
-    return np.concatenate([q & 0x0F, q >> 4], axis=-2).reshape(*qs.shape[:-1], -1)
+def _dense_rows(arr: np.ndarray, row_bytes: int) -> np.ndarray:
+    """arr as [rows, row_bytes] rows of dense bytes: a view where arr has that form (e.g. a
+    column range of the mapped file), else a copy."""
+    rows = arr.reshape(-1, row_bytes)
+    return rows if rows.strides[1] == 1 else np.ascontiguousarray(rows)
 
 
-def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., 12] packed 6-bit scales and mins -> ([..., 8], [..., 8]) u8."""
-    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
-    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
-    return sc, mn
+def _bad_rows(what: str, n: int, row_bytes: int, parts: list[np.ndarray]) -> ValueError:
+    got = " + ".join(f"{a.dtype} {a.shape}" for a in parts)
+    return ValueError(f"{what}: expected {n} x {row_bytes} uint8, got {got}")
 
 
-def _decode(name: str, blk: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """[rows, nb, type bytes] GGUF blocks -> (unsigned quants [rows, nb * bs], scale arrays
-    [rows, nb, ...] in their packed order)."""
-    rows = blk.shape[0]
-    if name == "Q8_0":
-        return (blk[..., 2:] ^ 0x80).reshape(rows, -1), [_f16(blk[..., 0:2])]
-    if name == "MXFP4":
-        return _nibbles(blk[..., 1:], 16).reshape(rows, -1), [blk[..., 0:1]]
-    if name in ("Q4_0", "Q4_1"):
-        off = 2 if name == "Q4_0" else 4
-        scales = [_f16(blk[..., 0:2])] + ([_f16(blk[..., 2:4])] if name == "Q4_1" else [])
-        return _nibbles(blk[..., off:], 16).reshape(rows, -1), scales
-    if name in ("Q4_K", "Q5_K"):
-        sc, mn = _scale_min_k4(blk[..., 4:16])
-        q = _nibbles(blk[..., -128:].reshape(rows, -1, 4, 32), 32).reshape(rows, -1)
-        if name == "Q5_K":
-            qh = blk[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]
-            q = q | ((qh & 1) << 4).reshape(rows, -1)
-        return q, [_f16(blk[..., 0:2]), _f16(blk[..., 2:4]), sc, mn]
-    ql = _nibbles(blk[..., 0:128].reshape(rows, -1, 2, 64), 64)
-    qh = blk[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
-    q = (ql.reshape(rows, -1) | ((qh & 3) << 4).reshape(rows, -1)).astype(np.uint8)
-    return q, [_f16(blk[..., 208:210]), blk[..., 192:208]]
-
-
-def _dwords(q: np.ndarray) -> np.ndarray:
-    """[g, 16, nb32, 32] values -> [g, nb32, 8, 16, 4]: dword t of every row (k = 4t + i)."""
-    g, _, nb32, _ = q.shape
-    return q.reshape(g, ROWS, nb32, 8, 4).transpose(0, 2, 3, 1, 4)
-
-
-def _pack_quants(name: str, q: np.ndarray) -> np.ndarray:
-    """[g, 16, k] unsigned quants -> [g, nb, qbytes]."""
-    g, _, k = q.shape
-    d = _dwords(q.reshape(g, ROWS, k // 32, 32))  # [g, nb32, t, r, i]
-    if name == "Q8_0":
-        return d.reshape(g, k // 32, -1)
-    lo = (d & 0x0F).reshape(g, k // 32, 4, 2, ROWS, 4)
-    parts = [lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)]  # [g, nb32, chunk, r, i]
-    hi = d >> 4
-    if name == "Q5_K":
-        parts.append(
-            (hi << np.arange(8, dtype=np.uint8)[:, None, None]).sum(axis=2, dtype=np.uint8)[
-                :, :, None
-            ]
-        )
-    elif name == "Q6_K":
-        h = (
-            hi.reshape(g, k // 32, 2, 4, ROWS, 4)
-            << (2 * np.arange(4, dtype=np.uint8))[:, None, None]
-        )
-        parts.append(h.sum(axis=3, dtype=np.uint8))
-    return np.concatenate(parts, axis=2).reshape(g, k // KERNEL_FORMATS[name].block_values, -1)
-
-
-def _pack_scales(name: str, scales: list[np.ndarray], g: int) -> np.ndarray:
-    """Scale arrays [g * 16, nb, ...] -> [g, nb, sbytes], rows innermost."""
-    out = []
-    for s in scales:
-        s = s.reshape(g, ROWS, s.shape[1], -1).transpose(0, 2, 3, 1)  # [g, nb, j, r]
-        out.append(np.ascontiguousarray(s).view(np.uint8).reshape(g, s.shape[1], -1))
-    return np.concatenate(out, axis=2)
+def pack_rows_into(
+    sources: Sequence[Sequence[np.ndarray | torch.Tensor]],
+    qtype: Any,
+    n: int,
+    k: int,
+    qs: torch.Tensor,
+    sc: torch.Tensor,
+) -> None:
+    """Repacks E = len(sources) matrices W[n, k] into qs [E, ceil(n/16), k/bs, qbytes] and sc
+    [E, ceil(n/16), k/bs, sbytes] (contiguous uint8), in one native call on every thread.
+    sources[e]: matrix e's rows as u8 arrays of [rows, bytes per row] blocks stacked in order
+    (e.g. an expert's gate rows, then its up rows), each a view of the mapped file or any array
+    with dense rows; nothing is copied.  ValueError for rows that do not add up to [n, bytes
+    per row] u8 or an MXFP4 block whose scale is 0xFF (NaN in OCP MX)."""
+    name = qtype_name(qtype)
+    fmt = KERNEL_FORMATS[name]
+    bs, tsize = fmt.block_values, fmt.block_bytes
+    if n < 1 or k < 1 or k % bs:
+        raise ValueError(f"{name}: k={k} must be a positive multiple of {bs} (n={n})")
+    row_bytes, groups = k // bs * tsize, -(-n // ROWS)
+    for t, size in ((qs, fmt.qbytes), (sc, fmt.sbytes)):
+        shape = (len(sources), groups, k // bs, size)
+        if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous():
+            raise ValueError(
+                f"packed tensors: expected a contiguous uint8 {shape}, got {t.dtype} "
+                f"{tuple(t.shape)}"
+            )
+    table = np.empty((len(sources), n), np.int64)
+    kept = []  # the row arrays the table points into, alive through the call
+    for e, parts in enumerate(sources):
+        arrays = [_u8(p) for p in parts]
+        if any(a.dtype != np.uint8 or a.size % row_bytes for a in arrays) or (
+            sum(a.size for a in arrays) != n * row_bytes
+        ):
+            raise _bad_rows("raw" if len(sources) == 1 else f"raw of {e}", n, row_bytes, arrays)
+        at = 0
+        for a in arrays:
+            rows = _dense_rows(a, row_bytes)
+            base = rows.__array_interface__["data"][0]
+            table[e, at : at + len(rows)] = base + np.arange(len(rows)) * rows.strides[0]
+            at += len(rows)
+            kept.append(rows)
+    _require()
+    nans = _loader.ffi.new("int64_t *")
+    rc = _loader.lib.cpud_quant_pack(
+        fmt.code, table.ctypes.data, len(sources), n, k, qs.data_ptr(), sc.data_ptr(), nans
+    )
+    check_rc(rc, f"quant_pack {name}")
+    if nans[0]:
+        for e, parts in enumerate(sources):
+            rows = np.concatenate([_dense_rows(_u8(p), row_bytes) for p in parts])
+            what = "MXFP4 weights" if len(sources) == 1 else f"MXFP4 weights of {e}"
+            check_mxfp4_scales(rows.reshape(n, k // bs, tsize)[..., 0], what)
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -185,38 +171,26 @@ def pack_quantized(
     """Repacks the GGUF blocks of W[n, k] (raw: [n, bytes per row] u8, numpy or torch, e.g. a
     view of the mapped file) for ``quant_gemm``; qtype: name or gguf GGMLQuantizationType.
     ValueError for an MXFP4 block whose scale is 0xFF (NaN in OCP MX).
-    Works through 1024 rows at a time; memory: the packed result plus a few MB.  alloc(shape,
-    dtype) gives the result's two tensors (e.g. ``HugeArena.take``); default: huge pages."""
+    Repacked natively (cpud_quant_pack, on every thread) straight from raw's rows; memory: the
+    packed result only.  alloc(shape, dtype) gives the result's two tensors, contiguous (e.g.
+    ``HugeArena.take``); default: huge pages."""
     name = qtype_name(qtype)
     fmt = KERNEL_FORMATS[name]
     bs, tsize = fmt.block_values, fmt.block_bytes
     if n < 1 or k < 1 or k % bs:
         raise ValueError(f"{name}: k={k} must be a positive multiple of {bs} (n={n})")
-    arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+    arr = _u8(raw)
     if arr.dtype != np.uint8 or arr.size != n * k // bs * tsize:
-        raise ValueError(
-            f"raw: expected {n} x {k // bs * tsize} uint8, got {arr.dtype} {arr.shape}"
-        )
-    blocks = arr.reshape(n, k // bs, tsize)
-    if name == "MXFP4":
-        check_mxfp4_scales(blocks[..., 0])
-    groups, nb = -(-n // ROWS), k // bs
-    new = alloc or (huge_empty if huge_pages else _plain_empty)
-    qs, sc = new((groups, nb, fmt.qbytes), torch.uint8), new((groups, nb, fmt.sbytes), torch.uint8)
-    qs_np, sc_np = qs.numpy(), sc.numpy()
-    for g0 in range(0, groups, _CHUNK_GROUPS):
-        g1 = min(groups, g0 + _CHUNK_GROUPS)
-        blk = np.zeros(((g1 - g0) * ROWS, nb, tsize), np.uint8)
-        part = blocks[g0 * ROWS : g1 * ROWS]
-        blk[: part.shape[0]] = part
-        q, scales = _decode(name, blk)
-        qs_np[g0:g1] = _pack_quants(name, q.reshape(g1 - g0, ROWS, k))
-        sc_np[g0:g1] = _pack_scales(name, scales, g1 - g0)
+        raise _bad_rows("raw", n, k // bs * tsize, [arr])
     b = None
     if bias is not None:
         if bias.shape != (n,) or not bias.is_floating_point():
             raise ValueError(f"bias: expected a float [{n}] tensor, got {tuple(bias.shape)}")
         b = bias.detach().to(torch.float32).contiguous()
+    groups, nb = -(-n // ROWS), k // bs
+    new = alloc or (huge_empty if huge_pages else _plain_empty)
+    qs, sc = new((groups, nb, fmt.qbytes), torch.uint8), new((groups, nb, fmt.sbytes), torch.uint8)
+    pack_rows_into([[arr]], name, n, k, qs.unsqueeze(0), sc.unsqueeze(0))
     return QuantWeight(name, n, k, qs, sc, b)
 
 
@@ -346,6 +320,7 @@ __all__ = [
     "QuantWeight",
     "bf16_tile_rows",
     "pack_quantized",
+    "pack_rows_into",
     "qtype_name",
     "quant_compute_probe",
     "quant_gemm",

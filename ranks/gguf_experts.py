@@ -2,9 +2,10 @@
 block format): kept in their blocks where the int8 kernels run the type, else one expert's rows
 dense in the model's dtype.
 
-Kept in blocks, each rank packs its shard of every expert once (``pack_quantized``, as dense
-quantized linears do) into one stacked buffer per projection: gate/up take this rank's gate rows
-then its up rows, down takes its whole-block column range of the intermediate dimension.  The
+Kept in blocks, each rank packs its shard of every expert once (``quant_stack``, in the layout
+of dense quantized linears, straight from views of the mapped file) into one stacked buffer per
+projection: gate/up take this rank's gate rows then its up rows, down takes its whole-block column
+range of the intermediate dimension.  The
 stacks go to the weight cache under the layer's name like other packed weights."""
 
 from __future__ import annotations
@@ -73,18 +74,18 @@ def plan_experts(
     return ExpertsQuant(types["gate"], types["down"], layer.num_experts, hidden, inter)
 
 
-def _gate_up_raw(layer: Any, e: int) -> np.ndarray:
+def _gate_up_raw(layer: Any, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert e's gate rows and up rows of this rank: views of the mapped file."""
     rows = layer.local_slice()
     gate = expert_blocks(layer.quant_sources["gate"], e, rows).data
     up = expert_blocks(layer.quant_sources["up"], e, rows).data
-    return np.concatenate([gate, up])
+    return gate, up
 
 
 def _down_raw(layer: Any, e: int) -> np.ndarray:
+    """Expert e's down rows, this rank's column range: a view of the mapped file."""
     columns = layer.local_slice()
-    return np.ascontiguousarray(
-        expert_blocks(layer.quant_sources["down"], e, slice(None), columns).data
-    )
+    return expert_blocks(layer.quant_sources["down"], e, slice(None), columns).data
 
 
 def finish_experts(

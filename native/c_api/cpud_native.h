@@ -432,6 +432,18 @@ double cpud_quant_compute_probe(int isa, int flags, int64_t iters);
  * scales per block of CPUD_QROWS rows (quant_formats.h); CPUD_EARG for a bad qtype. */
 int cpud_quant_format(int qtype, int *ggml_type, int *block_values, int *block_bytes,
                       int *qbytes, int *sbytes);
+/* Repacks E matrices W[N][K] (a stack of experts, or E = 1) from their GGUF blocks into the
+ * layout above, expert e at e times one matrix's bytes from qs and sc (quant_pack.c).  rows:
+ * [E][N] addresses of each row's K / bs consecutive blocks of qtype (read only: e.g. rows of the
+ * mapped file); rows past N pack as all-zero blocks.  *nan_scales: the MXFP4 blocks whose E8M0
+ * byte is 0xff (NaN in OCP MX; packed as any other), 0 for other types.  CPUD_EARG for a bad
+ * qtype, E or N < 1, K not a positive multiple of bs, or a null pointer or row (nothing written
+ * then). */
+int cpud_quant_pack(int qtype, intptr_t rows, /* [E][N] int64 addresses */
+                    int64_t E, int64_t N, int64_t K,
+                    intptr_t qs, /* [E][ceil(N/16)][K/bs][qbytes] u8 */
+                    intptr_t sc, /* [E][ceil(N/16)][K/bs][sbytes] u8 */
+                    int64_t *nan_scales);
 
 /* Rows of a table kept in GGUF blocks (an embedding lookup; dequant_rows.c), in the operations
  * and order of gguf-py's numpy dequantize (f32 rows equal it bit for bit).  ggml_type: gguf's
