@@ -173,7 +173,8 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:
-        """Stop rank processes (tp > 1); the object is unusable afterwards."""
+        """Free the model's weights and KV cache (tp = 1) or stop the rank processes (tp > 1);
+        the object is unusable afterwards. Dropping the last reference does the same at tp = 1."""
         self.engine.executor.shutdown()
 
     def __enter__(self) -> LLM:

@@ -13,14 +13,17 @@ covers at most CALL_BYTES, so a step that arrives waits for at most one call (un
 The thread walks the blocks in the order the block manager hands them out (lowest id first,
 every layer). It holds the cache only through weak references, taken strong for the length of
 each madvise call: once the cache is freed the thread stops, and it never populates another
-allocation that reuses the freed addresses.
+allocation that reuses the freed addresses. An owner's bound method as `idle_seconds` is held
+weakly too, so the thread never keeps its owner (and the owner's weights) alive.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import inspect
 import logging
+import math
 import os
 import threading
 import time
@@ -113,7 +116,7 @@ class KVPretouch:
         self.stopped_because: str | None = None
         self.done = threading.Event()
         self.paused_s = 0.0
-        self._idle_seconds = idle_seconds
+        self._idle_seconds = _held_weakly(idle_seconds)
         self._quiet_s = quiet_s
         self._madvise = madvise
         self._thread = threading.Thread(target=self._run, name="kv-pretouch", daemon=True)
@@ -170,6 +173,20 @@ class KVPretouch:
             pause = self._quiet_s - idle
             time.sleep(pause)
             self.paused_s += pause
+
+
+def _held_weakly(idle_seconds: Callable[[], float]) -> Callable[[], float]:
+    """idle_seconds, or for a bound method the same through a weak reference to its object
+    (gone: idle, so the thread moves on and finds the cache freed)."""
+    if not inspect.ismethod(idle_seconds):
+        return idle_seconds
+    method = weakref.WeakMethod(idle_seconds)
+
+    def idle() -> float:
+        bound = method()
+        return math.inf if bound is None else bound()
+
+    return idle
 
 
 def _reason(error: int) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import math
 import mmap
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -131,6 +133,59 @@ def test_a_freed_cache_stops_the_helper_before_it_touches_the_addresses_again():
     assert helper.done.wait(WAIT_S)
     assert calls == [] and helper.touched_bytes == 0
     assert "freed" in helper.stopped_because
+
+
+class Owner:
+    """Holds its cache and the helper, whose idle_seconds is one of its own methods: the cycle
+    a rank's runner makes."""
+
+    def __init__(self) -> None:
+        self.caches = fresh_cache(layers=1)
+        self.busy = True
+        self.helper = KVPretouch(self.caches, self.idle_seconds, quiet_s=0.05).start()
+
+    def idle_seconds(self) -> float:
+        return 0.0 if self.busy else 10.0
+
+
+def test_the_helper_never_keeps_its_owner_alive():
+    gc.disable()  # freed by reference counts alone, as `del llm` frees an engine
+    try:
+        owner = Owner()
+        helper, gone = owner.helper, weakref.ref(owner)
+        cache = weakref.ref(owner.caches[0][0])
+        del owner
+        assert gone() is None and cache() is None
+    finally:
+        gc.enable()
+    assert helper.done.wait(WAIT_S)
+    assert helper.touched_bytes == 0 and "freed" in helper.stopped_because
+
+
+def test_a_dropped_engine_frees_its_weights_and_cache_at_once(model_factory):
+    llm = LLM(model_factory("qwen3"), dtype="float32", num_kv_blocks=64)
+    runner = llm.engine.executor.runner
+    assert runner.kv_pretouch is not None
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    gone, cache = weakref.ref(runner), weakref.ref(runner.kv_caches[0][0])
+    del runner
+    gc.disable()
+    try:
+        del llm
+        assert gone() is None and cache() is None
+    finally:
+        gc.enable()
+
+
+def test_shutdown_frees_the_weights_and_cache(model_factory):
+    llm = LLM(model_factory("qwen3"), dtype="float32", num_kv_blocks=64)
+    gone = weakref.ref(llm.engine.executor.runner)
+    gc.disable()
+    try:
+        llm.shutdown()
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_the_engine_prefaults_its_cache_and_generates_the_same(model_factory):
