@@ -45,16 +45,6 @@ def _inner_group(group: TPGroup) -> TPGroup:
     return getattr(group, "group", group)
 
 
-def _plain_experts(experts: Any) -> bool:
-    """bf16 packed SiLU experts behind the softmax router, without biases: what the layer
-    table's router / experts run (cpud_moe_ffn); others run through a cpud_moe struct."""
-    recipe = experts.recipe
-    plain = recipe.router == "softmax_topk" and recipe.activation == "silu"
-    return (
-        plain and experts.packed is not None and not recipe.router_bias and not recipe.expert_bias
-    )
-
-
 def unsupported_reason(model: Any, ops: Ops, group: TPGroup) -> str | None:
     """Why `model` cannot run fused under these ops and group; None when it can."""
     from cpud.native import ShmGroup
@@ -183,12 +173,7 @@ class FusedDecoder:
             self._linear(entry, "qkv", layer.qkv)
             entry.o_bias = self._addr(layer.o_bias, self.dtype)
             self._linear(entry, "o", layer.o)
-            if layer.experts is not None and _plain_experts(layer.experts):
-                entry.router = self._addr(layer.router.packed.data)
-                gate_up, down = layer.experts.packed
-                entry.experts_gate_up = self._addr(gate_up)
-                entry.experts_down = self._addr(down)
-            elif layer.experts is not None:
+            if layer.experts is not None:
                 entry.moe = self._moe(layer)
             else:
                 self._linear(entry, "gate_up", layer.gate_up)

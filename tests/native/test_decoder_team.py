@@ -1,7 +1,7 @@
 """The fused decoder's decode path (one thread team for the layer stack, x quantized once per
 input for quantized linears) against the per-op path: the same logits bit for bit for a
 single decode, a batch of decodes and a decode beside a prefill chunk, on quantized GGUF and
-packed bf16 linears and on quantized expert (MoE) layers; a prefill larger than a team step
+packed bf16 linears and on quantized and packed bf16 expert (MoE) layers; a prefill larger than a team step
 takes per-op regions and matches too."""
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ def test_team_runs_quantized_expert_layers_like_the_per_op_path(model_factory, t
     path = tmp_path / "moe.gguf"
     write_moe_gguf(model_factory("qwen3_moe"), path, T.Q8_0, T.Q8_0, keep_values=False)
     assert_team_equals_per_op(path, torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_team_runs_packed_bf16_expert_layers_like_the_per_op_path(arch, model_factory):
+    assert_team_equals_per_op(model_factory(arch), torch.bfloat16)
 
 
 def assert_team_equals_per_op(path, dtype: torch.dtype) -> None:
