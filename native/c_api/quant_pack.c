@@ -11,7 +11,8 @@
  *     in the order Q8_0/Q4_0: d; Q4_1: d, m; Q4_K/Q5_K: d, dmin, 8 scales, 8 mins (6-bit,
  *     unpacked); Q6_K: d, 16 int8 scales; MXFP4: the E8M0 byte.
  *
- * Rows past N read as all-zero blocks (Q8_0's then pack as 0x80).  Plain C, any ISA. */
+ * Quants are unsigned: Q8_0's int8 + 128.  Rows past N read as all-zero blocks (Q8_0's then
+ * pack as 0x80).  Plain C, any ISA; one parallel region over every matrix's groups. */
 #include "quant.h"
 
 #define QK_MAX 256 /* values per block, at most */
@@ -68,8 +69,9 @@ static void dec_q6k(const uint8_t *b, int r, qdec *d) {
     for (int h = 0; h < 2; h++) {
         uint8_t *q = d->q[r] + h * 128;
         nibbles(b + h * 64, 64, q);
+        const uint8_t *qh = b + 128 + h * 32;
         for (int t = 0; t < 4; t++)
-            for (int l = 0; l < 32; l++) q[t * 32 + l] |= ((b[128 + h * 32 + l] >> (2 * t)) & 3) << 4;
+            for (int l = 0; l < 32; l++) q[t * 32 + l] |= ((qh[l] >> (2 * t)) & 3) << 4;
     }
 }
 
@@ -96,7 +98,8 @@ static void put_quants(int qt, const qdec *d, int j0, uint8_t *out) {
     if (qt == CPUD_Q5_K) {
         for (int r = 0; r < QR; r++) {
             uint32_t bits = 0;
-            for (int t = 0; t < 8; t++) bits |= (dword(&d->q[r][j0 + 4 * t]) >> 4 & 0x01010101u) << t;
+            for (int t = 0; t < 8; t++)
+                bits |= (dword(&d->q[r][j0 + 4 * t]) >> 4 & 0x01010101u) << t;
             memcpy(out + 256 + r * 4, &bits, 4);
         }
     } else if (qt == CPUD_Q6_K) {
