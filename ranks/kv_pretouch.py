@@ -14,11 +14,15 @@ The thread walks the blocks in the order the block manager hands them out (lowes
 every layer). It holds the cache only through weak references, taken strong for the length of
 each madvise call: once the cache is freed the thread stops, and it never populates another
 allocation that reuses the freed addresses. An owner's bound method as `idle_seconds` is held
-weakly too, so the thread never keeps its owner (and the owner's weights) alive.
+weakly too, so the thread never keeps its owner (and the owner's weights) alive. At interpreter
+exit the thread is stopped and joined before the interpreter tears down (a daemon thread that
+freed the last reference to the cache while it finalizes would end the process in torch's
+C++ code).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import inspect
@@ -115,6 +119,7 @@ class KVPretouch:
         self.policy: int | None = None
         self.stopped_because: str | None = None
         self.done = threading.Event()
+        self._stop = threading.Event()
         self.paused_s = 0.0
         self._idle_seconds = _held_weakly(idle_seconds)
         self._quiet_s = quiet_s
@@ -122,8 +127,15 @@ class KVPretouch:
         self._thread = threading.Thread(target=self._run, name="kv-pretouch", daemon=True)
 
     def start(self) -> KVPretouch:
+        atexit.register(self.stop)
         self._thread.start()
         return self
+
+    def stop(self) -> None:
+        """Stop the thread after its madvise call in flight (under 1 ms) and wait for it."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
 
     @property
     def thread_id(self) -> int | None:
@@ -135,8 +147,9 @@ class KVPretouch:
         except Exception as exc:  # a helper thread must never take the rank down
             self.stopped_because = f"{type(exc).__name__}: {exc}"
         finally:
+            self.ranges = []  # the helper lives on in atexit's list until exit
             self.done.set()
-            if self.stopped_because:
+            if self.stopped_because and not self._stop.is_set():
                 log.info("KV cache pre-fault stopped: %s", self.stopped_because)
 
     def _populate(self) -> None:
@@ -150,6 +163,9 @@ class KVPretouch:
         started = time.perf_counter()
         for span in self.ranges:
             self._wait_quiet()
+            if self._stop.is_set():
+                self.stopped_because = "stopped"
+                return
             cache = [ref() for ref in self._cache_refs]
             if any(t is None for t in cache):
                 self.stopped_because = "the KV cache was freed"
@@ -169,9 +185,9 @@ class KVPretouch:
         )
 
     def _wait_quiet(self) -> None:
-        while (idle := self._idle_seconds()) < self._quiet_s:
+        while not self._stop.is_set() and (idle := self._idle_seconds()) < self._quiet_s:
             pause = self._quiet_s - idle
-            time.sleep(pause)
+            self._stop.wait(pause)
             self.paused_s += pause
 
 

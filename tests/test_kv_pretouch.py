@@ -8,6 +8,9 @@ import gc
 import math
 import mmap
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -160,6 +163,42 @@ def test_the_helper_never_keeps_its_owner_alive():
         gc.enable()
     assert helper.done.wait(WAIT_S)
     assert helper.touched_bytes == 0 and "freed" in helper.stopped_because
+
+
+def test_stop_ends_the_thread_between_madvise_calls():
+    calls, caches = [], fresh_cache(layers=1)
+    helper = KVPretouch(
+        caches,
+        always_idle,
+        madvise=lambda address, length, advice: calls.append(time.sleep(0.01)) or 0,
+        call_bytes=BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * BLOCK_SHAPE[2] * 2,
+    ).start()
+    deadline = time.monotonic() + WAIT_S
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    helper.stop()
+    assert helper.done.is_set() and helper.stopped_because == "stopped"
+    assert 0 < len(calls) < BLOCKS * 64
+
+
+EXIT_SCRIPT = """
+    import atexit, torch
+    from cpud.ranks.kv_pretouch import KVPretouch
+    caches = [(torch.empty(64, 2, 16, 128), torch.empty(64, 2, 16, 128))]
+    helpers = []
+    # registered first, so it runs after the helper's own exit hook (atexit runs last in first)
+    atexit.register(lambda: print("ended before teardown:", helpers[0].done.is_set()))
+    helpers.append(KVPretouch(caches, lambda: 0.0).start())  # waits for idle forever
+"""
+
+
+def test_the_thread_has_ended_when_the_interpreter_tears_down():
+    script = textwrap.dedent(EXIT_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ended before teardown: True" in out.stdout
 
 
 def test_a_dropped_engine_frees_its_weights_and_cache_at_once(model_factory):
