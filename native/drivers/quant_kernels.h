@@ -6,10 +6,15 @@
 #include <omp.h>
 
 /* Bytes ahead of the quants being read that each tile prefetches: the hardware prefetcher alone
- * keeps too few lines in flight while the dots run, so loads and arithmetic would take turns. */
+ * keeps too few lines in flight while the dots run, so loads and arithmetic would take turns.
+ * Q8_0 streams its bytes fastest (least arithmetic per byte) and wants the longer distance; for
+ * the 4-6 bit formats half of it decodes faster (perf/ab_native_builds.py, Zen 4, 2 threads:
+ * layers of a qwen3-0.6b-shaped Q4_K_M file 1.025-1.034x, of the Qwen3-30B-A3B-shaped Q4_K_M MoE
+ * file 1.020x; Q8_0 was no faster at the shorter distance). */
 #ifndef QPFD
 #define QPFD 12288
 #endif
+#define QPFD_OF(qt) ((qt) == CPUD_Q8_0 ? QPFD : QPFD / 2)
 /* Below this many multiply-adds a GEMM runs on the calling thread. */
 #define QPAR_MIN (1 << 16)
 
@@ -202,10 +207,11 @@ static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const qxr *x, const int M
     do {                                                                                           \
         const qxr x = qxr_of(t);                                                                   \
         const int64_t qb = q_fmt[qt].qbytes, sb = q_fmt[qt].sbytes, h = Q_HALF((t)->nb);          \
+        const int64_t pfd = QPFD_OF(qt);                                                           \
         fv acc[4], acc2[4];                                                                        \
         for (int m = 0; m < MR; m++) acc[m] = acc2[m] = fv_zero();                                 \
         for (int64_t i = 0; i < h; i++) {                                                          \
-            const int64_t pfo = QPFD + ((i + 1) * qb + QPFD > h * qb ? h * qb : 0);                \
+            const int64_t pfo = pfd + ((i + 1) * qb + pfd > h * qb ? h * qb : 0);                  \
             qblk k = {(t)->q + i * qb, (t)->s + i * sb, (const char *)((t)->q + i * qb) + pfo};    \
             blk(&k, &x, MR, qt, i, acc);                                                           \
             if (h + i < (t)->nb) {                                                                 \
