@@ -1,8 +1,8 @@
 """The fused decoder's decode path (one thread team for the layer stack, x quantized once per
 input for quantized linears) against the per-op path: the same logits bit for bit for a
 single decode, a batch of decodes and a decode beside a prefill chunk, on quantized GGUF and
-packed bf16 linears and on quantized and packed bf16 expert (MoE) layers; a prefill larger than a team step
-takes per-op regions and matches too."""
+packed bf16 linears and on quantized and packed bf16 expert (MoE) layers; a prefill larger
+than a team step takes per-op regions and matches too."""
 
 from __future__ import annotations
 
