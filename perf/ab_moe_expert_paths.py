@@ -22,9 +22,23 @@ from bench_moe import ReadProbe, runner
 from cpud.protocol.step import SeqWork, StepPlan
 
 
+def plain(experts: Any) -> bool:
+    """What cpud_moe_ffn runs: packed bf16 SiLU experts behind the softmax router, no biases."""
+    recipe = experts.recipe
+    return (
+        experts.packed is not None
+        and recipe.router == "softmax_topk"
+        and recipe.activation == "silu"
+        and not recipe.router_bias
+        and not recipe.expert_bias
+    )
+
+
 def ffn_table(decoder: Any) -> Any:
     """A copy of the decoder's layer table whose expert layers name router and experts."""
     ffi, layers = decoder._ffi, decoder.table.layers
+    if not all(plain(layer.experts) for layer in layers if layer.experts is not None):
+        raise SystemExit("cpud_moe_ffn runs packed bf16 SiLU experts with no biases only")
     table = ffi.new("cpud_decoder_layer[]", len(layers))
     ffi.memmove(table, decoder._layers, ffi.sizeof("cpud_decoder_layer") * len(layers))
     for entry, layer in zip(table, layers):

@@ -51,6 +51,8 @@ def main() -> None:
         touch_s, pack_s = touch_s + t1 - t0, pack_s + t2 - t1
         gguf_bytes += sum(r.nbytes for r in rows)
         print(f"{name:28s} {qtype:6s} {len(rows)} x [{n}, {k}]: pack {t2 - t1:6.3f} s")
+    if not gguf_bytes:
+        raise SystemExit(f"{args.path}: no quantized expert stacks to repack")
     print(
         f"{gguf_bytes / 2**30:.2f} GiB of blocks on {args.threads} threads: repack {pack_s:.2f} s "
         f"({gguf_bytes / pack_s / 1e9:.2f} GB/s), first touch of the output {touch_s:.2f} s"

@@ -72,10 +72,10 @@ def peer_round(gguf: Path, threads: int, probe) -> dict:
     }
 
 
-def cpud_readings(ours: dict) -> list[float]:
-    """cpud's probe readings of its decode 1: before it, and its LM head read alone."""
+def lm_head_rate(ours: dict) -> list[float]:
+    """cpud's LM head read alone (GB/s), where measured: a second sign of the period."""
     lm_head = ours.get("decode_1_lm_head_alone_gbs")
-    return [ours["read_probe_gbs"], *([lm_head] if lm_head else [])]
+    return [lm_head] if lm_head else []
 
 
 def main() -> None:
@@ -108,22 +108,26 @@ def main() -> None:
         if not (source / "config.json").exists():
             make_model("qwen3_moe", bench_moe.PRESET, source, dtype="bfloat16")
         gguf = bench_moe.make_gguf(source, args.quant, args.workdir)
+    import torch
     from bench_moe import ReadProbe
 
+    torch.set_num_threads(args.threads)  # the probe on as many threads as both engines
     probe = ReadProbe(1024)
     rounds = []
     for i in range(args.rounds):
         peer = peer_round(gguf, args.threads, probe)
         ours = cpud_round(gguf, args.threads, args.steps)
         ratio = {k: ours[k] / peer[k] for k in ("prefill_512", "decode_1", "decode_32")}
-        spread = mixed([*peer["decode_1_read_probe_gbs"], *cpud_readings(ours)])
+        spread = mixed(
+            [*peer["decode_1_read_probe_gbs"], ours["read_probe_gbs"], *lm_head_rate(ours)]
+        )
         rounds.append({"llama.cpp": peer, "cpud": ours, "ratio": ratio, "mixed_periods": spread})
         print(json.dumps({"round": i + 1, **rounds[-1]}), flush=True)
     result = {"gguf": str(gguf), "bytes": gguf.stat().st_size, "threads": args.threads}
     result["rounds"] = rounds
     result["decode_1_by_period"] = paired_by_period(
         {
-            "cpud": [(r["cpud"]["decode_1"], cpud_readings(r["cpud"])) for r in rounds],
+            "cpud": [(r["cpud"]["decode_1"], [r["cpud"]["read_probe_gbs"]]) for r in rounds],
             "llama.cpp": [
                 (r["llama.cpp"]["decode_1"], r["llama.cpp"]["decode_1_read_probe_gbs"])
                 for r in rounds

@@ -112,12 +112,9 @@ def cpud_round(llm: Any, gen: int, streams: int, prompt: int, probe: Any) -> dic
     many = [[7 + s, *range(20, 51)] for s in range(streams)]
     decode_n = streams * gen / timed(many, gen)
     prefill = prompt / timed([list(range(7, 7 + prompt))], 1)
-    return {
-        "decode_1": decode_1,
-        f"decode_{streams}": decode_n,
-        f"prefill_{prompt}": prefill,
-        "decode_1_read_probe_gbs": readings,
-    }
+    out = {f"decode_{streams}": decode_n, f"prefill_{prompt}": prefill}
+    # decode_1 last: with streams == 1 the two keys are one, and decode 1 is the figure meant
+    return {**out, "decode_1": decode_1, "decode_1_read_probe_gbs": readings}
 
 
 def llamacpp_round(
@@ -222,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             "vs_own_bf16_decode_1": own_ratio,
             "llama.cpp without repacking": sorted(no_repack),
         }
+    probe.close()
     results["loadavg"] = llamacpp.loadavg()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
