@@ -127,8 +127,8 @@ class KVPretouch:
         self._thread = threading.Thread(target=self._run, name="kv-pretouch", daemon=True)
 
     def start(self) -> KVPretouch:
-        atexit.register(self.stop)
         self._thread.start()
+        atexit.register(self.stop)  # taken back when the thread ends
         return self
 
     def stop(self) -> None:
@@ -147,7 +147,7 @@ class KVPretouch:
         except Exception as exc:  # a helper thread must never take the rank down
             self.stopped_because = f"{type(exc).__name__}: {exc}"
         finally:
-            self.ranges = []  # the helper lives on in atexit's list until exit
+            atexit.unregister(self.stop)
             self.done.set()
             if self.stopped_because and not self._stop.is_set():
                 log.info("KV cache pre-fault stopped: %s", self.stopped_because)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import gc
@@ -144,8 +145,8 @@ class Owner:
 
     def __init__(self) -> None:
         self.caches = fresh_cache(layers=1)
-        self.busy = True
-        self.helper = KVPretouch(self.caches, self.idle_seconds, quiet_s=0.05).start()
+        self.busy = True  # the helper waits in a long sleep, between calls of idle_seconds
+        self.helper = KVPretouch(self.caches, self.idle_seconds, quiet_s=3600).start()
 
     def idle_seconds(self) -> float:
         return 0.0 if self.busy else 10.0
@@ -161,8 +162,24 @@ def test_the_helper_never_keeps_its_owner_alive():
         assert gone() is None and cache() is None
     finally:
         gc.enable()
-    assert helper.done.wait(WAIT_S)
-    assert helper.touched_bytes == 0 and "freed" in helper.stopped_because
+    helper.stop()
+    assert helper.done.is_set() and helper.touched_bytes == 0
+
+
+def test_a_helper_holds_an_exit_hook_only_while_its_thread_runs():
+    before = atexit._ncallbacks()
+    idle = threading.Event()
+    helper = KVPretouch(
+        fresh_cache(layers=1),
+        lambda: 10.0 if idle.is_set() else 0.0,
+        madvise=lambda address, length, advice: 0,
+        quiet_s=0.05,
+    ).start()
+    assert atexit._ncallbacks() == before + 1
+    idle.set()
+    assert helper.done.wait(WAIT_S) and helper.stopped_because is None
+    helper._thread.join(WAIT_S)
+    assert atexit._ncallbacks() == before
 
 
 def test_stop_ends_the_thread_between_madvise_calls():
@@ -206,6 +223,7 @@ def test_a_dropped_engine_frees_its_weights_and_cache_at_once(model_factory):
     runner = llm.engine.executor.runner
     assert runner.kv_pretouch is not None
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert runner.kv_pretouch.done.wait(WAIT_S)  # its thread holds nothing now
     gone, cache = weakref.ref(runner), weakref.ref(runner.kv_caches[0][0])
     del runner
     gc.disable()
