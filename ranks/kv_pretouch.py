@@ -127,8 +127,12 @@ class KVPretouch:
         self._thread = threading.Thread(target=self._run, name="kv-pretouch", daemon=True)
 
     def start(self) -> KVPretouch:
-        self._thread.start()
         atexit.register(self.stop)  # taken back when the thread ends
+        try:
+            self._thread.start()
+        except BaseException:
+            atexit.unregister(self.stop)
+            raise
         return self
 
     def stop(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import errno
 import gc
@@ -166,20 +165,15 @@ def test_the_helper_never_keeps_its_owner_alive():
     assert helper.done.is_set() and helper.touched_bytes == 0
 
 
-def test_a_helper_holds_an_exit_hook_only_while_its_thread_runs():
-    before = atexit._ncallbacks()
-    idle = threading.Event()
-    helper = KVPretouch(
-        fresh_cache(layers=1),
-        lambda: 10.0 if idle.is_set() else 0.0,
-        madvise=lambda address, length, advice: 0,
-        quiet_s=0.05,
-    ).start()
-    assert atexit._ncallbacks() == before + 1
-    idle.set()
+def test_a_finished_helper_is_not_held_by_its_exit_hook():
+    caches = fresh_cache(layers=1)
+    helper = KVPretouch(caches, always_idle, madvise=lambda address, length, advice: 0).start()
     assert helper.done.wait(WAIT_S) and helper.stopped_because is None
     helper._thread.join(WAIT_S)
-    assert atexit._ncallbacks() == before
+    gone = weakref.ref(helper)
+    del helper
+    gc.collect()
+    assert gone() is None
 
 
 def test_stop_ends_the_thread_between_madvise_calls():
