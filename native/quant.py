@@ -88,6 +88,15 @@ def _u8(raw: np.ndarray | torch.Tensor) -> np.ndarray:
     return raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
 
 
+def _row_bytes(name: str, n: int, k: int) -> int:
+    """Bytes of one row of W[n, k] in GGUF blocks of `name`; ValueError for a shape it cannot
+    hold."""
+    fmt = KERNEL_FORMATS[name]
+    if n < 1 or k < 1 or k % fmt.block_values:
+        raise ValueError(f"{name}: k={k} must be a positive multiple of {fmt.block_values} (n={n})")
+    return k // fmt.block_values * fmt.block_bytes
+
+
 def _dense_rows(arr: np.ndarray, row_bytes: int) -> np.ndarray:
     """arr as [rows, row_bytes] rows of dense bytes: a view where arr has that form (e.g. a
     column range of the mapped file), else a copy."""
@@ -117,9 +126,7 @@ def pack_rows_into(
     name = qtype_name(qtype)
     fmt = KERNEL_FORMATS[name]
     bs, tsize = fmt.block_values, fmt.block_bytes
-    if n < 1 or k < 1 or k % bs:
-        raise ValueError(f"{name}: k={k} must be a positive multiple of {bs} (n={n})")
-    row_bytes, groups = k // bs * tsize, -(-n // ROWS)
+    row_bytes, groups = _row_bytes(name, n, k), -(-n // ROWS)
     for t, size in ((qs, fmt.qbytes), (sc, fmt.sbytes)):
         shape = (len(sources), groups, k // bs, size)
         if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous():
@@ -176,18 +183,16 @@ def pack_quantized(
     ``HugeArena.take``); default: huge pages."""
     name = qtype_name(qtype)
     fmt = KERNEL_FORMATS[name]
-    bs, tsize = fmt.block_values, fmt.block_bytes
-    if n < 1 or k < 1 or k % bs:
-        raise ValueError(f"{name}: k={k} must be a positive multiple of {bs} (n={n})")
+    row_bytes = _row_bytes(name, n, k)
     arr = _u8(raw)
-    if arr.dtype != np.uint8 or arr.size != n * k // bs * tsize:
-        raise _bad_rows("raw", n, k // bs * tsize, [arr])
+    if arr.dtype != np.uint8 or arr.size != n * row_bytes:
+        raise _bad_rows("raw", n, row_bytes, [arr])
     b = None
     if bias is not None:
         if bias.shape != (n,) or not bias.is_floating_point():
             raise ValueError(f"bias: expected a float [{n}] tensor, got {tuple(bias.shape)}")
         b = bias.detach().to(torch.float32).contiguous()
-    groups, nb = -(-n // ROWS), k // bs
+    groups, nb = -(-n // ROWS), k // fmt.block_values
     new = alloc or (huge_empty if huge_pages else _plain_empty)
     qs, sc = new((groups, nb, fmt.qbytes), torch.uint8), new((groups, nb, fmt.sbytes), torch.uint8)
     pack_rows_into([[arr]], name, n, k, qs.unsqueeze(0), sc.unsqueeze(0))

@@ -201,8 +201,8 @@ static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const qxr *x, const int M
 }
 
 /* The tile of t: blk over both halves of the group's blocks side by side, res = first + second.
- * Block i of a half prefetches QPFD_OF(qt) bytes ahead of itself; past the half's end, that is in the
- * next group's same half (a half's bytes further), which this stream reads next. */
+ * Block i of a half prefetches QPFD_OF(qt) bytes ahead of itself; past the half's end, that is
+ * in the next group's same half (a half's bytes further), which this stream reads next. */
 #define TILE_TWO_HALVES(t, MR, blk, qt)                                                            \
     do {                                                                                           \
         const qxr x = qxr_of(t);                                                                   \
