@@ -5,16 +5,20 @@
  * 32, MXFP4's E2M1_OFF) and mins come off through x's block sums. */
 #include <omp.h>
 
-/* Bytes ahead of the quants being read that each tile prefetches: the hardware prefetcher alone
- * keeps too few lines in flight while the dots run, so loads and arithmetic would take turns.
- * Q8_0 streams its bytes fastest (least arithmetic per byte) and wants the longer distance; for
- * the 4-6 bit formats half of it decodes faster (perf/ab_native_builds.py, Zen 4, 2 threads:
- * layers of a qwen3-0.6b-shaped Q4_K_M file 1.025-1.034x, of the Qwen3-30B-A3B-shaped Q4_K_M MoE
- * file 1.020x; Q8_0 was no faster at the shorter distance). */
-#ifndef QPFD
-#define QPFD 12288
-#endif
-#define QPFD_OF(qt) ((qt) == CPUD_Q8_0 ? QPFD : QPFD / 2)
+/* Software prefetch, QPFD bytes ahead of the quants being read, where a tile has more than one
+ * row of x (the weights feed more arithmetic per byte, and each group is read again from cache
+ * by the tiles after the first) or the format is Q5_K or Q6_K (the most arithmetic per byte).  A
+ * one-row tile of the other formats issues none: the hardware prefetcher alone keeps its one
+ * stream at the read probe's rate, where prefetch instructions (or two streams per thread) held
+ * it at 70-77 % of the probe in the host's fast memory periods (Zen 4, 2 threads); Q5_K and Q6_K
+ * ran at 80 % with them and 61-73 % without. */
+#define QPFD 6144
+#define QPF(MR, qt, p)                                                                             \
+    do {                                                                                           \
+        if ((MR) > 1 || (qt) == CPUD_Q5_K || (qt) == CPUD_Q6_K)                                    \
+            __builtin_prefetch((const char *)(p) + QPFD, 0, 2);                                    \
+    } while (0)
+
 /* Below this many multiply-adds a GEMM runs on the calling thread. */
 #define QPAR_MIN (1 << 16)
 
@@ -47,15 +51,13 @@ static ALWAYS_INLINE qxr qxr_of(const qtile *t) {
 #define XS32(x, m, i) (XS(x, m, 2 * (i)) + XS(x, m, 2 * (i) + 1))
 
 /* Blocks [0, h) of a group sum into one accumulator and [h, nb) into another, added at the end
- * (h = Q_HALF(nb)): the two halves are read side by side, two streams from memory where one
- * thread alone keeps too few lines in flight.  Every variant (and the AMX tiles) sums in this
- * order, so a row's result does not depend on the rows beside it. */
+ * (h = Q_HALF(nb)): every variant (and the AMX tiles) sums in this order, so a row's result does
+ * not depend on the rows beside it.  The blocks are read in order, one stream per thread. */
 #define Q_HALF(nb) (((nb) + 1) / 2)
 
-/* Block b of a group: its quants and scales; pf: where this block's prefetches go. */
+/* Block b of a group: its quants and scales. */
 typedef struct qblk {
     const uint8_t *q, *s;
-    const char *pf;
 } qblk;
 
 /* Q8_0 / Q4_0 / Q4_1 block b: one scale (and min) per 32; wide: Q8_0's byte quants.  The first
@@ -73,7 +75,7 @@ static ALWAYS_INLINE QTGT void blk_b32(const qblk *k, const qxr *x, const int MR
         dot2[m] = iv_zero();
     }
     for (int c = 0; c < (wide ? 8 : 4); c++) {
-        __builtin_prefetch(k->pf + c * 64, 0, 2);
+        QPF(MR, qt, k->q + c * 64);
         const qv w = qv_ld(k->q + c * 64);
         if (wide) {
             for (int m = 0; m < MR; m++) {
@@ -109,13 +111,12 @@ static ALWAYS_INLINE QTGT void blk_k45(const qblk *k, const qxr *x, const int MR
     for (int j = 0; j < 8; j++) {
         const fv sc = fv_mul(d, fv_u8(s + 64 + j * 16)), mn = fv_mul(dmin, fv_u8(s + 192 + j * 16));
         const uint8_t *qj = k->q + j * sub;
-        const char *pj = k->pf + j * sub;
         const qv hb = five ? qv_ld(qj + 256) : qv_ld(qj);
-        if (five) __builtin_prefetch(pj + 256, 0, 2);
+        if (five) QPF(MR, qt, qj + 256);
         iv dot[4], dot2[4];
         for (int m = 0; m < MR; m++) dot[m] = dot2[m] = iv_zero();
         for (int c = 0; c < 4; c++) {
-            __builtin_prefetch(pj + c * 64, 0, 2);
+            QPF(MR, qt, qj + c * 64);
             const qv w = qv_ld(qj + c * 64);
             qv lo = qv_lo(w), hi = five ? qv_hi(w) : qv_hi16(w);
             if (five) {
@@ -146,9 +147,8 @@ static ALWAYS_INLINE QTGT void blk_q6k(const qblk *k, const qxr *x, const int MR
     for (int j = 0; j < 8; j++)
         for (int h = 0; h < 2; h++) {
             const uint8_t *qj = k->q + j * 384;
-            const char *pj = k->pf + j * 384;
             const qv hb = qv_ld(qj + 256 + h * 64);
-            __builtin_prefetch(pj + 256 + h * 64, 0, 2);
+            QPF(MR, qt, qj + 256 + h * 64);
             const fv sc = fv_mul(d, fv_i8((const int8_t *)s + 32 + (2 * j + h) * 16));
             iv dot[4], dot2[4];
             for (int m = 0; m < MR; m++) {
@@ -157,7 +157,7 @@ static ALWAYS_INLINE QTGT void blk_q6k(const qblk *k, const qxr *x, const int MR
             }
             for (int cc = 0; cc < 2; cc++) {
                 const int c = 2 * h + cc;
-                __builtin_prefetch(pj + c * 64, 0, 2);
+                QPF(MR, qt, qj + c * 64);
                 const qv w = qv_ld(qj + c * 64);
                 const qv lo = qv_or(qv_lo(w), qv_b6(hb, 2 * cc));
                 const qv hi = qv_or(qv_hi(w), qv_b6(hb, 2 * cc + 1));
@@ -186,7 +186,7 @@ static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const qxr *x, const int M
         dot2[m] = iv_zero();
     }
     for (int c = 0; c < 4; c++) {
-        __builtin_prefetch(k->pf + c * 64, 0, 2);
+        QPF(MR, qt, k->q + c * 64);
         const qv w = qv_ld(k->q + c * 64);
         const qv lo = qv_e2m1(qv_lo(w)), hi = qv_e2m1(qv_hi(w));
         for (int m = 0; m < MR; m++) {
@@ -200,26 +200,21 @@ static ALWAYS_INLINE QTGT void blk_e2m1(const qblk *k, const qxr *x, const int M
     }
 }
 
-/* The tile of t: blk over both halves of the group's blocks side by side, res = first + second.
- * Block i of a half prefetches QPFD_OF(qt) bytes ahead of itself; past the half's end, that is
- * in the next group's same half (a half's bytes further), which this stream reads next. */
-#define TILE_TWO_HALVES(t, MR, blk, qt)                                                            \
+/* The tile of t: blk over the group's blocks in order, the first half into acc and the rest into
+ * acc2, res = acc + acc2. */
+#define TILE_IN_ORDER(t, MR, blk, qt)                                                              \
     do {                                                                                           \
         const qxr x = qxr_of(t);                                                                   \
         const int64_t qb = q_fmt[qt].qbytes, sb = q_fmt[qt].sbytes, h = Q_HALF((t)->nb);          \
-        const int64_t pfd = QPFD_OF(qt);                                                           \
         fv acc[4], acc2[4];                                                                        \
         for (int m = 0; m < MR; m++) acc[m] = acc2[m] = fv_zero();                                 \
         for (int64_t i = 0; i < h; i++) {                                                          \
-            const int64_t pfo = pfd + ((i + 1) * qb + pfd > h * qb ? h * qb : 0);                  \
-            qblk k = {(t)->q + i * qb, (t)->s + i * sb, (const char *)((t)->q + i * qb) + pfo};    \
+            const qblk k = {(t)->q + i * qb, (t)->s + i * sb};                                     \
             blk(&k, &x, MR, qt, i, acc);                                                           \
-            if (h + i < (t)->nb) {                                                                 \
-                k.q += h * qb;                                                                     \
-                k.s += h * sb;                                                                     \
-                k.pf += h * qb;                                                                    \
-                blk(&k, &x, MR, qt, h + i, acc2);                                                  \
-            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = h; i < (t)->nb; i++) {                                                    \
+            const qblk k = {(t)->q + i * qb, (t)->s + i * sb};                                     \
+            blk(&k, &x, MR, qt, i, acc2);                                                          \
         }                                                                                          \
         for (int m = 0; m < MR; m++) fv_st((t)->res + m * QR, fv_add(acc[m], acc2[m]));           \
     } while (0)
@@ -229,13 +224,13 @@ typedef void (*tile_fn)(const qtile *t);
 /* Per format of quant_formats.h: tile_<name>_<MR> for MR 1, 2, 4, on its family's blk. */
 #define CPUD_KERNEL_FORMAT(name, ggml_type, block_values, block_bytes, code, qb, sb, family, ...) \
     static QTGT void tile_##name##_1(const qtile *t) {                                             \
-        TILE_TWO_HALVES(t, 1, blk_##family, code);                                                 \
+        TILE_IN_ORDER(t, 1, blk_##family, code);                                                   \
     }                                                                                              \
     static QTGT void tile_##name##_2(const qtile *t) {                                             \
-        TILE_TWO_HALVES(t, 2, blk_##family, code);                                                 \
+        TILE_IN_ORDER(t, 2, blk_##family, code);                                                   \
     }                                                                                              \
     static QTGT void tile_##name##_4(const qtile *t) {                                             \
-        TILE_TWO_HALVES(t, 4, blk_##family, code);                                                 \
+        TILE_IN_ORDER(t, 4, blk_##family, code);                                                   \
     }
 #include "quant_formats.h"
 
@@ -245,6 +240,18 @@ typedef void (*tile_fn)(const qtile *t);
 static const tile_fn q_tiles[][3] = {
 #include "quant_formats.h"
 };
+
+/* Rows [t->m0, m1) of x against t's group, out rows g*16.. (q_store). */
+static ALWAYS_INLINE QTGT void q_group_tiles(int qt, qtile *t, int64_t m1, int64_t g, int64_t N,
+                                             const float *bias, void *out, int odt, int64_t os) {
+    while (t->m0 < m1) {
+        const int64_t left = m1 - t->m0;
+        const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
+        q_tiles[qt][mr == 1 ? 0 : mr == 2 ? 1 : 2](t);
+        q_store(t->res, mr, t->m0, g, N, bias, out, odt, os);
+        t->m0 += mr;
+    }
+}
 
 /* Tasks: per part, its groups of 16 w rows times chunks of QMC x rows, parts one after another;
  * thread tid of nth takes the run [tasks * tid / nth, tasks * (tid + 1) / nth) (one stream
@@ -267,13 +274,7 @@ static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void 
         float res[4 * QR];
         qtile t = {pp->qs + g * nb * q_fmt[qt].qbytes, pp->sc + g * nb * q_fmt[qt].sbytes, a,
                    mc * QMC, nb, res};
-        while (t.m0 < m1) {
-            const int64_t left = m1 - t.m0;
-            const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
-            q_tiles[qt][mr == 1 ? 0 : mr == 2 ? 1 : 2](&t);
-            q_store(res, mr, t.m0, g, pp->N, pp->bias, o, odt, os);
-            t.m0 += mr;
-        }
+        q_group_tiles(qt, &t, m1, g, pp->N, pp->bias, o, odt, os);
     }
 }
 
@@ -296,13 +297,7 @@ static QTGT void qrows_k(int qt, const qact *a, const uint8_t *qs, const uint8_t
     const int64_t nb = a->K / q_fmt[qt].bs;
     float res[4 * QR];
     qtile t = {qs + g * nb * q_fmt[qt].qbytes, sc + g * nb * q_fmt[qt].sbytes, a, m0, nb, res};
-    while (t.m0 < m1) {
-        const int64_t left = m1 - t.m0;
-        const int mr = left >= QMR ? QMR : left >= 2 ? 2 : 1;
-        q_tiles[qt][mr == 1 ? 0 : mr == 2 ? 1 : 2](&t);
-        q_store(res, mr, t.m0, g, N, bias, out, odt, os);
-        t.m0 += mr;
-    }
+    q_group_tiles(qt, &t, m1, g, N, bias, out, odt, os);
 }
 
 static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,

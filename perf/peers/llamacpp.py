@@ -258,14 +258,21 @@ def convert(
 
 
 def quantize(
-    src_gguf: Path, out_gguf: Path, qtype: str, threads: int = 2, bin_dir: Path | None = None
+    src_gguf: Path,
+    out_gguf: Path,
+    qtype: str,
+    threads: int = 2,
+    bin_dir: Path | None = None,
+    pure: bool = False,
 ) -> Path:
-    """llama-quantize src_gguf -> out_gguf in qtype (Q8_0, Q4_K_M, ...); skipped if it exists."""
+    """llama-quantize src_gguf -> out_gguf in qtype (Q8_0, Q4_K_M, ...); skipped if it exists.
+    pure: every matrix in qtype's base format (llama-quantize --pure: no mix)."""
     if out_gguf.is_file():
         return out_gguf
     exe = (bin_dir or ensure_built()) / "llama-quantize"
     tmp = out_gguf.with_name(out_gguf.name + ".tmp")
-    run([*NICE, str(exe), str(src_gguf), str(tmp), qtype, str(threads)])
+    flags = ["--pure"] if pure else []
+    run([*NICE, str(exe), *flags, str(src_gguf), str(tmp), qtype, str(threads)])
     tmp.rename(out_gguf)
     return out_gguf
 
