@@ -131,10 +131,6 @@ class FusedDecoder:
         dims.residual_scale = table.residual_scale
         dims.kv_dtype = KV_DTYPE_CODE[cache_dtype]
         dims.quant_flags = 0
-        dims.experts = table.experts
-        dims.experts_per_tok = table.experts_per_tok
-        dims.expert_inter = table.expert_inter
-        dims.moe_flags = table.moe_flags
         self._dims = dims
         self._keep: list[torch.Tensor] = []  # everything whose address the tables hold
         # bytes of weights the dense linears read per step, and their time summed over steps

@@ -273,9 +273,6 @@ typedef struct cpud_decoder_layer {
     intptr_t key_cache, value_cache; /* [num_blocks][nkv][bs] rows of dims' kv_dtype */
     intptr_t sinks;                  /* [heads] f32 attention sink logits, or 0      */
     cpud_qlinear q_qkv, q_o, q_gate_up, q_down; /* used instead where parts > 0     */
-    /* An expert layer (router != 0) runs cpud_moe_ffn instead of gate_up / down: router
-     * packed [E][H], experts as cpud_moe_experts' gate_up and down. */
-    intptr_t router, experts_gate_up, experts_down;
     intptr_t cos_sin; /* [max_pos][rot_dim] f32 cos | sin of this layer's RoPE, or 0: no rotary
                          in this layer (NoPE) */
     int64_t window;   /* this layer's sliding window in tokens (0: global) */
@@ -283,9 +280,7 @@ typedef struct cpud_decoder_layer {
      * before their residual add (Gemma's post_attention_layernorm / post_feedforward_layernorm),
      * or 0 */
     intptr_t attn_out_norm, ffn_out_norm;
-    /* An expert layer with a recipe beyond router / experts above (biases, other routers or
-     * activations: gpt-oss) or with quantized experts: a cpud_moe * that cpud_moe_layer runs
-     * instead of them, or 0. */
+    /* An expert layer: a cpud_moe * that cpud_moe_layer runs instead of gate_up / down, or 0. */
     intptr_t moe;
 } cpud_decoder_layer;
 
@@ -295,8 +290,6 @@ typedef struct cpud_decoder_dims {
     int64_t max_pos, num_blocks, block_size;
     float eps, scale;
     int quant_flags;  /* cpud_quant_gemm's flags for quantized linears */
-    int64_t experts, experts_per_tok, expert_inter; /* expert layers: E, k, I per rank */
-    int moe_flags;                                  /* cpud_moe_flags                  */
     int norm_wdt;    /* dtype of every norm weight: dtype (Llama rounding) or CPUD_F32 (Gemma
                         form) */
     int activation;  /* 0: silu (gated), 1: gelu_tanh (gated); expert layers: silu only */
@@ -318,7 +311,7 @@ typedef struct cpud_decoder_step {
     int failed_collective; /* out: 1 when the return code is an all-reduce's (CPUD_E*) */
     int64_t linear_ns;     /* out: time in the dense layers' linears (their GEMMs) */
     int team;              /* out: 1 when the step ran as one thread team (decode steps: up to
-                              32 tokens, no router/experts_* expert layer), 0 when op by op */
+                              32 tokens), 0 when op by op */
 } cpud_decoder_step;
 
 /* Layers [0, n_layers) in order.  tp: the tensor-parallel group's handle, or

@@ -48,9 +48,6 @@ static int layer_ok(const cpud_decoder_dims *d, const cpud_decoder_layer *l) {
     int ffn_ok;
     if (l->moe)
         ffn_ok = 1; /* cpud_moe_layer checks its own struct */
-    else if (l->router)
-        ffn_ok = d->activation == 0 && d->experts > 0 && d->experts_per_tok > 0 &&
-                 d->expert_inter > 0 && l->experts_gate_up && l->experts_down;
     else
         ffn_ok = qlinear_ok(&l->q_gate_up, l->gate_up, 2 * d->intermediate) &&
                  qlinear_ok(&l->q_down, l->down, d->hidden);
@@ -197,11 +194,6 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         ops->fused_add_rms_norm(dt, x, H, res, H, (const void *)l->post_norm, wdt, T, H, d->eps);
         if (l->moe) {
             rc = cpud_moe_layer_ops(ops, isa, dt, (const cpud_moe *)l->moe, x, x, T);
-        } else if (l->router) {
-            rc = cpud_moe_ffn_ops(ops, dt, x, x, T, H, d->expert_inter, d->experts,
-                                  d->experts_per_tok, d->moe_flags, (const uint16_t *)l->router,
-                                  (const uint16_t *)l->experts_gate_up,
-                                  (const uint16_t *)l->experts_down);
         } else {
             rc = linear(isa, ops, d, &l->q_gate_up, l->gate_up, 0, x, H, gu, 2 * I, T, 2 * I, H,
                         s);

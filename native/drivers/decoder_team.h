@@ -67,7 +67,7 @@ static int team_fits(const cpud_qops *qops, const cpud_decoder_dims *d,
     const int64_t H = d->hidden, qd = d->heads * d->head_dim, I = d->intermediate;
     for (int64_t i = 0; i < n_layers; i++) {
         const cpud_decoder_layer *l = &layers[i];
-        if (l->router || !team_linear_ok(qops, &l->q_qkv, H, T) ||
+        if (!team_linear_ok(qops, &l->q_qkv, H, T) ||
             !team_linear_ok(qops, &l->q_o, qd, T))
             return 0;
         if (!l->moe && (!team_linear_ok(qops, &l->q_gate_up, H, T) ||

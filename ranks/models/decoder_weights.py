@@ -52,7 +52,4 @@ class DecoderWeights:
     max_positions: int
     gelu: bool = False  # gated GELU-tanh, else gated SiLU
     residual_scale: float = 1.0
-    experts: int = 0
     experts_per_tok: int = 0
-    expert_inter: int = 0  # per rank
-    moe_flags: int = 0  # cpud_moe_flags (ranks/layers/moe.py)

@@ -43,10 +43,7 @@ class MoeForCausalLM(DecoderForCausalLM):
         return replace(
             table,
             intermediate=table.intermediate if dense else block.experts.inter,
-            experts=self.cfg.num_experts,
             experts_per_tok=block.top_k,
-            expert_inter=block.experts.inter,
-            moe_flags=block.flags,
         )
 
     @staticmethod

@@ -184,16 +184,6 @@ def test_bf16_norm_weight_on_f32_rows_is_refused(kern):
     assert fused.run(kern.isa) == EARG
 
 
-def test_expert_layers_take_silu_only(kern):
-    layers, index = recipe_stack()
-    fused = Fused(layers, index, QSL[-1])
-    experts = torch.zeros(16, dtype=torch.bfloat16)
-    d, layer = fused.dims, fused.layers[0]
-    d.experts, d.experts_per_tok, d.expert_inter = 2, 1, INTER
-    layer.router = layer.experts_gate_up = layer.experts_down = fused.addr(experts)
-    assert fused.run(kern.isa) == EARG  # gelu_tanh
-
-
 def test_block_tables_checked_for_the_widest_window(kern):
     # decode of sequence 0 at position 8 reads blocks 1..2 under window 2, blocks 0..2 when
     # global: a freed block 0 is fine only while no layer is global
