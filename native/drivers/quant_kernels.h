@@ -10,8 +10,8 @@
  * by the tiles after the first) or the format is Q5_K or Q6_K (the most arithmetic per byte).  A
  * one-row tile of the other formats issues none: the hardware prefetcher alone keeps its one
  * stream at the read probe's rate, where prefetch instructions (or two streams per thread) held
- * it at 70-77 % of the probe in the host's fast memory periods (Zen 4, 2 threads); Q5_K and Q6_K
- * ran at 80 % with them and 61-73 % without. */
+ * it at 70-77 % of the probe in the host's fast memory periods (Zen 4, 2 threads); Q6_K ran at
+ * 80-82 % with them and 61-73 % without, Q5_K about even. */
 #define QPFD 6144
 #define QPF(MR, qt, p)                                                                             \
     do {                                                                                           \
