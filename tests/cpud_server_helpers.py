@@ -20,6 +20,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """A port p where p .. p + n - 1 are all free now (a server with replicas on the next
+    ports): a free port's neighbours may be another process's."""
+    for _ in range(100):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen

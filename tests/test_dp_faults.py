@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cpud_server_helpers import child_pids, free_port, launch, wait_healthy
+from cpud_server_helpers import child_pids, free_ports, launch, wait_healthy
 from fake_notify import FakeNotifySocket
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def stop_and_check_nothing_left(server, top: int) -> None:
 
 
 def test_killed_rank_fails_its_replica_fast_the_other_serves_it_restarts(model_factory, tmp_path):
-    port = free_port()
+    port = free_ports(2)  # replica 1 on port + 1
     notify = FakeNotifySocket(tmp_path / "notify.sock")
     env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "15000000"}
     server = launch(model_factory("qwen3"), tmp_path / "log", "-dp", "2", port=port, env=env)
@@ -151,7 +151,7 @@ def test_killed_rank_fails_its_replica_fast_the_other_serves_it_restarts(model_f
 def test_router_in_front_of_two_replicas_survives_a_lost_replica_and_its_own_death(
     model_factory, tmp_path
 ):
-    port = free_port()
+    port = free_ports(3)  # the router, replicas on port + 1, port + 2
     server = launch(
         model_factory("qwen3"),
         tmp_path / "log",
