@@ -102,6 +102,16 @@ static void team_quantize(team *tm, const cpud_qlinear *q, const char *x, int64_
                        tm->xq.d + r0 * (K / 32), tm->xq.s + r0 * (K / 16));
 }
 
+/* q's parts as the quantized GEMM takes them (side by side in the output's columns). */
+static void team_parts(const cpud_qlinear *q, qpart *p) {
+    int64_t col = 0;
+    for (int i = 0; i < q->parts; i++) {
+        p[i] = (qpart){q->qtype[i], (const uint8_t *)q->qs[i], (const uint8_t *)q->sc[i],
+                       (const float *)q->bias[i], q->n[i], col};
+        col += q->n[i];
+    }
+}
+
 /* This thread's share of out [T][N] (row stride os) = x [T][K] (row stride xs) W^T (+ bias):
  * the packed bf16 GEMM, or the quantized one on xq; thread 0 adds the phase's time (through
  * the barrier that ends it) to s->linear_ns. */
@@ -120,12 +130,7 @@ static int team_linear(team *tm, const cpud_qlinear *q, intptr_t packed, intptr_
         return failed;
     }
     qpart p[CPUD_QPARTS_MAX];
-    int64_t col = 0;
-    for (int i = 0; i < q->parts; i++) {
-        p[i] = (qpart){q->qtype[i], (const uint8_t *)q->qs[i], (const uint8_t *)q->sc[i],
-                       (const float *)q->bias[i], q->n[i], col};
-        col += q->n[i];
-    }
+    team_parts(q, p);
     const qact a = {tm->xq.q, tm->xq.d, tm->xq.s, K};
     tm->qops->gemm_parts_part(p, (int)q->parts, &a, out, dt, os, tm->s->T, tid, nth);
     const int failed = team_sync(tm, phase);
@@ -144,18 +149,17 @@ static int team_linear(team *tm, const cpud_qlinear *q, intptr_t packed, intptr_
  * of tasks qgemm_parts_part_k gives it) and their scales; nothing for a packed bf16 linear. */
 static void team_prefetch_share(const cpud_qlinear *q, int64_t K, int64_t T, int tid, int nth) {
     if (q->parts < 1 || q->parts > CPUD_QPARTS_MAX) return;
-    const int64_t nmc = (T + QMC - 1) / QMC;
+    qpart p[CPUD_QPARTS_MAX];
     int64_t first[CPUD_QPARTS_MAX + 1];
-    first[0] = 0;
-    for (int i = 0; i < q->parts; i++) first[i + 1] = first[i] + (q->n[i] + QR - 1) / QR * nmc;
-    const int64_t task = first[q->parts] * tid / nth;
-    if (task >= first[q->parts]) return;
+    team_parts(q, p);
+    const int64_t tasks = q_part_tasks(p, (int)q->parts, T, first), task = tasks * tid / nth;
+    if (task >= tasks) return;
     int i = 0;
     while (task >= first[i + 1]) i++;
-    const qformat *f = &q_fmt[q->qtype[i]];
-    const int64_t g = (task - first[i]) / nmc, nb = K / f->bs;
-    const char *qs = (const char *)q->qs[i] + g * nb * f->qbytes;
-    const char *sc = (const char *)q->sc[i] + g * nb * f->sbytes;
+    const qformat *f = &q_fmt[p[i].qt];
+    const int64_t g = (task - first[i]) / q_chunks(T), nb = K / f->bs;
+    const char *qs = (const char *)p[i].qs + g * nb * f->qbytes;
+    const char *sc = (const char *)p[i].sc + g * nb * f->sbytes;
     for (int64_t o = 0; o < TEAM_PF_BYTES; o += 64) __builtin_prefetch(qs + o, 0, 2);
     for (int64_t o = 0; o < TEAM_PF_BYTES * f->sbytes / f->qbytes; o += 64)
         __builtin_prefetch(sc + o, 0, 2);

@@ -78,6 +78,19 @@ typedef struct qpart {
     int64_t N, col;
 } qpart;
 
+/* The tasks of a GEMM over np parts with M rows of x: per part, its groups of QR w rows times
+ * chunks of QMC x rows, parts one after another.  first[i]: part i's first task, first[np]: the
+ * count (returned); task t of part i is group (t - first[i]) / nmc, chunk (t - first[i]) % nmc
+ * with nmc = q_chunks(M). */
+static inline int64_t q_chunks(int64_t M) { return (M + QMC - 1) / QMC; }
+
+static inline int64_t q_part_tasks(const qpart *p, int np, int64_t M, int64_t *first) {
+    const int64_t nmc = q_chunks(M);
+    first[0] = 0;
+    for (int i = 0; i < np; i++) first[i + 1] = first[i] + (p[i].N + QR - 1) / QR * nmc;
+    return first[np];
+}
+
 typedef struct cpud_qops {
     const char *name;
     /* x: [M][K] rows xs apart, dtype dt -> a's buffers */

@@ -258,11 +258,9 @@ static ALWAYS_INLINE QTGT void q_group_tiles(int qt, qtile *t, int64_t m1, int64
  * through the weights).  No parallel region: the caller's team runs it, every thread once. */
 static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void *out, int odt,
                                     int64_t os, int64_t M, int tid, int nth) {
-    const int64_t nmc = (M + QMC - 1) / QMC;
+    const int64_t nmc = q_chunks(M);
     int64_t first[CPUD_QPARTS_MAX + 1];
-    first[0] = 0;
-    for (int i = 0; i < np; i++) first[i + 1] = first[i] + (p[i].N + QR - 1) / QR * nmc;
-    const int64_t tasks = first[np], t1 = tasks * (tid + 1) / nth;
+    const int64_t tasks = q_part_tasks(p, np, M, first), t1 = tasks * (tid + 1) / nth;
     for (int64_t task = tasks * tid / nth; task < t1; task++) {
         int i = 0;
         while (task >= first[i + 1]) i++;
@@ -281,12 +279,9 @@ static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void 
 /* qgemm_parts_part_k in its own parallel region. */
 static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out, int odt,
                                int64_t os, int64_t M) {
-    const int64_t nmc = (M + QMC - 1) / QMC;
-    int64_t tasks = 0, rows = 0;
-    for (int i = 0; i < np; i++) {
-        tasks += (p[i].N + QR - 1) / QR * nmc;
-        rows += p[i].N;
-    }
+    int64_t first[CPUD_QPARTS_MAX + 1], rows = 0;
+    const int64_t tasks = q_part_tasks(p, np, M, first);
+    for (int i = 0; i < np; i++) rows += p[i].N;
 #pragma omp parallel if (tasks > 1 && M * rows * a->K >= QPAR_MIN)
     qgemm_parts_part_k(p, np, a, out, odt, os, M, omp_get_thread_num(), omp_get_num_threads());
 }
