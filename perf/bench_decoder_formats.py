@@ -31,7 +31,7 @@ import torch
 from bench_moe import ExpertCounter, PhaseTimer, ReadProbe, decode, runner
 from bench_quant_kernels import cpu_model
 from peers import llamacpp
-from read_periods import MIXED_SPREAD, mixed
+from read_periods import mixed, period_names
 
 from cpud import native
 
@@ -69,11 +69,8 @@ def by_period(samples: list[dict[str, Any]]) -> dict[str, Any]:
     if not clean:
         return {}
     probes = [statistics.mean(s["probe_gbs"]) for s in clean]
-    lo, hi = min(probes), max(probes)
-    split = (lo + hi) / 2 if hi > MIXED_SPREAD * lo else None
     grouped: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for s, p in zip(clean, probes, strict=True):
-        period = "one" if split is None else ("fast" if p >= split else "slow")
+    for s, p, period in zip(clean, probes, period_names(probes), strict=True):
         grouped.setdefault(period, {}).setdefault(s["format"], []).append({**s, "probe": p})
     return {
         period: {

@@ -59,6 +59,15 @@ def mixed(readings: Sequence[float]) -> bool:
     return max(readings) > MIXED_SPREAD * min(readings)
 
 
+def period_names(probes: Sequence[float]) -> list[str]:
+    """Each probe reading's period: "slow" or "fast" of the middle of their range where it
+    spreads past MIXED_SPREAD, else "one"."""
+    if not mixed(probes):
+        return ["one"] * len(probes)
+    split = (min(probes) + max(probes)) / 2
+    return ["fast" if p >= split else "slow" for p in probes]
+
+
 def paired_by_period(samples: dict[str, list[tuple[float, list[float]]]]) -> dict[str, Any]:
     """samples: engine -> [(tok/s, its probe readings), ...]. A sample whose own readings are
     mixed is left out; the rest split at the middle of the probe's range into "slow" and "fast"
@@ -68,16 +77,12 @@ def paired_by_period(samples: dict[str, list[tuple[float, list[float]]]]) -> dic
         engine: [(v, statistics.mean(r)) for v, r in rows if not mixed(r)]
         for engine, rows in samples.items()
     }
-    probes = [p for rows in clean.values() for _, p in rows]
-    if not probes:
+    flat = [(engine, value, p) for engine, rows in clean.items() for value, p in rows]
+    if not flat:
         return {"periods": {}, "left_out_mixed": sum(len(r) for r in samples.values())}
-    lo, hi = min(probes), max(probes)
-    split = (lo + hi) / 2 if hi > MIXED_SPREAD * lo else None
     periods: dict[str, dict[str, Any]] = {}
-    for engine, rows in clean.items():
-        for value, probe in rows:
-            name = "one" if split is None else ("fast" if probe >= split else "slow")
-            periods.setdefault(name, {}).setdefault(engine, []).append((value, probe))
+    for (engine, value, probe), name in zip(flat, period_names([p for *_, p in flat]), strict=True):
+        periods.setdefault(name, {}).setdefault(engine, []).append((value, probe))
     first = next(iter(samples))
     out: dict[str, Any] = {}
     for name, engines in periods.items():
