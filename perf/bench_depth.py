@@ -88,7 +88,6 @@ def step_meta(position: int, table: torch.Tensor) -> AttentionMetadata:
     """One sequence decoding the token at `position` (blocks 0, 1, ... in order)."""
     return AttentionMetadata(
         slot_mapping=torch.tensor([position]),
-        block_tables=table.long(),
         query_starts=[0],
         query_lens=[1],
         seq_lens=[position + 1],

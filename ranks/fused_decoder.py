@@ -31,6 +31,8 @@ from cpud.ranks.ops import Ops
 from cpud.ranks.paged_kv import AttentionMetadata
 from cpud.ranks.parallel import TPGroup
 
+# Steps of at most this many tokens keep their scratch rows for the next step of the same size.
+DECODE_BUFFER_TOKENS = 256
 _INDEX_DTYPES = (
     ("positions", torch.int64),
     ("slot_mapping", torch.int64),
@@ -141,6 +143,7 @@ class FusedDecoder:
         sinks = [getattr(layer.self_attn, "sinks", None) for layer in model.model.layers]
         self._layers = self._layer_table(kv_caches, sinks)
         self._peer = self._ffi.new("int *")
+        self._kept: tuple[torch.Tensor, ...] | None = None  # _buffers' rows of the last step
 
     def _addr(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int:
         if t is None:
@@ -235,12 +238,8 @@ class FusedDecoder:
                 f"{meta.slot_mapping.shape[0]} slots"
             )
         x = self.table.embed(input_ids).contiguous()
-        residual = torch.zeros_like(x)
-        dtype = self.dtype
-        qkv = torch.empty(tokens, self.qkv_dim, dtype=dtype)
-        attn = torch.empty(tokens, self.q_dim, dtype=dtype)
-        gate_up = torch.empty(tokens, 2 * self.intermediate, dtype=dtype)
-        act = torch.empty(tokens, self.intermediate, dtype=dtype)
+        residual, qkv, attn, gate_up, act = self._buffers(tokens)
+        residual.zero_()
         step = self._ffi.new("cpud_decoder_step *")
         step.T = tokens
         step.S = meta.seq_lens_tensor.shape[0]
@@ -259,6 +258,18 @@ class FusedDecoder:
         self._run(step)
         hidden, _ = self.table.final_norm(x, residual)
         return hidden
+
+    def _buffers(self, tokens: int) -> tuple[torch.Tensor, ...]:
+        """The step's residual and scratch rows ([T, width] in the activations' dtype): kept
+        from the step before when it had as many tokens and at most DECODE_BUFFER_TOKENS (a
+        decode batch keeps its size from step to step), made anew otherwise. Nothing reads
+        them after the step: the final norm's output feeds the LM head within it."""
+        if self._kept is not None and self._kept[0].shape[0] == tokens:
+            return self._kept
+        widths = (self.hidden, self.qkv_dim, self.q_dim, 2 * self.intermediate, self.intermediate)
+        made = tuple(torch.empty(tokens, w, dtype=self.dtype) for w in widths)
+        self._kept = made if tokens <= DECODE_BUFFER_TOKENS else None
+        return made
 
     def _run(self, step: Any) -> None:
         if self._shm is None:

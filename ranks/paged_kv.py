@@ -18,6 +18,7 @@ helpers give the same bits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -82,7 +83,6 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [S, max_blocks] int64
     query_starts: list[int]  # [S] first token of each sequence in the step
     query_lens: list[int]  # [S] tokens each sequence computes in this step
     seq_lens: list[int]  # [S] context length after this step
@@ -90,6 +90,11 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S+1] int32, for the native kernel
     seq_lens_tensor: torch.Tensor  # [S] int32
     block_tables_i32: torch.Tensor  # [S, max_blocks] int32
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        """[S, max_blocks] int64, made when a reader asks (the per-op path)."""
+        return self.block_tables_i32.long()
 
 
 def write_kv(

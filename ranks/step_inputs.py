@@ -51,6 +51,8 @@ def block_tables(held: list[HeldSeq]) -> torch.Tensor:
     width = max((row.shape[0] for row in rows), default=0)
     if not width:
         return torch.zeros((len(held), 1), dtype=torch.int32)
+    if len(rows) == 1:  # the row itself: read within the step, before the next one grows it
+        return rows[0].unsqueeze(0)
     return pad_sequence(rows, batch_first=True)
 
 
@@ -108,25 +110,32 @@ def build_step_inputs(
             logits_indices.append(len(input_ids) - 1)
             rows.append(sampling_row(work, state))
     tables = block_tables(held) if kv else torch.zeros((len(plan.seqs), 1), dtype=torch.int32)
+    # one tensor per dtype, split into views: a step makes two tensors from lists, not eight
+    longs = (input_ids, positions, slots, logits_indices, prompt_rows, prompt_targets)
+    ids, pos, slot_mapping, logits_at, prompt_at, targets = torch.tensor(
+        [v for part in longs for v in part], dtype=torch.long
+    ).split([len(part) for part in longs])
+    query_start_loc, seq_lens_tensor = torch.tensor(
+        [*starts, len(input_ids), *seq_lens], dtype=torch.int32
+    ).split([len(starts) + 1, len(seq_lens)])
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=tables.long(),
+        slot_mapping=slot_mapping,
         query_starts=starts,
         query_lens=lens,
         seq_lens=seq_lens,
         block_size=block_size,
-        query_start_loc=torch.tensor(starts + [len(input_ids)], dtype=torch.int32),
-        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=query_start_loc,
+        seq_lens_tensor=seq_lens_tensor,
         block_tables_i32=tables,
     )
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        input_ids=ids,
+        positions=pos,
         meta=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        logits_indices=logits_at,
         sampling_rows=rows,
-        prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
-        prompt_targets=torch.tensor(prompt_targets, dtype=torch.long),
+        prompt_rows=prompt_at,
+        prompt_targets=targets,
         scoring_works=[w for w in plan.seqs if w.prompt_scoring is not None],
         embed_works=[w for w in plan.seqs if w.embed],
         embed_starts=embed_starts,
