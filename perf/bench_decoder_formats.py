@@ -22,7 +22,6 @@ format and period.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -31,11 +30,10 @@ from typing import Any
 
 import torch
 from bench_moe import ExpertCounter, PhaseTimer, ReadProbe, decode, runner
-from bench_quant_kernels import cpu_model
+from bench_quant_kernels import run_record, save_record
 from peers import llamacpp
 from read_periods import mixed, period_names
 
-from cpud import native
 from cpud.fixtures.presets import REALISTIC
 
 # format -> llama-quantize type that, with --pure, writes every matrix in it
@@ -143,20 +141,14 @@ def main() -> None:
             print(json.dumps(sample), flush=True)
     summary = by_period(samples)
     print(table(summary))
-    isa = native.isa()
     result = {
-        "command": "python3 perf/bench_decoder_formats.py " + " ".join(sys.argv[1:]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "isa": isa,
+        **run_record("bench_decoder_formats.py"),
         "threads": torch.get_num_threads(),
         "files": {name: str(path) for name, path in files.items()},
         "summary": summary,
         "samples": samples,
     }
-    out = args.out or Path(__file__).parent / "results" / f"decoder_formats_{isa}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_record(result, args.out, "decoder_formats")
 
 
 if __name__ == "__main__":

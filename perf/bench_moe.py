@@ -88,28 +88,13 @@ class ExpertCounter:
         return [of_block.get(id(layer.mlp), 0.0) for layer in self.layers]
 
 
-class PhaseTimer:
-    """Wall time of a decode step's phases, summed while `timing` is set: wraps the runner's
-    step inputs, the fused decoder's embedding, native layer call and final norm, the LM head
-    and sampling (the rest of a step: plan bookkeeping and tensor glue)."""
+class WallTimer:
+    """Wall time of wrapped calls summed per phase while `timing` is set; `calls` counts them."""
 
-    PHASES = ("inputs", "embed", "layers", "final_norm", "lm_head", "sample")
-
-    def __init__(self, run: ModelRunner) -> None:
-        import cpud.ranks.model_runner as model_runner
-
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+    def __init__(self, phases: tuple[str, ...]) -> None:
+        self.seconds = dict.fromkeys(phases, 0.0)
+        self.calls = dict.fromkeys(phases, 0)
         self.timing = False
-        decoder = run.decoder
-        self._wrap(model_runner, "build_step_inputs", "inputs")
-        self._wrap(model_runner, "sample_or_verify", "sample")
-        self._wrap(run.model, "compute_logits", "lm_head")
-        if decoder is not None:
-            self._wrap(decoder, "_run", "layers")
-            for name in ("embed", "final_norm"):  # fields of a frozen table
-                object.__setattr__(
-                    decoder.table, name, self._timed(getattr(decoder.table, name), name)
-                )
 
     def _timed(self, fn: Any, phase: str) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -120,11 +105,35 @@ class PhaseTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[phase] += time.perf_counter() - t0
+                self.calls[phase] += 1
 
         return timed
 
     def _wrap(self, owner: Any, name: str, phase: str) -> None:
         setattr(owner, name, self._timed(getattr(owner, name), phase))
+
+
+class PhaseTimer(WallTimer):
+    """Wall time of a decode step's phases, summed while `timing` is set: wraps the runner's
+    step inputs, the fused decoder's embedding, native layer call and final norm, the LM head
+    and sampling (the rest of a step: plan bookkeeping and tensor glue)."""
+
+    PHASES = ("inputs", "embed", "layers", "final_norm", "lm_head", "sample")
+
+    def __init__(self, run: ModelRunner) -> None:
+        import cpud.ranks.model_runner as model_runner
+
+        super().__init__(self.PHASES)
+        decoder = run.decoder
+        self._wrap(model_runner, "build_step_inputs", "inputs")
+        self._wrap(model_runner, "sample_or_verify", "sample")
+        self._wrap(run.model, "compute_logits", "lm_head")
+        if decoder is not None:
+            self._wrap(decoder, "_run", "layers")
+            for name in ("embed", "final_norm"):  # fields of a frozen table
+                object.__setattr__(
+                    decoder.table, name, self._timed(getattr(decoder.table, name), name)
+                )
 
 
 def resident() -> dict[str, int]:

@@ -37,6 +37,7 @@ import datetime as dt
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -298,6 +299,24 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def run_record(script: str) -> dict[str, Any]:
+    """The head of a bench's JSON record: its command line, UTC time, CPU and ISA tier."""
+    return {
+        "command": f"python3 perf/{script} " + " ".join(sys.argv[1:]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "isa": native.isa(),
+    }
+
+
+def save_record(result: dict[str, Any], out: Path | None, stem: str) -> Path:
+    """Write a bench's JSON record to `out`, or perf/results/<stem>_<isa>.json; say where."""
+    out = out or Path(__file__).parent / "results" / f"{stem}_{result['isa']}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return out
 
 
 def main() -> None:

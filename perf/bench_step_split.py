@@ -14,49 +14,30 @@ generate call after a warm one.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_moe import PhaseTimer
-from bench_quant_kernels import cpu_model
+from bench_moe import PhaseTimer, WallTimer
+from bench_quant_kernels import run_record, save_record
 
-from cpud import LLM, SamplingParams, native
+from cpud import LLM, SamplingParams
 
 ENGINE_PHASES = ("schedule", "plan", "execute", "after_step", "outputs")
 
 
-class EngineTimer:
+class EngineTimer(WallTimer):
     """Sums of wall time per engine phase and of whole steps, while `timing` is set."""
 
     def __init__(self, engine: Any) -> None:
-        self.seconds = dict.fromkeys((*ENGINE_PHASES, "step"), 0.0)
-        self.steps = 0
-        self.timing = False
+        super().__init__((*ENGINE_PHASES, "step"))
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.planner, "plan", "plan")
         self._wrap(engine, "_execute", "execute")
         self._wrap(engine.planner, "sent", "after_step")
         self._wrap(engine.outputs, "output", "outputs")
         self._wrap(engine, "step", "step")
-
-    def _wrap(self, owner: Any, name: str, phase: str) -> None:
-        fn = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.timing:
-                return fn(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[phase] += time.perf_counter() - t0
-                self.steps += phase == "step"
-
-        setattr(owner, name, timed)
 
 
 def split(llm: LLM, streams: int, steps: int) -> dict[str, Any]:
@@ -74,7 +55,7 @@ def split(llm: LLM, streams: int, steps: int) -> dict[str, Any]:
     llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     rank.timing = engine.timing = False
-    n = engine.steps
+    n = engine.calls["step"]
     us = {k: 1e6 * v / n for k, v in engine.seconds.items()}
     ranks = {k: 1e6 * v / n for k, v in rank.seconds.items()}
     engine_side = {k: us[k] for k in ENGINE_PHASES if k != "execute"}
@@ -153,18 +134,12 @@ def main() -> None:
     rows = [split(llm, streams, args.steps) for streams in args.streams]
     llm.shutdown()
     print(table(rows))
-    isa = native.isa()
     result = {
-        "command": "python3 perf/bench_step_split.py " + " ".join(sys.argv[1:]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "isa": isa,
+        **run_record("bench_step_split.py"),
         "model": str(path),
         "rows": rows,
     }
-    out = args.out or Path(__file__).parent / "results" / f"step_split_{isa}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_record(result, args.out, "step_split")
 
 
 if __name__ == "__main__":
