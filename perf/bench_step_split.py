@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if (args.model is None) == (args.preset is None):
-        sys.exit("give a model path or --preset, not both")
+        sys.exit("give a model path or --preset: one of the two")
     if args.gguf_type and not args.preset:
         sys.exit("--gguf-type quantizes a --preset's file; a GGUF path is used as it is")
     if args.steps < 8 or min(args.streams) < 1:
