@@ -4,7 +4,9 @@ Both libraries are loaded into one process (ab_gemm_split.start_ab) and called i
 same packed weights, inputs and threads; every timed sweep walks copies of the weight on huge
 pages totalling --pool-mib, so the weights come from memory as in decode.  Per case: median GB/s
 of the GGUF bytes of each side, the paired ratio new/base with its spread, and the read probe of
-the same rounds.  Outputs are compared only for size: a change of summation order (as between
+the same rounds.  The two sides take turns being first in a round (A B, then B A); a --pool-mib
+that fits in cache (up to IN_CACHE_POOL) times the kernels' compute instead, each timed sweep
+after an untimed one.  Outputs are compared only for size: a change of summation order (as between
 single- and two-stream kernels) moves the last bits.
 
     git worktree add /tmp/base <commit before the change>
@@ -30,6 +32,7 @@ from cpud import native
 from cpud.native import quant
 
 SHAPES = [("qkv", 4096, 1024), ("gate+up", 6144, 1024), ("down", 1024, 3072)]
+IN_CACHE_POOL = 64 << 20  # bytes of weight copies up to which a sweep can run from cache
 
 
 def sweep(lib: Any, calls: list[tuple]) -> float:
@@ -53,9 +56,14 @@ def case(base: Any, isa: str, flags: int, fmt: str, n: int, k: int, m: int, args
         sweep(lib, calls)
     times: tuple[list[float], list[float]] = ([], [])
     probe, probe_gbs = args.probe, []
-    for _ in range(args.reps):
-        for lib, t in zip(libs, times):
-            t.append(sweep(lib, calls))
+    # a pool that fits in cache is swept once untimed before each timed sweep: the probe
+    # between rounds empties the caches, and the side timed right after it would read memory
+    in_cache = copies * w.weight_bytes <= IN_CACHE_POOL
+    for rep in range(args.reps):
+        for side in (0, 1) if rep % 2 == 0 else (1, 0):  # A B, then B A
+            if in_cache:
+                sweep(libs[side], calls)
+            times[side].append(sweep(libs[side], calls))
         t0 = time.perf_counter()
         probe()
         probe_gbs.append(probe.bytes / (time.perf_counter() - t0) / 1e9)
