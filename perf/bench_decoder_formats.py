@@ -50,7 +50,7 @@ PURE = {
 def format_files(formats: list[str], preset: str) -> dict[str, Path]:
     """The bf16 GGUF of the preset's fixture quantized --pure to each format (made once, kept
     in the peers cache beside bench_quant_peer.py's files)."""
-    model_dir = llamacpp.resolve_model(None, REALISTIC[preset][0], preset)
+    model_dir = llamacpp.preset_model(preset)
     bf16 = llamacpp.convert(model_dir, llamacpp.gguf_path(model_dir, "bf16"))
     cache = llamacpp.default_cache_dir() / "gguf"
     return {

@@ -165,9 +165,7 @@ def figures(streams: int, prompt: int) -> tuple[str, ...]:
 
 def files(types: list[str], cache: Path, preset: str) -> dict[str, Path]:
     """The bf16 GGUF of the preset's fixture and one llama-quantize output per type."""
-    from cpud.fixtures.presets import REALISTIC
-
-    model_dir = llamacpp.resolve_model(None, REALISTIC[preset][0], preset)
+    model_dir = llamacpp.preset_model(preset)
     bf16 = llamacpp.convert(model_dir, llamacpp.gguf_path(model_dir, "bf16"))
     out = {"BF16": bf16}
     for qtype in types:

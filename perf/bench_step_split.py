@@ -108,11 +108,10 @@ def main() -> None:
     if args.preset:
         from peers import llamacpp
 
-        from cpud.fixtures.presets import REALISTIC
-
-        if args.preset not in REALISTIC:
-            sys.exit(f"unknown preset {args.preset!r}; valid: {', '.join(REALISTIC)}")
-        path = llamacpp.resolve_model(None, REALISTIC[args.preset][0], args.preset)
+        try:
+            path = llamacpp.preset_model(args.preset)
+        except ValueError as exc:
+            sys.exit(str(exc))
         if args.gguf_type:
             from bench_quant_peer import files
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -231,8 +232,6 @@ def gguf_path(model_dir: Path, outtype: str = "bf16", cache_dir: Path | None = N
 
 def converter_missing() -> list[str]:
     """Converter imports missing here; cpud's own deps, so reported, not installed."""
-    import importlib.util
-
     needed = ["numpy", "torch", "transformers", "safetensors", "tqdm", "yaml", "requests"]
     return [name for name in needed if importlib.util.find_spec(name) is None]
 
@@ -244,8 +243,6 @@ def converter_pydeps(cache_dir: Path) -> Path | None:
     Qwen2Model.set_vocab imports sentencepiece before looking for tokenizer.model, so even a
     BPE-only model needs it. Kept out of the shared environment; put on the converter's PYTHONPATH.
     """
-    import importlib.util
-
     if all(importlib.util.find_spec(re.split("[<>=]", dep)[0]) for dep in CONVERTER_PYDEPS):
         return None
     target = cache_dir / "pydeps"
@@ -427,6 +424,16 @@ def resolve_model(model: str | None, arch: str, preset: str) -> Path:
     if not (path / "config.json").is_file():
         make_model(arch, preset, path)
     return path
+
+
+def preset_model(preset: str) -> Path:
+    """The generated fixture of a realistic preset (qwen3-0.6b, llama-3.2-1b, ...), in the
+    family the preset belongs to; ValueError naming the valid ones for any other."""
+    from cpud.fixtures.presets import REALISTIC
+
+    if preset not in REALISTIC:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(REALISTIC)}")
+    return resolve_model(None, REALISTIC[preset][0], preset)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
