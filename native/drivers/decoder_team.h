@@ -154,8 +154,7 @@ static void team_prefetch_share(const cpud_qlinear *q, int64_t K, int64_t T, int
     team_parts(q, p);
     const int64_t tasks = q_part_tasks(p, (int)q->parts, T, first), task = tasks * tid / nth;
     if (task >= tasks) return;
-    int i = 0;
-    while (task >= first[i + 1]) i++;
+    const int i = q_task_part(first, task);
     const qformat *f = &q_fmt[p[i].qt];
     const int64_t g = (task - first[i]) / q_chunks(T), nb = K / f->bs;
     const char *qs = (const char *)p[i].qs + g * nb * f->qbytes;

@@ -91,6 +91,13 @@ static inline int64_t q_part_tasks(const qpart *p, int np, int64_t M, int64_t *f
     return first[np];
 }
 
+/* The part that task t of q_part_tasks' numbering belongs to. */
+static inline int q_task_part(const int64_t *first, int64_t task) {
+    int i = 0;
+    while (task >= first[i + 1]) i++;
+    return i;
+}
+
 typedef struct cpud_qops {
     const char *name;
     /* x: [M][K] rows xs apart, dtype dt -> a's buffers */

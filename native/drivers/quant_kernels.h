@@ -262,8 +262,7 @@ static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void 
     int64_t first[CPUD_QPARTS_MAX + 1];
     const int64_t tasks = q_part_tasks(p, np, M, first), t1 = tasks * (tid + 1) / nth;
     for (int64_t task = tasks * tid / nth; task < t1; task++) {
-        int i = 0;
-        while (task >= first[i + 1]) i++;
+        const int i = q_task_part(first, task);
         const qpart *pp = p + i;
         const int qt = pp->qt;
         const int64_t local = task - first[i], g = local / nmc, mc = local % nmc;
