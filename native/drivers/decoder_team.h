@@ -37,6 +37,7 @@ typedef struct team {
     int *peer;
     att_plan att;
     team_xq xq;
+    task_slot *steal; /* one per thread: the quantized linears' work stealing */
     cpud_moe_job *moe; /* the expert layer's step in flight */
     _Atomic int rc;              /* the first failure's code */
     _Atomic int64_t failed_phase; /* the phase it happened in; INT64_MAX: none */
@@ -132,7 +133,8 @@ static int team_linear(team *tm, const cpud_qlinear *q, intptr_t packed, intptr_
     qpart p[CPUD_QPARTS_MAX];
     team_parts(q, p);
     const qact a = {tm->xq.q, tm->xq.d, tm->xq.s, K};
-    tm->qops->gemm_parts_part(p, (int)q->parts, &a, out, dt, os, tm->s->T, tid, nth);
+    const task_steal st = {tm->steal, (uint64_t)*phase + 1};
+    tm->qops->gemm_parts_part(p, (int)q->parts, &a, out, dt, os, tm->s->T, tid, nth, &st);
     const int failed = team_sync(tm, phase);
     if (tid == 0) tm->s->linear_ns += cpud_now_ns() - t0;
     return failed;
@@ -162,6 +164,23 @@ static void team_prefetch_share(const cpud_qlinear *q, int64_t K, int64_t T, int
     for (int64_t o = 0; o < TEAM_PF_BYTES; o += 64) __builtin_prefetch(qs + o, 0, 2);
     for (int64_t o = 0; o < TEAM_PF_BYTES * f->sbytes / f->qbytes; o += 64)
         __builtin_prefetch(sc + o, 0, 2);
+}
+
+/* Prefetches for writing the cache rows (each KV head's) that the n tokens' slots name, ahead of
+ * cpud_kv_write: a new token's rows are cold, and each line of them a miss to memory, which the
+ * q / k norms and the rotary embedding in between then hide. */
+static void team_prefetch_kv_rows(const void *cache, int kvt, const int64_t *slots, int64_t n,
+                                  int64_t nkv, int64_t hd, int64_t bs) {
+    const int64_t rb = kv_row_bytes(kvt, hd);
+    for (int64_t t = 0; t < n; t++) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < nkv; h++) {
+            const char *row =
+                (const char *)cache + ((slots[t] / bs * nkv + h) * bs + slots[t] % bs) * rb;
+            for (const char *c = row - (uintptr_t)row % 64; c < row + rb; c += 64)
+                __builtin_prefetch(c, 1, 3);
+        }
+    }
 }
 
 /* The all-reduce of x on thread 0 (the others wait at the barrier); nothing without tp. */
@@ -238,6 +257,10 @@ static void team_run(team *tm, int tid, int nth) {
             break;
         team_prefetch_share(&l->q_o, qd, T, tid, nth);
         if (n) {
+            team_prefetch_kv_rows((const void *)l->key_cache, kvt, slots, n, nkv, hd,
+                                  d->block_size);
+            team_prefetch_kv_rows((const void *)l->value_cache, kvt, slots, n, nkv, hd,
+                                  d->block_size);
             if (l->q_norm) {
                 ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, wdt, n, nh, hd, d->eps);
                 ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, wdt, n, nkv, hd,
@@ -310,19 +333,27 @@ static int decoder_team(const cpud_ops *ops, int isa, const cpud_qops *qops,
     char *buf = aligned_alloc(64, nq + nd + (size_t)(T * K / 16) * sizeof(int32_t));
     if (!buf) return CPUD_ENOMEM;
     const int nr = omp_get_max_threads();
+    task_slot *steal = aligned_alloc(64, (size_t)nr * sizeof *steal);
+    if (!steal) {
+        free(buf);
+        return CPUD_ENOMEM;
+    }
+    memset(steal, 0, (size_t)nr * sizeof *steal);
     team tm = {.ops = ops, .isa = isa, .qops = qops, .d = d, .layers = layers, .n_layers = n_layers,
-               .s = s, .tp = tp, .timeout_ns = timeout_ns, .peer = peer};
+               .s = s, .tp = tp, .timeout_ns = timeout_ns, .peer = peer, .steal = steal};
     tm.xq = (team_xq){(int8_t *)buf, (float *)(buf + nq), (int32_t *)(buf + nq + nd)};
     atomic_init(&tm.rc, CPUD_OK);
     atomic_init(&tm.failed_phase, INT64_MAX);
     if (att_plan_new((const int32_t *)s->query_start_loc, s->S, d->heads, d->kv_heads, nr,
                      &tm.att)) {
+        free(steal);
         free(buf);
         return CPUD_ENOMEM;
     }
 #pragma omp parallel num_threads(nr)
     team_run(&tm, omp_get_thread_num(), omp_get_num_threads());
     att_plan_free(&tm.att);
+    free(steal);
     free(buf);
     return atomic_load(&tm.rc);
 }

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "task_steal.h"
 
 /* The avxvnni target attribute exists from gcc 11 and clang 12. */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
@@ -110,9 +111,10 @@ typedef struct cpud_qops {
     void (*gemm_parts)(const qpart *p, int np, const qact *a, void *out, int odt, int64_t os,
                        int64_t M);
     /* gemm_parts without a parallel region: thread tid of nth of the caller's team computes
-     * its share; every thread of the team calls it once */
+     * its share, and with st (NULL: none) takes tasks from the others' shares once it is done;
+     * every thread of the team calls it once */
     void (*gemm_parts_part)(const qpart *p, int np, const qact *a, void *out, int odt,
-                            int64_t os, int64_t M, int tid, int nth);
+                            int64_t os, int64_t M, int tid, int nth, const task_steal *st);
     double (*probe)(int64_t iters, float *sink);
     /* out rows [m0, m1) x weight group g (its 16 rows of N; qs, sc at the weights' first
      * group) on the calling thread, no parallel region: a share of a caller's work list */

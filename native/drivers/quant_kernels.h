@@ -253,26 +253,44 @@ static ALWAYS_INLINE QTGT void q_group_tiles(int qt, qtile *t, int64_t m1, int64
     }
 }
 
-/* Tasks: per part, its groups of 16 w rows times chunks of QMC x rows, parts one after another;
- * thread tid of nth takes the run [tasks * tid / nth, tasks * (tid + 1) / nth) (one stream
- * through the weights).  No parallel region: the caller's team runs it, every thread once. */
-static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void *out, int odt,
-                                    int64_t os, int64_t M, int tid, int nth) {
-    const int64_t nmc = q_chunks(M);
+/* One GEMM's tasks: per part, its groups of 16 w rows times chunks of QMC x rows, parts one after
+ * another (q_part_tasks). */
+typedef struct qtasks {
+    const qpart *p;
+    const qact *a;
+    void *out;
+    int odt;
+    int64_t os, M, nmc;
     int64_t first[CPUD_QPARTS_MAX + 1];
-    const int64_t tasks = q_part_tasks(p, np, M, first), t1 = tasks * (tid + 1) / nth;
-    for (int64_t task = tasks * tid / nth; task < t1; task++) {
-        const int i = q_task_part(first, task);
-        const qpart *pp = p + i;
-        const int qt = pp->qt;
-        const int64_t local = task - first[i], g = local / nmc, mc = local % nmc;
-        const int64_t nb = a->K / q_fmt[qt].bs, m1 = (mc + 1) * QMC < M ? (mc + 1) * QMC : M;
-        char *o = (char *)out + pp->col * dtype_size(odt);
-        float res[4 * QR];
-        qtile t = {pp->qs + g * nb * q_fmt[qt].qbytes, pp->sc + g * nb * q_fmt[qt].sbytes, a,
-                   mc * QMC, nb, res};
-        q_group_tiles(qt, &t, m1, g, pp->N, pp->bias, o, odt, os);
+} qtasks;
+
+static ALWAYS_INLINE QTGT void q_task(const qtasks *w, int64_t task) {
+    const int i = q_task_part(w->first, task);
+    const qpart *pp = w->p + i;
+    const int qt = pp->qt;
+    const int64_t local = task - w->first[i], g = local / w->nmc, mc = local % w->nmc;
+    const int64_t nb = w->a->K / q_fmt[qt].bs, m1 = (mc + 1) * QMC < w->M ? (mc + 1) * QMC : w->M;
+    char *o = (char *)w->out + pp->col * dtype_size(w->odt);
+    float res[4 * QR];
+    qtile t = {pp->qs + g * nb * q_fmt[qt].qbytes, pp->sc + g * nb * q_fmt[qt].sbytes, w->a,
+               mc * QMC, nb, res};
+    q_group_tiles(qt, &t, m1, g, pp->N, pp->bias, o, w->odt, w->os);
+}
+
+/* Thread tid of nth runs its tasks: the run [tasks * tid / nth, tasks * (tid + 1) / nth) (one
+ * stream through the weights), and with st, tasks taken from the others' runs once its own is
+ * done (task_steal.h).  No parallel region: the caller's team runs it, every thread once. */
+static QTGT void qgemm_parts_part_k(const qpart *p, int np, const qact *a, void *out, int odt,
+                                    int64_t os, int64_t M, int tid, int nth,
+                                    const task_steal *st) {
+    qtasks w = {p, a, out, odt, os, M, q_chunks(M), {0}};
+    const int64_t tasks = q_part_tasks(p, np, M, w.first);
+    if (st && nth > 1 && tasks < STEAL_MAX_TASKS) {
+        STEAL_RUN(st, tid, nth, tasks, q_task, &w);
+        return;
     }
+    const int64_t t1 = tasks * (tid + 1) / nth;
+    for (int64_t task = tasks * tid / nth; task < t1; task++) q_task(&w, task);
 }
 
 /* qgemm_parts_part_k in its own parallel region. */
@@ -281,8 +299,14 @@ static QTGT void qgemm_parts_k(const qpart *p, int np, const qact *a, void *out,
     int64_t first[CPUD_QPARTS_MAX + 1], rows = 0;
     const int64_t tasks = q_part_tasks(p, np, M, first);
     for (int i = 0; i < np; i++) rows += p[i].N;
-#pragma omp parallel if (tasks > 1 && M * rows * a->K >= QPAR_MIN)
-    qgemm_parts_part_k(p, np, a, out, odt, os, M, omp_get_thread_num(), omp_get_num_threads());
+    const int par = tasks > 1 && M * rows * a->K >= QPAR_MIN, nth = omp_get_max_threads();
+    task_slot *slots = par && nth > 1 ? aligned_alloc(64, (size_t)nth * sizeof *slots) : NULL;
+    if (slots) memset(slots, 0, (size_t)nth * sizeof *slots);
+    const task_steal st = {slots, 1};
+#pragma omp parallel if (par)
+    qgemm_parts_part_k(p, np, a, out, odt, os, M, omp_get_thread_num(), omp_get_num_threads(),
+                       slots ? &st : NULL);
+    free(slots);
 }
 
 static QTGT void qrows_k(int qt, const qact *a, const uint8_t *qs, const uint8_t *sc,

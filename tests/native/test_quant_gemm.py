@@ -110,6 +110,28 @@ def test_quant_gemm(isa, vnni, name, M, N):
         check(out, x, w)
 
 
+@pytest.mark.parametrize("name", list(quant.QTYPES))
+@pytest.mark.parametrize("M", [1, 3, 70])
+def test_same_bits_on_every_thread_count(name, M):
+    """Each thread runs its share of the tasks, then takes tasks from the shares of the others
+    (task_steal.h).  At 1, 2, 3 and 7 threads (more threads than CPUs here, so some start late
+    and have their shares taken) every output element is computed once, with the same bits."""
+    K = KS[name][-1]
+    _, w, packed = weight(name, 1000, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            outs += [quant.quant_gemm(x, packed, amx_bf16=False) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    check(outs[0], x, w)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.parametrize("isa", TIERS)
 @pytest.mark.parametrize("name", list(quant.QTYPES))
 @pytest.mark.parametrize("M", [5, 21])
