@@ -103,14 +103,13 @@ int cpud_slots_ok(const int64_t *slots, int64_t T, int64_t capacity) {
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
                      int64_t nkv, int64_t hd, int64_t bs, int es) {
     const size_t row = (size_t)(hd * es);
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * nkv * hd, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * nkv * hd, T), t, T,
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         const int64_t b = slot / bs, o = slot % bs;
         for (int64_t h = 0; h < nkv; h++)
             memcpy(cache + ((b * nkv + h) * bs + o) * hd * es, src + (t * ss + h * hd) * es, row);
-    }
+        );
 }
 
 void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
@@ -120,8 +119,7 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
         return;
     }
     const int64_t rb = kv_row_bytes(kvt, hd);
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * nkv * hd, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * nkv * hd, T), t, T,
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         float x[hd];
@@ -135,7 +133,7 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
                 kv_quantize_row(x, hd, kvt, dst);
             }
         }
-    }
+        );
 }
 
 int cpud_write_kv_cache(int isa, int dtype, int kv_dtype, intptr_t key, intptr_t value,

@@ -162,8 +162,7 @@ int cpud_dequant_rows(int ggml_type, intptr_t table, int64_t n_rows, int64_t row
     for (int64_t i = 0; i < n_ids; i++)
         if (id[i] < 0 || id[i] >= n_rows) return CPUD_EARG;
     const int64_t blocks = cols / f->block_values;
-#pragma omp parallel for if (cpud_par_ok(n_ids * cols, n_ids))
-    for (int64_t i = 0; i < n_ids; i++) {
+    CPUD_PAR_FOR(cpud_par_ok(n_ids * cols, n_ids), i, n_ids,
         const uint8_t *row = (const uint8_t *)table + id[i] * row_stride;
         float y[QK_K];
         for (int64_t k = 0; k < blocks; k++) {
@@ -175,6 +174,6 @@ int cpud_dequant_rows(int ggml_type, intptr_t table, int64_t n_rows, int64_t row
                 for (int j = 0; j < f->block_values; j++)
                     ((uint16_t *)out)[at + j] = f32_to_bf16(y[j]);
         }
-    }
+        );
     return CPUD_OK;
 }

@@ -290,11 +290,10 @@ static int par_ok(int64_t bytes) { return bytes >= SHM_PAR_MIN_BYTES && omp_get_
 static void copy_bytes(char *dst, const char *src, int64_t bytes) {
     const int64_t block = (int64_t)SHM_PAR_BLOCK * 4;
     const int64_t nb = (bytes + block - 1) / block;
-#pragma omp parallel for schedule(static) if (par_ok(bytes))
-    for (int64_t b = 0; b < nb; b++) {
+    CPUD_PAR_FOR(par_ok(bytes), b, nb,
         const int64_t off = b * block;
         memcpy(dst + off, src + off, (size_t)(bytes - off < block ? bytes - off : block));
-    }
+        );
 }
 
 static uint64_t round_meta(int op, int elem_size, int64_t bytes) {
@@ -327,13 +326,12 @@ static void reduce_round(const cpud_shm *h, uint64_t g, int dt, char *data, int6
     for (int p = 0; p < h->world; p++) src[p] = p == h->rank ? data : slot(h, p, g);
     const int es = dtype_size(dt);
     const int64_t nb = (n + SHM_PAR_BLOCK - 1) / SHM_PAR_BLOCK;
-#pragma omp parallel for schedule(static) if (par_ok(n * es * h->world))
-    for (int64_t b = 0; b < nb; b++) {
+    CPUD_PAR_FOR(par_ok(n * es * h->world), b, nb,
         const int64_t i0 = b * SHM_PAR_BLOCK, cnt = n - i0 < SHM_PAR_BLOCK ? n - i0 : SHM_PAR_BLOCK;
         const void *s[CPUD_SHM_MAX_WORLD];
         for (int p = 0; p < h->world; p++) s[p] = (const char *)src[p] + i0 * es;
         h->sum(dt, data + i0 * es, s, h->world, cnt);
-    }
+        );
 }
 
 int cpud_shm_all_reduce(cpud_shm *h, int dtype, intptr_t data, int64_t n, int64_t timeout_ns,

@@ -28,6 +28,22 @@
 static inline int cpud_par_ok(int64_t work, int64_t rows) {
     return work >= CPUD_PAR_MIN && rows > 1 && !omp_in_parallel();
 }
+/* for (int64_t i = 0; i < n; i++) { body }: over a parallel region's threads (static schedule)
+ * where par holds, else on the calling thread without entering one: even a region of one thread
+ * costs about a microsecond (libgomp sets up a team for it), which the decode team's row-wise ops
+ * would pay on every call. */
+#define CPUD_PAR_FOR(par, i, n, ...)                                                               \
+    do {                                                                                           \
+        if (par) {                                                                                 \
+            _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < (n); i++) {      \
+                __VA_ARGS__                                                                        \
+            }                                                                                      \
+        } else {                                                                                   \
+            for (int64_t i = 0; i < (n); i++) {                                                    \
+                __VA_ARGS__                                                                        \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
 /* Largest rotary dimension the kernels accept. */
 #define CPUD_ROT_MAX 1024
 

@@ -126,11 +126,10 @@ static void block_out(const cpud_ops *ops, const cpud_decoder_dims *d, char *x, 
     if (w) ops->rms_norm(dt, x, H, x, H, (const void *)w, d->norm_wdt, T, 1, H, d->eps);
     if (d->residual_scale == 1.0f) return;
     const float scale = d->residual_scale;
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * H, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * H, T), t, T,
         void *row = x + t * H * dtype_size(dt);
         for (int64_t i = 0; i < H; i++) st1(row, i, ld1(row, i, dt) * scale, dt);
-    }
+        );
 }
 
 #include "decoder_team.h"

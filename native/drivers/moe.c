@@ -345,8 +345,7 @@ static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, floa
                   int32_t *ids) {
     const int64_t E = m->E, k = m->k;
     const int flags = m->flags, raw = m->router_kind == CPUD_MOE_TOPK_SOFTMAX;
-#pragma omp parallel for schedule(static) if (T > 16 && !omp_in_parallel())
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(T > 16 && !omp_in_parallel(), t, T,
         const void *row = (const char *)logits + t * E * dtype_size(dt);
         float top[CPUD_MOE_MAX_K];
         int32_t *id = ids + t * k;
@@ -381,7 +380,7 @@ static void route(int dt, const void *logits, int64_t T, const cpud_moe *m, floa
             const float v = raw || flags & CPUD_MOE_RENORMALIZE ? top[j] / picked : top[j];
             w[t * k + j] = flags & CPUD_MOE_WEIGHTS_IN_DTYPE ? rnd1(v, dt) : v;
         }
-    }
+        );
 }
 
 int cpud_moe_layer_begin(const cpud_ops *ops, int isa, int dtype, const cpud_moe *m,

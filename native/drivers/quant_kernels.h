@@ -327,9 +327,10 @@ static QTGT void qgemm_k(int qt, const qact *a, const uint8_t *qs, const uint8_t
 static QTGT void quantize_k(const void *x, int dt, int64_t xs, int64_t M, int64_t K, int8_t *q,
                             float *d, int32_t *s) {
     const int es = dtype_size(dt);
-#pragma omp parallel for schedule(static) if (cpud_par_ok(M * K, M))
-    for (int64_t m = 0; m < M; m++)
+    CPUD_PAR_FOR(cpud_par_ok(M * K, M), m, M,
+
         q_quant_row((const char *)x + m * xs * es, dt, K, q + m * K, d + m * (K / 32), s + m * (K / 16));
+    );
 }
 
 static QTGT __attribute__((unused)) double probe_k(int64_t iters, float *sink) {

@@ -21,13 +21,12 @@ static ALWAYS_INLINE TGT void silu_mul_row(const void *x, void *out, int64_t I, 
 /* x: [T][2I] (stride xs) -> out: [T][I] (stride os) */
 static TGT void silu_and_mul_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
                                int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * I, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * I, T), t, T,
         if (dt == CPUD_BF16)
             silu_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_BF16);
         else
             silu_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_F32);
-    }
+        );
 }
 
 #define GELU_KAPPA 0.044715f
@@ -55,11 +54,10 @@ static ALWAYS_INLINE TGT void gelu_tanh_mul_row(const void *x, void *out, int64_
 /* x: [T][2I] (stride xs) -> out: [T][I] (stride os) */
 static TGT void gelu_tanh_and_mul_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
                                     int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * I, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * I, T), t, T,
         if (dt == CPUD_BF16)
             gelu_tanh_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_BF16);
         else
             gelu_tanh_mul_row(at(x, t * xs, dt), at(out, t * os, dt), I, CPUD_F32);
-    }
+        );
 }

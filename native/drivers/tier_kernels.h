@@ -136,8 +136,7 @@ static TGT void rotary_k(int dt, const int64_t *pos, void *q, int64_t qs, void *
                          const float *cos_sin, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                          int64_t rot, int neox) {
     const int64_t heads = nh + (k ? nkv : 0);
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * heads * rot, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * heads * rot, T), t, T,
         const float *cs = cos_sin + pos[t] * rot;
         if (dt == CPUD_BF16) {
             rope_token(at(q, t * qs, dt), nh, hd, cs, rot, neox, CPUD_BF16);
@@ -146,7 +145,7 @@ static TGT void rotary_k(int dt, const int64_t *pos, void *q, int64_t qs, void *
             rope_token(at(q, t * qs, dt), nh, hd, cs, rot, neox, CPUD_F32);
             if (k) rope_token(at(k, t * ks, dt), nkv, hd, cs, rot, neox, CPUD_F32);
         }
-    }
+        );
 }
 
 #include "tier_activations.h"
@@ -186,10 +185,10 @@ static ALWAYS_INLINE TGT int64_t argmax_row(const void *x, int64_t n, int dt) {
 /* x: [rows][n] (stride xs) -> out: [rows] */
 static TGT void argmax_rows_k(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
                               int64_t *out) {
-#pragma omp parallel for schedule(static) if (rows * n >= CPUD_PAR_MIN && rows > 1)
-    for (int64_t r = 0; r < rows; r++)
+    CPUD_PAR_FOR(rows * n >= CPUD_PAR_MIN && rows > 1, r, rows,
         out[r] = dt == CPUD_BF16 ? argmax_row(at(x, r * xs, dt), n, CPUD_BF16)
                                  : argmax_row(at(x, r * xs, dt), n, CPUD_F32);
+    );
 }
 
 /* ------------------------------------------------------ paged attention */

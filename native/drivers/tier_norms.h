@@ -50,8 +50,7 @@ static ALWAYS_INLINE TGT void rms_row(const void *x, void *out, const void *w, i
 static TGT void rms_norm_k(int dt, const void *x, int64_t xs, void *out, int64_t os,
                            const void *w, int wdt, int64_t T, int64_t n, int64_t H, float eps) {
     const int64_t rows = T * n;
-#pragma omp parallel for schedule(static) if (cpud_par_ok(rows * H, rows))
-    for (int64_t r = 0; r < rows; r++) {
+    CPUD_PAR_FOR(cpud_par_ok(rows * H, rows), r, rows,
         const int64_t t = r / n, h = r % n;
         const void *xr = at(x, t * xs + h * H, dt);
         void *outr = at(out, t * os + h * H, dt);
@@ -61,7 +60,7 @@ static TGT void rms_norm_k(int dt, const void *x, int64_t xs, void *out, int64_t
             rms_row(xr, outr, w, H, eps, CPUD_BF16, CPUD_F32);
         else
             rms_row(xr, outr, w, H, eps, CPUD_BF16, CPUD_BF16);
-    }
+        );
 }
 
 /* x: [H], res: [H] -> res = dt(res + x); x = rmsnorm(res) * w */
@@ -76,8 +75,7 @@ static ALWAYS_INLINE TGT void add_rms_row(void *x, void *res, const void *w, int
 /* x: [T][H] (token stride xs), res: [T][H] (token stride rs), w: [H] wdt */
 static TGT void fused_add_rms_norm_k(int dt, void *x, int64_t xs, void *res, int64_t rs,
                                      const void *w, int wdt, int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (cpud_par_ok(T * H, T))
-    for (int64_t t = 0; t < T; t++) {
+    CPUD_PAR_FOR(cpud_par_ok(T * H, T), t, T,
         void *xr = at(x, t * xs, dt), *rr = at(res, t * rs, dt);
         if (dt == CPUD_F32)
             add_rms_row(xr, rr, w, H, eps, CPUD_F32, CPUD_F32);
@@ -85,5 +83,5 @@ static TGT void fused_add_rms_norm_k(int dt, void *x, int64_t xs, void *res, int
             add_rms_row(xr, rr, w, H, eps, CPUD_BF16, CPUD_F32);
         else
             add_rms_row(xr, rr, w, H, eps, CPUD_BF16, CPUD_BF16);
-    }
+        );
 }
