@@ -101,29 +101,30 @@ int cpud_slots_ok(const int64_t *slots, int64_t T, int64_t capacity) {
 }
 
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
-                     int64_t nkv, int64_t hd, int64_t bs, int es) {
+                     int64_t nkv, int64_t h0, int64_t h1, int64_t hd, int64_t bs, int es) {
     const size_t row = (size_t)(hd * es);
-    CPUD_PAR_FOR(cpud_par_ok(T * nkv * hd, T), t, T,
+    CPUD_PAR_FOR(cpud_par_ok(T * (h1 - h0) * hd, T), t, T,
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         const int64_t b = slot / bs, o = slot % bs;
-        for (int64_t h = 0; h < nkv; h++)
+        for (int64_t h = h0; h < h1; h++)
             memcpy(cache + ((b * nkv + h) * bs + o) * hd * es, src + (t * ss + h * hd) * es, row);
         );
 }
 
 void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
-                   const int64_t *slots, int64_t T, int64_t nkv, int64_t hd, int64_t bs) {
+                   const int64_t *slots, int64_t T, int64_t nkv, int64_t h0, int64_t h1,
+                   int64_t hd, int64_t bs) {
     if (kvt == dt) {
-        cpud_kv_scatter(src, ss, cache, slots, T, nkv, hd, bs, dtype_size(dt));
+        cpud_kv_scatter(src, ss, cache, slots, T, nkv, h0, h1, hd, bs, dtype_size(dt));
         return;
     }
     const int64_t rb = kv_row_bytes(kvt, hd);
-    CPUD_PAR_FOR(cpud_par_ok(T * nkv * hd, T), t, T,
+    CPUD_PAR_FOR(cpud_par_ok(T * (h1 - h0) * hd, T), t, T,
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         float x[hd];
-        for (int64_t h = 0; h < nkv; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             const int64_t e0 = t * ss + h * hd;
             for (int64_t i = 0; i < hd; i++) x[i] = ld1(src, e0 + i, dt);
             char *dst = (char *)cache + ((slot / bs * nkv + h) * bs + slot % bs) * rb;
@@ -146,10 +147,10 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype, intptr_t key, intptr_t
         return CPUD_EARG;
     const int64_t *slots = (const int64_t *)slot_mapping;
     if (!cpud_slots_ok(slots, T, num_blocks * bs)) return CPUD_EARG;
-    cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, slots, T, nkv, hd,
-                  bs);
-    cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, slots, T, nkv,
+    cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, slots, T, nkv, 0, nkv,
                   hd, bs);
+    cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, slots, T, nkv,
+                  0, nkv, hd, bs);
     return CPUD_OK;
 }
 

@@ -178,8 +178,10 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         if (l->cos_sin)
             ops->rotary(dt, pos, q, qn, k, qn, (const float *)l->cos_sin, T, nh, nkv, hd,
                         d->rot_dim, d->rotary_neox);
-        cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, T, nkv, hd, d->block_size);
-        cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, T, nkv, hd, d->block_size);
+        cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, T, nkv, 0, nkv, hd,
+                      d->block_size);
+        cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, T, nkv, 0, nkv, hd,
+                      d->block_size);
         rc = ops->paged_attention(dt, kvt, q, qn, (const void *)l->key_cache,
                                   (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
                                   qd, s->S, nh, nkv, hd, d->block_size, d->scale, l->window,

@@ -103,6 +103,23 @@ static void team_quantize(team *tm, const cpud_qlinear *q, const char *x, int64_
                        tm->xq.d + r0 * (K / 32), tm->xq.s + r0 * (K / 16));
 }
 
+/* All T rows of x quantized into tm->xq as team_quantize does, each thread taking an equal share
+ * of the T K/32 blocks of 32 (a block's int8 values, scale and sums depend on it alone): for
+ * an input no thread has begun to quantize as its rows were computed. */
+static void team_quantize_blocks(team *tm, const cpud_qlinear *q, const char *x, int64_t xs,
+                                 int64_t K, int tid, int nth) {
+    if (q->parts == 0) return;
+    const int dt = tm->d->dtype, es = dtype_size(dt);
+    const int64_t nb = K / 32, units = tm->s->T * nb, u1 = units * (tid + 1) / nth;
+    for (int64_t u = units * tid / nth; u < u1;) {
+        const int64_t t = u / nb, b0 = u % nb, b1 = u1 - t * nb < nb ? u1 - t * nb : nb;
+        tm->qops->quantize(x + (t * xs + b0 * 32) * es, dt, xs, 1, (b1 - b0) * 32,
+                           tm->xq.q + t * K + b0 * 32, tm->xq.d + t * nb + b0,
+                           tm->xq.s + t * (K / 16) + b0 * 2);
+        u = t * nb + b1;
+    }
+}
+
 /* q's parts as the quantized GEMM takes them (side by side in the output's columns). */
 static void team_parts(const cpud_qlinear *q, qpart *p) {
     int64_t col = 0;
@@ -166,21 +183,76 @@ static void team_prefetch_share(const cpud_qlinear *q, int64_t K, int64_t T, int
         __builtin_prefetch(sc + o, 0, 2);
 }
 
-/* Prefetches for writing the cache rows (each KV head's) that the n tokens' slots name, ahead of
- * cpud_kv_write: a new token's rows are cold, and each line of them a miss to memory, which the
- * q / k norms and the rotary embedding in between then hide. */
+/* Prefetches for writing the cache rows of KV heads [h0, h1) that the n tokens' slots name,
+ * ahead of cpud_kv_write: a new token's rows are cold, and each line of them a miss to memory,
+ * which the q / k norms and the rotary embedding in between then hide. */
 static void team_prefetch_kv_rows(const void *cache, int kvt, const int64_t *slots, int64_t n,
-                                  int64_t nkv, int64_t hd, int64_t bs) {
+                                  int64_t nkv, int64_t h0, int64_t h1, int64_t hd, int64_t bs) {
     const int64_t rb = kv_row_bytes(kvt, hd);
     for (int64_t t = 0; t < n; t++) {
         if (slots[t] < 0) continue;
-        for (int64_t h = 0; h < nkv; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             const char *row =
                 (const char *)cache + ((slots[t] / bs * nkv + h) * bs + slots[t] % bs) * rb;
             for (const char *c = row - (uintptr_t)row % 64; c < row + rb; c += 64)
                 __builtin_prefetch(c, 1, 3);
         }
     }
+}
+
+/* Thread tid's share of the q / k norms, rotary embedding and KV write of layer l: its run of
+ * tokens, every head; or, where the step has fewer tokens than threads, every token and its run
+ * of heads, the query heads and then the KV heads (each with its k norm, rotation, K and V
+ * rows) numbered one after the other.  Each head is computed alone, so either split gives the
+ * same bits. */
+static void team_qk_heads(team *tm, const cpud_decoder_layer *l, int tid, int nth) {
+    const cpud_ops *ops = tm->ops;
+    const cpud_decoder_dims *d = tm->d;
+    const cpud_decoder_step *s = tm->s;
+    const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);
+    const int64_t T = s->T, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
+    const int64_t qn = (nh + 2 * nkv) * hd, jobs = T < nth ? nh + nkv : T;
+    const int64_t j0 = jobs * tid / nth, j1 = jobs * (tid + 1) / nth;
+    int64_t t0 = 0, n = T, qa = 0, qb = nh, ka = 0, kb = nkv;
+    if (T >= nth) {
+        t0 = j0;
+        n = j1 - j0;
+    } else {
+        qa = j0 < nh ? j0 : nh;
+        qb = j1 < nh ? j1 : nh;
+        ka = (j0 > nh ? j0 : nh) - nh;
+        kb = (j1 > nh ? j1 : nh) - nh;
+    }
+    if (n <= 0 || (qb <= qa && kb <= ka)) return;
+    const int64_t *pos = (const int64_t *)s->positions + t0;
+    const int64_t *slots = (const int64_t *)s->slots + t0;
+    char *q = (char *)s->qkv + t0 * qn * es, *k = q + nh * hd * es, *v = k + nkv * hd * es;
+    char *qh = q + qa * hd * es, *kh = k + ka * hd * es;
+    team_prefetch_kv_rows((const void *)l->key_cache, kvt, slots, n, nkv, ka, kb, hd,
+                          d->block_size);
+    team_prefetch_kv_rows((const void *)l->value_cache, kvt, slots, n, nkv, ka, kb, hd,
+                          d->block_size);
+    if (l->q_norm) {
+        if (qb > qa)
+            ops->rms_norm(dt, qh, qn, qh, qn, (const void *)l->q_norm, wdt, n, qb - qa, hd,
+                          d->eps);
+        if (kb > ka)
+            ops->rms_norm(dt, kh, qn, kh, qn, (const void *)l->k_norm, wdt, n, kb - ka, hd,
+                          d->eps);
+    }
+    if (l->cos_sin) {
+        if (qb > qa)
+            ops->rotary(dt, pos, qh, qn, kb > ka ? kh : NULL, qn, (const float *)l->cos_sin, n,
+                        qb - qa, kb - ka, hd, d->rot_dim, d->rotary_neox);
+        else
+            ops->rotary(dt, pos, kh, qn, NULL, qn, (const float *)l->cos_sin, n, kb - ka, 0, hd,
+                        d->rot_dim, d->rotary_neox);
+    }
+    if (kb <= ka) return;
+    cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, n, nkv, ka, kb, hd,
+                  d->block_size);
+    cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, n, nkv, ka, kb, hd,
+                  d->block_size);
 }
 
 /* The all-reduce of x on thread 0 (the others wait at the barrier); nothing without tp. */
@@ -232,15 +304,12 @@ static void team_run(team *tm, int tid, int nth) {
     const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
     const int64_t r0 = T * tid / nth, r1 = T * (tid + 1) / nth, n = r1 - r0;
-    const int64_t *pos = (const int64_t *)s->positions + r0;
-    const int64_t *slots = (const int64_t *)s->slots + r0;
     const int32_t *qsl = (const int32_t *)s->query_start_loc;
     const int32_t *sl = (const int32_t *)s->seq_lens, *bt = (const int32_t *)s->block_tables;
     char *x = (char *)s->x, *qkv = (char *)s->qkv, *attn = (char *)s->attn;
     char *gu = (char *)s->gate_up, *act = (char *)s->act;
     /* this thread's rows */
     char *xr = x + r0 * H * es, *rr = (char *)s->residual + r0 * H * es;
-    char *q = qkv + r0 * qn * es, *k = q + qd * es, *v = k + nkv * hd * es;
     int64_t phase = 0;
     int64_t i = 0;
     for (; i < tm->n_layers; i++) {
@@ -256,24 +325,7 @@ static void team_run(team *tm, int tid, int nth) {
                         &phase))
             break;
         team_prefetch_share(&l->q_o, qd, T, tid, nth);
-        if (n) {
-            team_prefetch_kv_rows((const void *)l->key_cache, kvt, slots, n, nkv, hd,
-                                  d->block_size);
-            team_prefetch_kv_rows((const void *)l->value_cache, kvt, slots, n, nkv, hd,
-                                  d->block_size);
-            if (l->q_norm) {
-                ops->rms_norm(dt, q, qn, q, qn, (const void *)l->q_norm, wdt, n, nh, hd, d->eps);
-                ops->rms_norm(dt, k, qn, k, qn, (const void *)l->k_norm, wdt, n, nkv, hd,
-                              d->eps);
-            }
-            if (l->cos_sin)
-                ops->rotary(dt, pos, q, qn, k, qn, (const float *)l->cos_sin, n, nh, nkv, hd,
-                            d->rot_dim, d->rotary_neox);
-            cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, n, nkv, hd,
-                          d->block_size);
-            cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, n, nkv, hd,
-                          d->block_size);
-        }
+        team_qk_heads(tm, l, tid, nth);
         if (tid == 0) att_plan_rearm(&tm->att);
         if (team_sync(tm, &phase)) break;
         const int rc = ops->paged_attention_part(
@@ -282,7 +334,7 @@ static void team_run(team *tm, int tid, int nth) {
             (const float *)l->sinks, &tm->att, tid);
         if (rc) team_fail(tm, rc, phase);
         if (team_sync(tm, &phase)) break;
-        team_quantize(tm, &l->q_o, attn, qd, qd, r0, r1);
+        team_quantize_blocks(tm, &l->q_o, attn, qd, qd, tid, nth);
         if (l->q_o.parts && team_sync(tm, &phase)) break; /* bf16: attn is complete already */
         if (team_linear(tm, &l->q_o, l->o, 0, attn, qd, qd, x, H, H, tid, nth, &phase)) break;
         if (!l->moe) team_prefetch_share(&l->q_gate_up, H, T, tid, nth);

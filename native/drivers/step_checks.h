@@ -14,12 +14,13 @@ int cpud_slots_ok(const int64_t *slots, int64_t T, int64_t capacity);
 int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt,
                            int64_t max_blocks, int64_t T, int64_t S, int64_t num_blocks,
                            int64_t bs, int64_t window);
-/* src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
+/* Heads [h0, h1) of src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
-                     int64_t nkv, int64_t hd, int64_t bs, int es);
-/* src: [T][nkv][hd] of dt (token stride ss) -> cache: [nb][nkv][bs] rows of kvt (kv_formats.h)
- * at slots: a copy where kvt is dt, else each row converted or quantized. */
+                     int64_t nkv, int64_t h0, int64_t h1, int64_t hd, int64_t bs, int es);
+/* Heads [h0, h1) of src: [T][nkv][hd] of dt (token stride ss) -> cache: [nb][nkv][bs] rows of
+ * kvt (kv_formats.h) at slots: a copy where kvt is dt, else each row converted or quantized. */
 void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
-                   const int64_t *slots, int64_t T, int64_t nkv, int64_t hd, int64_t bs);
+                   const int64_t *slots, int64_t T, int64_t nkv, int64_t h0, int64_t h1,
+                   int64_t hd, int64_t bs);
 
 #endif
