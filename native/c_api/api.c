@@ -65,7 +65,7 @@ int cpud_silu_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, intptr_t
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops) return CPUD_EISA;
     if (!dtype_ok(dtype) || !x || !out || T < 0 || I < 1) return CPUD_EARG;
-    ops->silu_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I);
+    ops->silu_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I, I);
     return CPUD_OK;
 }
 
@@ -74,7 +74,7 @@ int cpud_gelu_tanh_and_mul(int isa, int dtype, intptr_t x, int64_t x_stride, int
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops) return CPUD_EISA;
     if (!dtype_ok(dtype) || !x || !out || T < 0 || I < 1) return CPUD_EARG;
-    ops->gelu_tanh_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I);
+    ops->gelu_tanh_and_mul(dtype, CADDR(x), x_stride, ADDR(out), out_stride, T, I, I);
     return CPUD_OK;
 }
 

@@ -101,10 +101,11 @@ typedef struct cpud_ops {
     void (*rotary)(int dt, const int64_t *pos, void *q, int64_t qs, void *k, int64_t ks,
                    const float *cos_sin, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                    int64_t rot, int neox);
+    /* gate at x[t xs + i], up at x[t xs + up + i], i < I */
     void (*silu_and_mul)(int dt, const void *x, int64_t xs, void *out, int64_t os, int64_t T,
-                         int64_t I);
+                         int64_t I, int64_t up);
     void (*gelu_tanh_and_mul)(int dt, const void *x, int64_t xs, void *out, int64_t os, int64_t T,
-                              int64_t I);
+                              int64_t I, int64_t up);
     void (*argmax_rows)(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
                         int64_t *out);
     int (*paged_attention)(int dt, int kvt, const void *q, int64_t qs, const void *kc,

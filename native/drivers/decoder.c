@@ -200,9 +200,9 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
                         s);
             if (rc) return rc;
             if (d->activation == 1)
-                ops->gelu_tanh_and_mul(dt, gu, 2 * I, act, I, T, I);
+                ops->gelu_tanh_and_mul(dt, gu, 2 * I, act, I, T, I, I);
             else
-                ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I);
+                ops->silu_and_mul(dt, gu, 2 * I, act, I, T, I, I);
             rc = linear(isa, ops, d, &l->q_down, l->down, 0, act, I, x, H, T, H, I, s);
         }
         if (rc) return rc;

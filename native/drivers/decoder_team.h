@@ -120,6 +120,37 @@ static void team_quantize_blocks(team *tm, const cpud_qlinear *q, const char *x,
     }
 }
 
+/* The gated activation act = act(gate) * up of the step's gate_up rows, with act quantized for
+ * the down projection q: thread tid's run of tokens; or, where the step has fewer tokens than
+ * threads and q is quantized, every token's blocks of 32 columns split evenly (each column is
+ * computed alone and takes the vector path it takes in a whole row, so either split gives the
+ * same bits). */
+static void team_activation(team *tm, const cpud_qlinear *q, int tid, int nth) {
+    const cpud_decoder_dims *d = tm->d;
+    const int dt = d->dtype, es = dtype_size(dt);
+    const int64_t T = tm->s->T, I = d->intermediate;
+    const char *gu = (const char *)tm->s->gate_up;
+    char *act = (char *)tm->s->act;
+    void (*const fn)(int, const void *, int64_t, void *, int64_t, int64_t, int64_t, int64_t) =
+        d->activation == 1 ? tm->ops->gelu_tanh_and_mul : tm->ops->silu_and_mul;
+    if (T >= nth || q->parts == 0) {
+        const int64_t r0 = T * tid / nth, r1 = T * (tid + 1) / nth;
+        if (r1 > r0) fn(dt, gu + r0 * 2 * I * es, 2 * I, act + r0 * I * es, I, r1 - r0, I, I);
+        team_quantize(tm, q, act, I, I, r0, r1);
+        return;
+    }
+    const int64_t nb = I / 32, units = T * nb, u1 = units * (tid + 1) / nth;
+    for (int64_t u = units * tid / nth; u < u1;) {
+        const int64_t t = u / nb, b0 = u % nb, b1 = u1 - t * nb < nb ? u1 - t * nb : nb;
+        const int64_t c0 = b0 * 32, w = (b1 - b0) * 32;
+        char *a = act + (t * I + c0) * es;
+        fn(dt, gu + (t * 2 * I + c0) * es, 2 * I, a, I, 1, w, I);
+        tm->qops->quantize(a, dt, I, 1, w, tm->xq.q + t * I + c0, tm->xq.d + t * nb + b0,
+                           tm->xq.s + t * (I / 16) + b0 * 2);
+        u = t * nb + b1;
+    }
+}
+
 /* q's parts as the quantized GEMM takes them (side by side in the output's columns). */
 static void team_parts(const cpud_qlinear *q, qpart *p) {
     int64_t col = 0;
@@ -356,14 +387,7 @@ static void team_run(team *tm, int tid, int nth) {
                         &phase))
             break;
         team_prefetch_share(&l->q_down, I, T, tid, nth);
-        if (n) {
-            char *gr = gu + r0 * 2 * I * es, *ar = act + r0 * I * es;
-            if (d->activation == 1)
-                ops->gelu_tanh_and_mul(dt, gr, 2 * I, ar, I, n, I);
-            else
-                ops->silu_and_mul(dt, gr, 2 * I, ar, I, n, I);
-        }
-        team_quantize(tm, &l->q_down, act, I, I, r0, r1);
+        team_activation(tm, &l->q_down, tid, nth);
         if (team_sync(tm, &phase)) break;
         if (team_linear(tm, &l->q_down, l->down, 0, act, I, I, x, H, H, tid, nth, &phase)) break;
         if (i + 1 < tm->n_layers) team_prefetch_share(&tm->layers[i + 1].q_qkv, H, T, tid, nth);

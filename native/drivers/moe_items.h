@@ -100,7 +100,7 @@ static void activation_rows(const cpud_ops *ops, int dt, const cpud_moe *m, cons
         swiglu_oai_rows(dt, gu, act, r0, r1, 0, m->I, m->I, m->swiglu_alpha, m->swiglu_limit);
     else
         ops->silu_and_mul(dt, gu + r0 * 2 * m->I * es, 2 * m->I, act + r0 * m->I * es, m->I,
-                          r1 - r0, m->I);
+                          r1 - r0, m->I, m->I);
 }
 
 /* act columns [c0, c1) (c0 a multiple of 32) of rows [0, rows); silu: through tmp [rows][2
@@ -119,7 +119,7 @@ static void activation_columns(const cpud_ops *ops, int dt, const cpud_moe *m, c
         memcpy(tmp + r * 2 * w * es, gu + (r * 2 * I + c0) * es, (size_t)(w * es));
         memcpy(tmp + (r * 2 + 1) * w * es, gu + (r * 2 * I + I + c0) * es, (size_t)(w * es));
     }
-    ops->silu_and_mul(dt, tmp, 2 * w, act + c0 * es, I, rows, w);
+    ops->silu_and_mul(dt, tmp, 2 * w, act + c0 * es, I, rows, w, w);
 }
 
 static const float *bias_of(intptr_t bias, int64_t e, int64_t n) {
