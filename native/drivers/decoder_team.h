@@ -233,26 +233,24 @@ static void team_prefetch_kv_rows(const void *cache, int kvt, const int64_t *slo
 
 /* Thread tid's share of the q / k norms, rotary embedding and KV write of layer l: its run of
  * tokens, every head; or, where the step has fewer tokens than threads, every token and its run
- * of heads, the query heads and then the KV heads (each with its k norm, rotation, K and V
- * rows) numbered one after the other.  Each head is computed alone, so either split gives the
- * same bits. */
+ * of the query heads and of the KV heads (each with its k norm, rotation, K and V rows).  Each
+ * head is computed alone, so either split gives the same bits. */
 static void team_qk_heads(team *tm, const cpud_decoder_layer *l, int tid, int nth) {
     const cpud_ops *ops = tm->ops;
     const cpud_decoder_dims *d = tm->d;
     const cpud_decoder_step *s = tm->s;
     const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);
     const int64_t T = s->T, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
-    const int64_t qn = (nh + 2 * nkv) * hd, jobs = T < nth ? nh + nkv : T;
-    const int64_t j0 = jobs * tid / nth, j1 = jobs * (tid + 1) / nth;
+    const int64_t qn = (nh + 2 * nkv) * hd;
     int64_t t0 = 0, n = T, qa = 0, qb = nh, ka = 0, kb = nkv;
     if (T >= nth) {
-        t0 = j0;
-        n = j1 - j0;
+        t0 = T * tid / nth;
+        n = T * (tid + 1) / nth - t0;
     } else {
-        qa = j0 < nh ? j0 : nh;
-        qb = j1 < nh ? j1 : nh;
-        ka = (j0 > nh ? j0 : nh) - nh;
-        kb = (j1 > nh ? j1 : nh) - nh;
+        qa = nh * tid / nth;
+        qb = nh * (tid + 1) / nth;
+        ka = nkv * tid / nth;
+        kb = nkv * (tid + 1) / nth;
     }
     if (n <= 0 || (qb <= qa && kb <= ka)) return;
     const int64_t *pos = (const int64_t *)s->positions + t0;
