@@ -24,17 +24,6 @@ def blocks(seq: int, tokens: int) -> list[int]:
     return list(range(8 * seq, 8 * seq + -(-tokens // 16)))
 
 
-def both_paths(run: ModelRunner, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fused logits, per-op logits) of one plan; both write the same KV slots."""
-    decoder = run.decoder
-    try:
-        run.decoder = None
-        per_op = run.prompt_logits(plan)
-    finally:
-        run.decoder = decoder
-    return run.prompt_logits(plan), per_op
-
-
 def steps() -> list[StepPlan]:
     """Prefill of three prompts (over the team's token count), one decode, a decode of all
     three, then a decode beside a 9-token chunk of the third prompt's continuation."""
@@ -60,6 +49,21 @@ def test_team_decode_equals_the_per_op_path(qtype, dtype, gguf_file):
     assert_team_equals_per_op(gguf_file("qwen3", qtype), dtype)
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_team_on_more_threads_than_tokens_or_heads_equals_the_per_op_path(threads, kv, gguf_file):
+    """With fewer tokens than threads the team splits the work between its linears by heads and
+    by blocks of 32 columns (at 5 threads some threads get no KV head), and the threads take
+    each other's linear tasks once their own are done; at one thread nothing is split. Each
+    gives the per-op path's bits, on every KV cache format."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert_team_equals_per_op(gguf_file("qwen3", T.Q4_K), torch.bfloat16, kv)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_team_decode_on_packed_bf16_linears_equals_the_per_op_path(model_factory):
     assert_team_equals_per_op(model_factory("qwen3"), torch.bfloat16)
 
@@ -75,13 +79,19 @@ def test_team_runs_packed_bf16_expert_layers_like_the_per_op_path(arch, model_fa
     assert_team_equals_per_op(model_factory(arch), torch.bfloat16)
 
 
-def assert_team_equals_per_op(path, dtype: torch.dtype) -> None:
-    config = RunnerConfig(path, dtype, 512, 16, 32, kernels="native", kv_pretouch=False)
+def assert_team_equals_per_op(path, dtype: torch.dtype, kv: str = "auto") -> None:
+    """The steps on two runners, each with its own KV cache: one fused, one per op (so a KV row
+    the team failed to write shows in the later steps' logits)."""
+    config = RunnerConfig(
+        path, dtype, 512, 16, 32, kernels="native", kv_pretouch=False, kv_cache_dtype=kv
+    )
     run = ModelRunner(config, load_model_config(path), SingleRank())
+    per_op_run = ModelRunner(config, load_model_config(path), SingleRank())
+    per_op_run.decoder = None
     assert isinstance(run.decoder, FusedDecoder)
     for plan in steps():
         teams = run.decoder.team_steps
-        fused, per_op = both_paths(run, plan)
+        fused, per_op = run.prompt_logits(plan), per_op_run.prompt_logits(plan)
         assert torch.isfinite(fused).all()
         assert torch.equal(fused, per_op), plan.step_id
         tokens = sum(len(seq.token_ids) for seq in plan.seqs)
