@@ -142,13 +142,12 @@ static void team_activation(team *tm, const cpud_qlinear *q, int tid, int nth) {
     const int64_t nb = I / 32, units = T * nb, u1 = units * (tid + 1) / nth;
     for (int64_t u = units * tid / nth; u < u1;) {
         const int64_t t = u / nb, b0 = u % nb, b1 = u1 - t * nb < nb ? u1 - t * nb : nb;
-        const int64_t c0 = b0 * 32, w = (b1 - b0) * 32;
-        char *a = act + (t * I + c0) * es;
-        fn(dt, gu + (t * 2 * I + c0) * es, 2 * I, a, I, 1, w, I);
-        tm->qops->quantize(a, dt, I, 1, w, tm->xq.q + t * I + c0, tm->xq.d + t * nb + b0,
-                           tm->xq.s + t * (I / 16) + b0 * 2);
+        const int64_t c0 = b0 * 32;
+        fn(dt, gu + (t * 2 * I + c0) * es, 2 * I, act + (t * I + c0) * es, I, 1, (b1 - b0) * 32,
+           I);
         u = t * nb + b1;
     }
+    team_quantize_blocks(tm, q, act, I, I, tid, nth); /* the same blocks: no barrier between */
 }
 
 /* q's parts as the quantized GEMM takes them (side by side in the output's columns). */

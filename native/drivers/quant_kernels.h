@@ -328,7 +328,6 @@ static QTGT void quantize_k(const void *x, int dt, int64_t xs, int64_t M, int64_
                             float *d, int32_t *s) {
     const int es = dtype_size(dt);
     CPUD_PAR_FOR(cpud_par_ok(M * K, M), m, M,
-
         q_quant_row((const char *)x + m * xs * es, dt, K, q + m * K, d + m * (K / 32), s + m * (K / 16));
     );
 }
