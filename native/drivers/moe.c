@@ -45,7 +45,6 @@ struct cpud_moe_job {
     moe_item *gu_items, *down_items;
     int64_t n_gu, n_down;
     char *xg, *gu, *act;        /* xg: bf16 stacks' gathered rows */
-    char *tmp;                  /* quantized stacks: activation_columns' scratch */
     _Atomic int *ready;         /* [E]: routed expert i's gate/up done (by_experts) */
     float *y;
     char *logits;               /* a layer job's router logits, weights and ids; NULL: routed */
@@ -74,8 +73,7 @@ static int job_alloc(cpud_moe_job *j) {
         j->xg = malloc((size_t)(pairs * H * es));
         return j->xg ? CPUD_OK : CPUD_ENOMEM;
     }
-    j->tmp = malloc((size_t)(pairs * 2 * I * es));
-    if (!j->tmp || qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
+    if (qbuf_alloc(&j->qx, j->T, H) || qbuf_alloc(&j->qg, pairs, H) ||
         qbuf_alloc(&j->qa, pairs, I))
         return CPUD_ENOMEM;
     return CPUD_OK;
@@ -226,7 +224,7 @@ static void job_run_quant(cpud_moe_job *j) {
                 dt, 2 * I, c0 / QR, c1 / QR);
     run_columns(q, gqt, g, 0, m->E, k, &ag, direct, guw, gus_, guq, gus, m->gate_up_bias, j->gu,
                 dt, 2 * I, (I + c0) / QR, (I + c1) / QR);
-    activation_columns(j->ops, dt, m, j->gu, j->act, pairs, c0, c1, j->tmp + pairs * 2 * c0 * es);
+    activation_columns(j->ops, dt, m, j->gu, j->act, pairs, c0, c1);
     for (int64_t r = 0; r < pairs && c1 > c0; r++)
         q->quantize(j->act + (r * I + c0) * es, dt, I, 1, c1 - c0, qa->q + r * I + c0,
                     qa->d + r * (I / 32) + c0 / 32, qa->s + r * (I / 16) + c0 / 16);
@@ -257,7 +255,6 @@ static void job_free(cpud_moe_job *j) {
     free(j->gu_items);
     free(j->down_items);
     free(j->xg);
-    free(j->tmp);
     free((void *)j->ready);
     free(j->gu);
     free(j->act);

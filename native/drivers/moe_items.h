@@ -103,11 +103,11 @@ static void activation_rows(const cpud_ops *ops, int dt, const cpud_moe *m, cons
                           r1 - r0, m->I, m->I);
 }
 
-/* act columns [c0, c1) (c0 a multiple of 32) of rows [0, rows); silu: through tmp [rows][2
- * (c1 - c0)], the gate and up columns side by side, so that each element takes the path (vector
- * or tail) it takes in a whole row. */
+/* act columns [c0, c1) (c0 a multiple of 32) of rows [0, rows); silu on those gate and up
+ * columns in place (their up values I elements after the gate's), so that each element takes
+ * the path (vector or tail) it takes in a whole row. */
 static void activation_columns(const cpud_ops *ops, int dt, const cpud_moe *m, const char *gu,
-                               char *act, int64_t rows, int64_t c0, int64_t c1, char *tmp) {
+                               char *act, int64_t rows, int64_t c0, int64_t c1) {
     const int es = dtype_size(dt);
     const int64_t I = m->I, w = c1 - c0;
     if (rows <= 0 || w <= 0) return;
@@ -115,11 +115,7 @@ static void activation_columns(const cpud_ops *ops, int dt, const cpud_moe *m, c
         swiglu_oai_rows(dt, gu, act, 0, rows, c0, c1, I, m->swiglu_alpha, m->swiglu_limit);
         return;
     }
-    for (int64_t r = 0; r < rows; r++) {
-        memcpy(tmp + r * 2 * w * es, gu + (r * 2 * I + c0) * es, (size_t)(w * es));
-        memcpy(tmp + (r * 2 + 1) * w * es, gu + (r * 2 * I + I + c0) * es, (size_t)(w * es));
-    }
-    ops->silu_and_mul(dt, tmp, 2 * w, act + c0 * es, I, rows, w, w);
+    ops->silu_and_mul(dt, gu + c0 * es, 2 * I, act + c0 * es, I, rows, w, I);
 }
 
 static const float *bias_of(intptr_t bias, int64_t e, int64_t n) {
