@@ -470,10 +470,13 @@ class Kernels:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        rotated: bool = True,
     ) -> None:
         """key/value [T, nkv, hd] -> caches [num_blocks, nkv, block_size, row] at slot_mapping
         [T] int64 (slot = block * block_size + offset; negative = skip); the caches' dtype
-        (KV_DTYPE_CODE) says how rows are stored: converted, or quantized per row."""
+        (KV_DTYPE_CODE) says how rows are stored: converted, or quantized per row, each row
+        rotated by a Walsh-Hadamard transform first unless rotated is False (ranks/paged_kv.py
+        hadamard: cpud's quantized caches are rotated)."""
         dt = _dtype(key, "key")
         ks = _tokens(key, "key", 3)
         _same_dtype(key, value, "value")
@@ -500,6 +503,7 @@ class Kernels:
             hd,
             num_blocks,
             block_size,
+            int(rotated),
         )
         check_rc(rc, "write_kv_cache", "slot beyond the cache")
 
@@ -517,11 +521,13 @@ class Kernels:
         sliding_window: int = 0,
         out: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        rotated: bool = True,
     ) -> torch.Tensor:
         """Causal paged attention with GQA for decode and chunked prefill.
 
         query, out: [T, nh, hd]; caches: [num_blocks, nkv, block_size, row] of any KV dtype
-        (write_kv_cache; quantized values read as rounded to query's dtype);
+        (write_kv_cache, with the same `rotated`: a rotated cache's attention rotates the
+        queries into the rows' basis and its output back);
         query_start_loc: [S+1] int32; seq_lens: [S] int32 (context incl. this step);
         block_tables: [S, max_blocks] int32.  Query i of sequence s is at position
         seq_lens[s] - q_len + i and sees keys j with p - sliding_window < j <= p.
@@ -572,6 +578,7 @@ class Kernels:
             float(scale),
             int(sliding_window),
             0 if sinks is None else sinks.data_ptr(),
+            int(rotated),
         )
         check_rc(rc, "paged_attention", "query_start_loc / seq_lens / block_tables")
         return out

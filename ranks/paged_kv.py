@@ -11,8 +11,11 @@ tensor's dtype names the row format (--kv-cache-dtype; native/drivers/kv_formats
                                 rounded to nearest even, saturated at +-57344
   float8_e4m3fn                 row = head_dim e4m3fn bytes of value / d (rounded to nearest
                                 even, saturated at +-448), then d = amax / 448 as int8's
-Quantized values read back rounded to the activations' dtype; the native kernels and these
-helpers give the same bits.
+cpud's quantized caches hold each row rotated by a Walsh-Hadamard transform first (hadamard):
+it spreads a head's few large channels over the row, so the scale and the fp8 mantissas lose
+less (mean NLL of the default model, tests/test_kv_dtype.py). The native kernels write the same
+bytes as quantize_kv and attend in the rotated basis (queries rotated in, outputs rotated back);
+dequantize_kv rotates rows back into the model's. `rotated=False` gives plain rows.
 """
 
 from __future__ import annotations
@@ -51,8 +54,28 @@ def kv_cache_shape(
     return (num_blocks, kv_heads, block_size, row)
 
 
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Rows x [..., head_dim] as cache rows of cache_dtype (the module doc's formats)."""
+def hadamard(x: torch.Tensor, query: bool) -> torch.Tensor:
+    """x [..., hd] -> H x * 2^-s in float32 (native/drivers/kv_formats.h kv_hadamard, bit for
+    bit): H the +-1 Walsh-Hadamard matrix on blocks of b = 2^m values, the largest power of two
+    dividing hd; s = floor(m / 2) for a cached row, ceil(m / 2) for a query, an attention output
+    or a row rotated back (the two scales multiply to 1 / b)."""
+    head_dim = x.shape[-1]
+    block = head_dim & -head_dim
+    y, half = x.float(), 1
+    while half < block:
+        pairs = y.reshape(*x.shape[:-1], head_dim // (2 * half), 2, half)
+        u, w = pairs[..., 0, :], pairs[..., 1, :]
+        y, half = torch.stack((u + w, u - w), dim=-2).reshape(x.shape), 2 * half
+    m = block.bit_length() - 1
+    shift = (m + 1) // 2 if query else m // 2
+    return y * 2.0**-shift if shift else y
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, rotated: bool = True) -> torch.Tensor:
+    """Rows x [..., head_dim] as cache rows of cache_dtype (the module doc's formats; a
+    quantized row rotated first unless rotated is False)."""
+    if rotated and cache_dtype in QUANTIZED:
+        x = hadamard(x, query=False)
     if cache_dtype == torch.int8:
         x32 = x.float()
         scale = x32.abs().amax(-1, keepdim=True) / 127
@@ -71,13 +94,19 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.to(cache_dtype)
 
 
-def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., row] -> values [..., head_dim] in dtype, as the kernels read them."""
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype, rotated: bool = True) -> torch.Tensor:
+    """Cache rows [..., row] -> values [..., head_dim] in dtype: a quantized row's values as
+    the kernels read them (float32), rotated back into the model's basis unless rotated is
+    False."""
     if rows.dtype in SCALED:
         head_dim = rows.shape[-1] - INT8_SCALE_BYTES
         scale = rows[..., head_dim:].contiguous().view(torch.uint8).view(torch.float32)
-        return (rows[..., :head_dim].float() * scale).to(dtype)
-    return rows.to(dtype)
+        values = rows[..., :head_dim].float() * scale
+    elif rows.dtype in QUANTIZED:
+        values = rows.float()
+    else:
+        return rows.to(dtype)
+    return (hadamard(values, query=True) if rotated else values).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -62,9 +62,13 @@ def prompt_and_greedy(model_dir, kv: str) -> tuple[torch.Tensor, list[int], list
 # fixtures: about 0.7-1 % for int8, 2.4-3.7 % for e4m3's three mantissa bits, 6-8 % for e5m2's
 # two)
 NLL_DRIFT = {"int8": 0.02, "fp8": 0.07, "fp8_e5m2": 0.12}
-# the bf16 cache's top-2 logprob gap below which int8's noise may swap the greedy pick
-# (measured: llama fixture, avx2, a gap of 0.19 swapped)
-INT8_NEAR_TIE = 0.25
+# the bf16 cache's top-2 logprob gap below which a quantized cache's noise may swap the greedy
+# pick (measured on the random fixtures: int8 a gap of 0.19 swapped (llama, avx2); fp8 and
+# fp8_e5m2 a gap of 0.75 (llama: the last prompt positions' logprobs move by up to 1.4 there,
+# with or without the rows' rotation)), and how many picks to check: on these fixtures fp8's
+# second pick already falls outside the bf16 cache's top 2 (qwen3, rotated or not)
+NEAR_TIE = {"int8": 0.25, "fp8": 1.0, "fp8_e5m2": 1.0}
+PICKS_CHECKED = {"int8": 3, "fp8": 1, "fp8_e5m2": 1}
 
 
 @pytest.mark.parametrize("kv", list(CACHE_DTYPES))
@@ -75,12 +79,11 @@ def test_logprobs_stay_close_to_the_bf16_cache(kv, arch, model_factory):
     quant, quant_tokens, _ = prompt_and_greedy(model_dir, kv)
     drift = (quant - exact).abs().mean() / exact.abs().mean()
     assert drift < NLL_DRIFT[kv], drift
-    assert quant_tokens[0] == exact_tokens[0]
-    if kv == "int8":  # the same picks up to the bf16 cache's first near-tie
-        for want, got, top in list(zip(exact_tokens, quant_tokens, exact_top))[:3]:
-            if got != want:
-                assert got in top and top[want].logprob - top[got].logprob < INT8_NEAR_TIE
-                break
+    # the same picks up to the bf16 cache's first near-tie, where the pick is its runner-up
+    for want, got, top in list(zip(exact_tokens, quant_tokens, exact_top))[: PICKS_CHECKED[kv]]:
+        if got != want:
+            assert got in top and top[want].logprob - top[got].logprob < NEAR_TIE[kv]
+            break
 
 
 def test_an_int8_or_fp8_cache_holds_about_twice_the_tokens(model_factory):
@@ -152,11 +155,11 @@ def mean_nll(kv: str) -> float:
     return sum(nll) / len(nll)
 
 
-# Mean NLL drift against the bf16 cache on the default model (avx512bf16): int8 (per-row scale)
-# measured -0.16 %, within the issue's 0.5 %; fp8 (e4m3 and a per-row scale: 3 mantissa bits,
-# about 3.5x int8's squared error on these rows) +0.87 %, under 1.2 %; e5m2 (no scale, 2 mantissa
-# bits) +3.1 %, under 4 %.
-NLL_BOUND = {"int8": 0.005, "fp8": 0.012, "fp8_e5m2": 0.04}
+# Mean NLL drift against the bf16 cache on the default model (Zen 4, avx512bf16), the rows
+# rotated (ranks/paged_kv.py hadamard): int8 -0.02 %, fp8 (e4m3, per-row scale) +0.16 %, both
+# within the 0.5 % asked; fp8_e5m2 (no scale, 2 mantissa bits) +1.0 %. Plain rows measured
+# -0.16 %, +0.87 % and +3.1 %.
+NLL_BOUND = {"int8": 0.005, "fp8": 0.005, "fp8_e5m2": 0.015}
 
 
 @pytest.mark.slow

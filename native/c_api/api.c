@@ -3,6 +3,7 @@
  * slots, block tables) is checked here so a bad step plan returns CPUD_EARG
  * instead of touching memory out of bounds. */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "dispatch.h"
 #include "kv_formats.h"
@@ -112,7 +113,7 @@ void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *sl
         );
 }
 
-void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
+void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, int rot,
                    const int64_t *slots, int64_t T, int64_t nkv, int64_t h0, int64_t h1,
                    int64_t hd, int64_t bs) {
     if (kvt == dt) {
@@ -131,8 +132,22 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
             if (kvt == CPUD_BF16) {
                 for (int64_t i = 0; i < hd; i++) ((uint16_t *)dst)[i] = f32_to_bf16(x[i]);
             } else {
+                if (rot) kv_hadamard(x, hd, 0);
                 kv_quantize_row(x, hd, kvt, dst);
             }
+        }
+        );
+}
+
+void cpud_kv_rotate_queries(void *q, int dt, int64_t qs, int64_t T, int64_t h0, int64_t h1,
+                            int64_t hd) {
+    CPUD_PAR_FOR(cpud_par_ok(T * (h1 - h0) * hd, T), t, T,
+        float x[hd];
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t e0 = t * qs + h * hd;
+            for (int64_t i = 0; i < hd; i++) x[i] = ld1(q, e0 + i, dt);
+            kv_hadamard(x, hd, 1);
+            for (int64_t i = 0; i < hd; i++) st1(q, e0 + i, x[i], dt);
         }
         );
 }
@@ -140,17 +155,18 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
 int cpud_write_kv_cache(int isa, int dtype, int kv_dtype, intptr_t key, intptr_t value,
                         int64_t key_stride, int64_t value_stride, intptr_t key_cache,
                         intptr_t value_cache, intptr_t slot_mapping, int64_t T, int64_t nkv,
-                        int64_t hd, int64_t num_blocks, int64_t bs) {
+                        int64_t hd, int64_t num_blocks, int64_t bs, int kv_rotated) {
     if (!cpud_ops_for(isa)) return CPUD_EISA;
     if (!dtype_ok(dtype) || !kv_pair_ok(dtype, kv_dtype) || !key || !value || !key_cache ||
         !value_cache || !slot_mapping || T < 0 || nkv < 1 || hd < 1 || bs < 1 || num_blocks < 0)
         return CPUD_EARG;
     const int64_t *slots = (const int64_t *)slot_mapping;
     if (!cpud_slots_ok(slots, T, num_blocks * bs)) return CPUD_EARG;
-    cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, slots, T, nkv, 0, nkv,
-                  hd, bs);
-    cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, slots, T, nkv,
-                  0, nkv, hd, bs);
+    const int rot = kv_rotated && kv_quantized(kv_dtype);
+    cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, rot, slots, T, nkv, 0,
+                  nkv, hd, bs);
+    cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, rot, slots, T,
+                  nkv, 0, nkv, hd, bs);
     return CPUD_OK;
 }
 
@@ -178,7 +194,7 @@ int cpud_paged_attention(int isa, int dtype, int kv_dtype, intptr_t query, int64
                          intptr_t seq_lens, intptr_t block_tables, int64_t max_blocks,
                          intptr_t out, int64_t out_stride, int64_t T, int64_t S, int64_t nh,
                          int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs, float scale,
-                         int64_t sliding_window, intptr_t sinks) {
+                         int64_t sliding_window, intptr_t sinks, int kv_rotated) {
     const cpud_ops *ops = cpud_ops_for(isa);
     if (!ops) return CPUD_EISA;
     if (!dtype_ok(dtype) || !kv_pair_ok(dtype, kv_dtype) || !query || !key_cache || !value_cache || !query_start_loc ||
@@ -189,10 +205,26 @@ int cpud_paged_attention(int isa, int dtype, int kv_dtype, intptr_t query, int64
     const int32_t *bt = (const int32_t *)block_tables;
     if (!cpud_attention_plan_ok(qsl, sl, bt, max_blocks, T, S, num_blocks, bs, sliding_window))
         return CPUD_EARG;
-    return ops->paged_attention(dtype, kv_dtype, CADDR(query), q_stride, CADDR(key_cache),
-                                CADDR(value_cache), qsl, sl, bt, max_blocks, ADDR(out), out_stride,
-                                S, nh, nkv, hd, bs, scale, sliding_window,
-                                (const float *)sinks);
+    /* queries rotated into the rows' basis (kv_formats.h): a copy */
+    const int rot = kv_rotated && kv_quantized(kv_dtype);
+    const void *q = CADDR(query);
+    void *rotated = NULL;
+    if (rot && T > 0) {
+        const size_t row = (size_t)(nh * hd * dtype_size(dtype));
+        if (!(rotated = malloc((size_t)T * row))) return CPUD_ENOMEM;
+        for (int64_t t = 0; t < T; t++)
+            memcpy((char *)rotated + t * row, (const char *)q + t * q_stride * dtype_size(dtype),
+                   row);
+        cpud_kv_rotate_queries(rotated, dtype, nh * hd, T, 0, nh, hd);
+        q = rotated;
+        q_stride = nh * hd;
+    }
+    const int rc = ops->paged_attention(dtype, kv_dtype, rot, q, q_stride, CADDR(key_cache),
+                                        CADDR(value_cache), qsl, sl, bt, max_blocks, ADDR(out),
+                                        out_stride, S, nh, nkv, hd, bs, scale, sliding_window,
+                                        (const float *)sinks);
+    free(rotated);
+    return rc;
 }
 
 int cpud_gemm_packed(int isa, intptr_t x, int x_dtype, int64_t x_stride, intptr_t packed,

@@ -95,7 +95,9 @@ int cpud_argmax_rows(int isa, int dtype,
                      intptr_t out); /* [rows] int64 */
 
 /* key_cache[b][h][o] = key[t][h] for slot = slot_mapping[t] = b*bs + o >= 0, stored as
- * kv_dtype rows (quantized per row for CPUD_KV_INT8 / CPUD_KV_FP8_E5M2 / CPUD_KV_FP8_E4M3). */
+ * kv_dtype rows (quantized per row for CPUD_KV_INT8 / CPUD_KV_FP8_E5M2 / CPUD_KV_FP8_E4M3;
+ * kv_rotated nonzero: each quantized row rotated by a Walsh-Hadamard transform first,
+ * kv_formats.h, as cpud's caches are). */
 int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
                         intptr_t key,          /* [T][nkv][hd], token stride key_stride   */
                         intptr_t value,        /* [T][nkv][hd], token stride value_stride */
@@ -103,7 +105,8 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
                         intptr_t key_cache,    /* [num_blocks][nkv][bs] rows of kv_dtype */
                         intptr_t value_cache,  /* [num_blocks][nkv][bs] rows of kv_dtype */
                         intptr_t slot_mapping, /* [T] int64, < 0 = skip                 */
-                        int64_t T, int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs);
+                        int64_t T, int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs,
+                        int kv_rotated);
 
 /* Paged causal attention with GQA for decode and chunked prefill.
  * Query i of sequence s sits at position seq_lens[s] - q_len + i and attends
@@ -125,7 +128,10 @@ int cpud_paged_attention(int isa, int dtype, int kv_dtype,
                          int64_t out_stride, int64_t T, int64_t S, int64_t nh, int64_t nkv,
                          int64_t hd, int64_t num_blocks, int64_t bs, float scale,
                          int64_t sliding_window,
-                         intptr_t sinks);          /* [nh] f32, or 0                       */
+                         intptr_t sinks,           /* [nh] f32, or 0                       */
+                         int kv_rotated); /* a quantized cache's rows are rotated (as written
+                                             with kv_rotated): queries are rotated likewise and
+                                             the output back, which leaves it unchanged */
 
 /* Packed weight layout for the skinny GEMM: W[N][K] bf16 is stored as
  * [ceil(N/32)][ceil(K/2)][32][2] bf16, zero padded: for each panel of 32

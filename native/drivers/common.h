@@ -108,14 +108,16 @@ typedef struct cpud_ops {
                               int64_t I, int64_t up);
     void (*argmax_rows)(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
                         int64_t *out);
-    int (*paged_attention)(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+    /* rot: the caches' quantized rows are in kv_hadamard's basis, q is rotated likewise (by the
+     * caller), and the output is rotated back (kv_formats.h) */
+    int (*paged_attention)(int dt, int kvt, int rot, const void *q, int64_t qs, const void *kc,
                            const void *vc, const int32_t *qsl, const int32_t *seq_lens,
                            const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
                            int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
                            float scale, int64_t window, const float *sinks);
     /* paged_attention without a parallel region: the items of plan (att_plan.h) thread tid
      * takes; every thread of the caller's team calls it once */
-    int (*paged_attention_part)(int dt, int kvt, const void *q, int64_t qs, const void *kc,
+    int (*paged_attention_part)(int dt, int kvt, int rot, const void *q, int64_t qs, const void *kc,
                                 const void *vc, const int32_t *qsl, const int32_t *seq_lens,
                                 const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
                                 int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale,

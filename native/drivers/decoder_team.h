@@ -230,7 +230,8 @@ static void team_prefetch_kv_rows(const void *cache, int kvt, const int64_t *slo
     }
 }
 
-/* Thread tid's share of the q / k norms, rotary embedding and KV write of layer l: its run of
+/* Thread tid's share of the q / k norms, rotary embedding, the queries' rotation into a quantized
+ * cache's basis (kv_formats.h) and the KV write of layer l: its run of
  * tokens, every head; or, where the step has fewer tokens than threads, every token and its run
  * of the query heads and of the KV heads (each with its k norm, rotation, K and V rows).  Each
  * head is computed alone, so either split gives the same bits. */
@@ -276,10 +277,12 @@ static void team_qk_heads(team *tm, const cpud_decoder_layer *l, int tid, int nt
             ops->rotary(dt, pos, kh, qn, NULL, qn, (const float *)l->cos_sin, n, kb - ka, 0, hd,
                         d->rot_dim, d->rotary_neox);
     }
+    const int rot = kv_quantized(kvt); /* cpud's quantized caches: kv_formats.h */
+    if (rot && qb > qa) cpud_kv_rotate_queries(q, dt, qn, n, qa, qb, hd);
     if (kb <= ka) return;
-    cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, slots, n, nkv, ka, kb, hd,
+    cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, rot, slots, n, nkv, ka, kb, hd,
                   d->block_size);
-    cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, slots, n, nkv, ka, kb, hd,
+    cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, rot, slots, n, nkv, ka, kb, hd,
                   d->block_size);
 }
 
@@ -357,9 +360,9 @@ static void team_run(team *tm, int tid, int nth) {
         if (tid == 0) att_plan_rearm(&tm->att);
         if (team_sync(tm, &phase)) break;
         const int rc = ops->paged_attention_part(
-            dt, kvt, qkv, qn, (const void *)l->key_cache, (const void *)l->value_cache, qsl, sl,
-            bt, s->max_blocks, attn, qd, nh, nkv, hd, d->block_size, d->scale, l->window,
-            (const float *)l->sinks, &tm->att, tid);
+            dt, kvt, kv_quantized(kvt), qkv, qn, (const void *)l->key_cache,
+            (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn, qd, nh, nkv, hd,
+            d->block_size, d->scale, l->window, (const float *)l->sinks, &tm->att, tid);
         if (rc) team_fail(tm, rc, phase);
         if (team_sync(tm, &phase)) break;
         team_quantize_blocks(tm, &l->q_o, attn, qd, qd, tid, nth);

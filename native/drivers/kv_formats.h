@@ -12,7 +12,13 @@
  *                        then their f32 scale d = amax / 448 as int8's (hd + 4 bytes); value =
  *                        e4m3 * d.  Readers fold 256 into d (kv_read_scale): the byte b as the
  *                        fp16 ((b & 0x80) << 8) | ((b & 0x7f) << 7) is its value * 2^-8 exactly,
- *                        so e4m3 * d = fp16 * (d * 256), the same product bit for bit. */
+ *                        so e4m3 * d = fp16 * (d * 256), the same product bit for bit.
+ *
+ * cpud keeps the quantized types' rows in a Hadamard basis (kv_hadamard; the entry points'
+ * kv_rotated): each row is rotated before it is quantized, which spreads a head's few large
+ * channels over the whole row, so the per-row scale and the fp8 mantissas lose less.  Attention
+ * on such a cache takes its queries rotated the same way (cpud_kv_rotate_queries: the scores
+ * are unchanged) and rotates its output back (undoing the values' rotation). */
 #ifndef CPUD_KV_FORMATS_H
 #define CPUD_KV_FORMATS_H
 
@@ -145,6 +151,28 @@ static inline float kv_e4m3_to_f32_q(uint8_t b) {
     const float mag = em < 8 ? (float)em * 0x1p-17f
                              : kv_bits_f32((em << 20) + (UINT32_C(112) << 23));
     return (b & 0x80) ? -mag : mag;
+}
+
+/* x [hd] -> H x * 2^-s in place, H the +-1 Walsh-Hadamard matrix of order b = 2^m, the largest
+ * power of two dividing hd, on each block of b values (H H = b I).  A cached row takes s =
+ * floor(m / 2), a query or an attention output s = ceil(m / 2): the two scales multiply to 1 / b,
+ * so a rotated query and key give the score of the plain ones, and rotating the output of
+ * attention over rotated values gives the plain output.  The scales are powers of two (exact);
+ * every tier and the torch reference (ranks/paged_kv.py) add in this order, so they agree bit
+ * for bit. */
+static inline void kv_hadamard(float *x, int64_t hd, int query) {
+    const int64_t b = hd & -hd;
+    int m = 0;
+    for (int64_t h = 1; h < b; h <<= 1, m++)
+        for (int64_t i = 0; i < hd; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float u = x[j], w = x[j + h];
+                x[j] = u + w;
+                x[j + h] = u - w;
+            }
+    const float s = ldexpf(1.0f, -(query ? (m + 1) / 2 : m / 2));
+    if (s != 1.0f)
+        for (int64_t i = 0; i < hd; i++) x[i] *= s;
 }
 
 /* Quantizes one row of hd f32 values x into dst (kv_row_bytes(kvt, hd) bytes). */

@@ -18,9 +18,14 @@ int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const in
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
                      int64_t nkv, int64_t h0, int64_t h1, int64_t hd, int64_t bs, int es);
 /* Heads [h0, h1) of src: [T][nkv][hd] of dt (token stride ss) -> cache: [nb][nkv][bs] rows of
- * kvt (kv_formats.h) at slots: a copy where kvt is dt, else each row converted or quantized. */
-void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt,
+ * kvt (kv_formats.h) at slots: a copy where kvt is dt, else each row converted or quantized
+ * (rotated first with rot: kv_hadamard). */
+void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, int rot,
                    const int64_t *slots, int64_t T, int64_t nkv, int64_t h0, int64_t h1,
                    int64_t hd, int64_t bs);
+/* Heads [h0, h1) of q: [T][nh][hd] of dt (token stride qs) rotated in place into the basis of a
+ * quantized cache's rows (kv_hadamard), as attention on such a cache takes them. */
+void cpud_kv_rotate_queries(void *q, int dt, int64_t qs, int64_t T, int64_t h0, int64_t h1,
+                            int64_t hd);
 
 #endif

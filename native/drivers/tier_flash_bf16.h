@@ -65,6 +65,7 @@ typedef struct fa_cache {
     const void *k, *v; /* [nb][nkv][bs] rows */
     int64_t rb;
     int kvt;
+    int rot; /* quantized rows in kv_hadamard's basis: outputs are rotated back */
 } fa_cache;
 
 /* Per-thread workspace for items of up to ng row groups; every array 64-byte aligned. */
@@ -454,9 +455,17 @@ static ALWAYS_INLINE int64_t fa_first_key(int64_t p, int64_t window) {
     return (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
 }
 
-/* dst: [hd] bf16 = o / l, zeros where l is 0 (a row that attended no key). */
-static ALWAYS_INLINE TGT void fa_row_out(const float *o, float l, uint16_t *dst, int64_t hd) {
+/* dst: [hd] bf16 = o / l, zeros where l is 0 (a row that attended no key); with rot, o / l
+ * rotated back from the cache's basis (kv_hadamard), o overwritten. */
+static ALWAYS_INLINE TGT void fa_row_out(float *o, float l, uint16_t *dst, int64_t hd, int rot) {
     const vf inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    if (rot) {
+        for (int64_t d = 0; d < hd; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+        kv_hadamard(o, hd, 1);
+        for (int64_t d = 0; d < hd; d += 16) vf_st_bf16(dst + d, _mm512_loadu_ps(o + d));
+        return;
+    }
     for (int64_t d = 0; d < hd; d += 16)
         vf_st_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
 }
@@ -590,7 +599,8 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
         }
     }
     for (int64_t r = 0; r < rows; r++)
-        fa_row_out(w->o + r * hd, w->l[r], (uint16_t *)out + fa_row_at(it, t0, G, r, os, hd), hd);
+        fa_row_out(w->o + r * hd, w->l[r], (uint16_t *)out + fa_row_at(it, t0, G, r, os, hd), hd,
+                   c->rot);
 }
 
 /* a0..a3: 16 partial sums of keys 0..3 -> lane 4L + k: key k's partial sum over
@@ -774,7 +784,7 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         fa_pv(w->o, w->alpha, rescale, w->p, 1, FA_LANES, w->vp, nk / 2, hd, R, active);
     }
     for (int r = 0; r < R; r++)
-        fa_row_out(w->o + r * hd, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd);
+        fa_row_out(w->o + r * hd, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd, c->rot);
 }
 
 #include "tier_flash_int8.h"

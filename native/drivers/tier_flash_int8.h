@@ -22,10 +22,11 @@ static ALWAYS_INLINE __mmask64 fa_i8_mask(int64_t d, int64_t hd) {
 /* dst: [hd] bf16 = o / l (zeros where l is 0), o one row of the workspace in slot order:
  * within each 64 values, element 16 g + 4 L + e holds d = 16 L + 4 g + e (quad vector g,
  * 128-bit lane L, dword e of the re-laid values), so each 64 values are a 4 x 4 transpose of
- * 128-bit lanes. */
+ * 128-bit lanes.  With rot, o / l is rotated back from the cache's basis (kv_hadamard). */
 static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t *dst,
-                                              int64_t hd) {
+                                              int64_t hd, int rot) {
     const vf vi = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    float x[hd + 64];
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
         const vf v0 = _mm512_loadu_ps(o + d0), v1 = _mm512_loadu_ps(o + d0 + 16);
         const vf v2 = _mm512_loadu_ps(o + d0 + 32), v3 = _mm512_loadu_ps(o + d0 + 48);
@@ -33,9 +34,10 @@ static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t 
         const vf t2 = _mm512_shuffle_f32x4(v0, v1, 0xee), t3 = _mm512_shuffle_f32x4(v2, v3, 0xee);
         const vf n[4] = {_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xdd),
                          _mm512_shuffle_f32x4(t2, t3, 0x88), _mm512_shuffle_f32x4(t2, t3, 0xdd)};
-        for (int L = 0; L < 4 && d0 + 16 * L < hd; L++)
-            vf_st_bf16(dst + d0 + 16 * L, _mm512_mul_ps(n[L], vi));
+        for (int L = 0; L < 4; L++) _mm512_storeu_ps(x + d0 + 16 * L, _mm512_mul_ps(n[L], vi));
     }
+    if (rot) kv_hadamard(x, hd, 1);
+    for (int64_t d = 0; d < hd; d += 16) vf_st_bf16(dst + d, _mm512_loadu_ps(x + d));
 }
 
 /* q8 rows [R][hdp] (zero past hd) of the R query rows qr, their scales qd (times scale) and
@@ -227,5 +229,5 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
         }
     }
     for (int r = 0; r < R; r++)
-        fa_slot_row_out(o + r * hdp, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd);
+        fa_slot_row_out(o + r * hdp, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd, c->rot);
 }

@@ -407,14 +407,15 @@ static TGT void att_group_tiles(int mr, att_ws *w, const float *vb, int64_t j0, 
 }
 
 /* Runs one work item: queries [q0, q0 + nq) of sequence s against kv head kvh; the caches
- * hold rows of kvt (kv_formats.h), sinks: [nh] f32 or NULL. */
+ * hold rows of kvt (kv_formats.h), in kv_hadamard's basis where rot is set (q too; the output
+ * is rotated back), sinks: [nh] f32 or NULL. */
 static ALWAYS_INLINE TGT void att_item_run(
     att_ws *w, const att_item *it, const void *q /* [T][nh][hd] stride qs */, int64_t qs,
     const void *kc /* [nb][nkv][bs] rows */, const void *vc /* [nb][nkv][bs] rows */,
     const int32_t *qsl /* [S+1] */, const int32_t *seq_lens /* [S] */,
     const int32_t *bt /* [S][max_blocks] */, int64_t max_blocks,
     void *out /* [T][nh][hd] stride os */, int64_t os, int64_t nh, int64_t nkv, int64_t hd,
-    int64_t bs, float scale, int64_t window, const float *sinks, int kvt, int dt) {
+    int64_t bs, float scale, int64_t window, const float *sinks, int kvt, int rot, int dt) {
     const int64_t G = nh / nkv, rows = (int64_t)it->nq * G;
     const int64_t q_len = qsl[it->s + 1] - qsl[it->s], ctx = seq_lens[it->s];
     const int64_t t0 = qsl[it->s] + it->q0;
@@ -490,9 +491,17 @@ static ALWAYS_INLINE TGT void att_item_run(
         const int64_t qi = r / G, h = it->kvh * G + r % G;
         const float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
         void *o = at(out, (t0 + qi) * os + h * hd, dt);
-        const float *a = w->acc + r * hd;
+        float *a = w->acc + r * hd;
         const vf vinv = vf_set1(inv);
         int64_t d = 0;
+        if (rot) { /* normalised, then back from the rows' basis */
+            for (; d + VW <= hd; d += VW) vf_st(a + d, vf_mul(vf_ld(a + d), vinv));
+            for (; d < hd; d++) a[d] *= inv;
+            kv_hadamard(a, hd, 1);
+            for (d = 0; d + VW <= hd; d += VW) stv(o, d, vf_ld(a + d), dt);
+            for (; d < hd; d++) st1(o, d, a[d], dt);
+            continue;
+        }
         for (; d + VW <= hd; d += VW) stv(o, d, vf_mul(vf_ld(a + d), vinv), dt);
         for (; d < hd; d++) st1(o, d, a[d] * inv, dt);
     }
@@ -507,8 +516,8 @@ static ALWAYS_INLINE TGT void att_item_run(
  * region: every thread of the caller's team calls it once.  Returns 0 or CPUD_ENOMEM (no
  * workspace: the items this thread took are not computed).
  * The caller has validated query_start_loc, seq_lens and every block id that is read. */
-static TGT int paged_attention_part_k(int dt, int kvt, const void *q, int64_t qs, const void *kc,
-                                      const void *vc, const int32_t *qsl,
+static TGT int paged_attention_part_k(int dt, int kvt, int rot, const void *q, int64_t qs,
+                                      const void *kc, const void *vc, const int32_t *qsl,
                                       const int32_t *seq_lens, const int32_t *bt,
                                       int64_t max_blocks, void *out, int64_t os, int64_t nh,
                                       int64_t nkv, int64_t hd, int64_t bs, float scale,
@@ -524,7 +533,7 @@ static TGT int paged_attention_part_k(int dt, int kvt, const void *q, int64_t qs
 #if TIER_ID >= 3
         /* bf16 flash path (tier_flash_bf16.h) for every item when the shapes allow */
         const int fa = fa_usable(dt, hd, bs);
-        const fa_cache fc = {kc, vc, kv_row_bytes(kvt, hd), kvt};
+        const fa_cache fc = {kc, vc, kv_row_bytes(kvt, hd), kvt, rot};
         fa_ws fw = {0};
         if (fa) {
             const int64_t R = G > ATT_ROWS ? G : ATT_ROWS;
@@ -568,10 +577,10 @@ static TGT int paged_attention_part_k(int dt, int kvt, const void *q, int64_t qs
             if (!w.q) continue;
             if (dt == CPUD_BF16)
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
-                             nh, nkv, hd, bs, scale, window, sinks, kvt, CPUD_BF16);
+                             nh, nkv, hd, bs, scale, window, sinks, kvt, rot, CPUD_BF16);
             else
                 att_item_run(&w, &items[i], q, qs, kc, vc, qsl, seq_lens, bt, max_blocks, out, os,
-                             nh, nkv, hd, bs, scale, window, sinks, kvt, CPUD_F32);
+                             nh, nkv, hd, bs, scale, window, sinks, kvt, rot, CPUD_F32);
         }
         if (!fa) att_ws_free(&w);
 #if TIER_ID >= 3
@@ -583,8 +592,9 @@ static TGT int paged_attention_part_k(int dt, int kvt, const void *q, int64_t qs
 
 /* Arguments as cpud_paged_attention (kvt: the caches' kv_dtype); returns 0 or CPUD_ENOMEM:
  * paged_attention_part_k in its own parallel region. */
-static TGT int paged_attention_k(int dt, int kvt, const void *q, int64_t qs, const void *kc,
-                                 const void *vc, const int32_t *qsl, const int32_t *seq_lens,
+static TGT int paged_attention_k(int dt, int kvt, int rot, const void *q, int64_t qs,
+                                 const void *kc, const void *vc, const int32_t *qsl,
+                                 const int32_t *seq_lens,
                                  const int32_t *bt, int64_t max_blocks, void *out, int64_t os,
                                  int64_t S, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
                                  float scale, int64_t window, const float *sinks) {
@@ -597,9 +607,9 @@ static TGT int paged_attention_k(int dt, int kvt, const void *q, int64_t qs, con
 #pragma omp parallel if (plan.n > 1) reduction(| : failed)
     {
         const int tid = omp_get_thread_num() < nr ? omp_get_thread_num() : 0;
-        failed |= paged_attention_part_k(dt, kvt, q, qs, kc, vc, qsl, seq_lens, bt, max_blocks,
-                                         out, os, nh, nkv, hd, bs, scale, window, sinks, &plan,
-                                         tid) != CPUD_OK;
+        failed |= paged_attention_part_k(dt, kvt, rot, q, qs, kc, vc, qsl, seq_lens, bt,
+                                         max_blocks, out, os, nh, nkv, hd, bs, scale, window,
+                                         sinks, &plan, tid) != CPUD_OK;
     }
     att_plan_free(&plan);
     return failed ? CPUD_ENOMEM : CPUD_OK;

@@ -1,8 +1,9 @@
 """Quantized KV caches (--kv-cache-dtype int8 / fp8_e5m2 / fp8_e4m3, and bf16 under fp32
 activations):
-the KV write kernel against the torch quantizer of ranks/paged_kv.py byte for byte, and paged
-attention (decode, chunked prefill, GQA, odd head dims, block boundaries) on every tier against
-the same kernel and the torch reference on the dequantized cache."""
+the KV write kernel against the torch quantizer of ranks/paged_kv.py byte for byte (plain and
+Hadamard-rotated rows), and paged attention (decode, chunked prefill, GQA, odd head dims, block
+boundaries) on every tier against the same kernel and the torch reference on the dequantized
+cache; a rotated cache's attention against the plain kernel run in the rotated basis."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from test_attention import make_case, ref_attention
 from tolerances import assert_close
 
-from cpud.ranks.paged_kv import dequantize_kv, kv_cache_shape, quantize_kv
+from cpud.ranks.paged_kv import dequantize_kv, hadamard, kv_cache_shape, quantize_kv
 
 QUANTIZED = [torch.int8, torch.float8_e5m2, torch.float8_e4m3fn]
 SCALED = (torch.int8, torch.float8_e4m3fn)  # rows that end in an f32 scale
@@ -29,8 +30,9 @@ WRITES.append((torch.float32, torch.bfloat16))
 
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), WRITES)
-@pytest.mark.parametrize("hd", [64, 33])
-def test_write_kv_cache_matches_the_torch_quantizer(kern, dtype, cache_dtype, hd):
+@pytest.mark.parametrize("rotated", [True, False])
+@pytest.mark.parametrize("hd", [64, 33, 128, 80])  # Hadamard blocks of 64, 1 (none), 128, 16
+def test_write_kv_cache_matches_the_torch_quantizer(kern, dtype, cache_dtype, hd, rotated):
     g = torch.Generator().manual_seed(1)
     T, nkv, nb, bs = 6, 2, 4, 16
     key = (torch.randn(T, nkv, hd, generator=g) * 3).to(dtype)
@@ -42,26 +44,67 @@ def test_write_kv_cache_matches_the_torch_quantizer(kern, dtype, cache_dtype, hd
     kc = torch.zeros(kv_cache_shape(nb, nkv, bs, hd, cache_dtype), dtype=cache_dtype)
     vc = torch.zeros_like(kc)
     slots = torch.tensor([0, 5, 17, 40, -1, 63])
-    kern.write_kv_cache(key, value, kc, vc, slots)
+    kern.write_kv_cache(key, value, kc, vc, slots, rotated=rotated)
     keep = slots >= 0
     blocks, offsets = slots[keep] // bs, slots[keep] % bs
     for cache, src in ((kc, key), (vc, value)):
         got = cache[blocks, :, offsets]
-        want = quantize_kv(src[keep], cache_dtype)
+        want = quantize_kv(src[keep], cache_dtype, rotated)
         assert torch.equal(_as_bytes(got), _as_bytes(want))
     assert torch.count_nonzero(_as_bytes(kc)) > 0
 
 
-def test_quantized_rows_read_back_close():
+@pytest.mark.parametrize("rotated", [False, True])
+def test_quantized_rows_read_back_close(rotated):
+    # each format's rounding bound on the values it stores: x, or x rotated
     x = torch.randn(64, 128) * torch.linspace(0.1, 10, 64)[:, None]
-    int8 = dequantize_kv(quantize_kv(x, torch.int8), torch.float32)
-    assert ((int8 - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
-    fp8 = dequantize_kv(quantize_kv(x, torch.float8_e5m2), torch.float32)
-    assert ((fp8 - x).abs() <= x.abs() / 8 + 1e-5).all()  # 2 mantissa bits: half-ulp 1/8
-    e4m3 = dequantize_kv(quantize_kv(x, torch.float8_e4m3fn), torch.float32)
+    y = hadamard(x, query=False) if rotated else x
+
+    def stored(cache_dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_kv(quantize_kv(x, cache_dtype, rotated), torch.float32, rotated=False)
+
+    int8 = stored(torch.int8)
+    assert ((int8 - y).abs() <= y.abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
+    fp8 = stored(torch.float8_e5m2)
+    assert ((fp8 - y).abs() <= y.abs() / 8 + 1e-5).all()  # 2 mantissa bits: half-ulp 1/8
+    e4m3 = stored(torch.float8_e4m3fn)
     # 3 mantissa bits: half-ulp 1/16, and below 2^-6 of the scale a fixed step 2^-10 of it
-    bound = x.abs() / 16 + x.abs().amax(-1, keepdim=True) / 448 * 2**-10
-    assert ((e4m3 - x).abs() <= bound * 1.0001).all()
+    bound = y.abs() / 16 + y.abs().amax(-1, keepdim=True) / 448 * 2**-10
+    assert ((e4m3 - y).abs() <= bound * 1.0001).all()
+
+
+@pytest.mark.parametrize("hd", [64, 128, 80, 48, 33])
+def test_the_rotation_keeps_scores_and_undoes_itself(hd):
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 40, hd, generator=g)
+    rows = hadamard(k, query=False)
+    assert torch.allclose(hadamard(rows, query=True), k, atol=1e-5)
+    scores = (hadamard(q, query=True) * rows).sum(-1)
+    assert torch.allclose(scores, (q * k).sum(-1), atol=1e-4)
+    if hd & -hd > 1:  # a real rotation: one channel spreads over its whole block
+        spike = torch.zeros(hd)
+        spike[0] = 1.0
+        assert torch.count_nonzero(hadamard(spike, query=False)) == hd & -hd
+
+
+# Queries and keys as a model's: a few channels far larger than the rest, the same in both
+# (where the rotation pays: the large products spread over the row; with isotropic queries
+# e4m3 loses more rotated, and the default model's NLL says which case is real)
+def outlier_rows(n: int, hd: int, seed: int, factor: float) -> torch.Tensor:
+    rows = torch.randn(n, hd, generator=torch.Generator().manual_seed(seed))
+    rows[:, [3, 17]] *= factor
+    return rows
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+def test_rotated_rows_lose_less_of_the_scores(cache_dtype):
+    q, k = outlier_rows(256, 64, 7, 10.0), outlier_rows(256, 64, 6, 40.0)
+    exact = (q * k).sum(-1)
+    err = {}
+    for rotated in (False, True):
+        read = dequantize_kv(quantize_kv(k, cache_dtype, rotated), torch.float32, rotated)
+        err[rotated] = ((q * read).sum(-1) - exact).norm() / exact.norm()
+    assert err[True] < 0.5 * err[False], err
 
 
 def int8_reads_unrounded(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -73,9 +116,10 @@ def int8_reads_unrounded(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and cache_dtype in SCALED
 
 
-def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0):
+def _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, seed=0, rotated=True):
     q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), nh, nkv, hd, bs, dtype, seed)
-    return q, quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype), qsl, seq_lens, bt
+    kq, vq = quantize_kv(kc, cache_dtype, rotated), quantize_kv(vc, cache_dtype, rotated)
+    return q, kq, vq, qsl, seq_lens, bt
 
 
 SHAPES = [(8, 2, 64, 16), (16, 2, 128, 32), (4, 4, 80, 16), (6, 2, 24, 16), (3, 1, 33, 16)]
@@ -95,16 +139,33 @@ READS += [(torch.float8_e4m3fn, *s) for s in E4M3_SHAPES]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("cache_dtype", "nh", "nkv", "hd", "bs"), READS)
 def test_paged_attention_reads_quantized_caches(kern, dtype, cache_dtype, nh, nkv, hd, bs):
-    q, kq, vq, qsl, seq_lens, bt = _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype)
-    kd, vd = dequantize_kv(kq, dtype), dequantize_kv(vq, dtype)
+    # plain rows: the values each format reads as
+    plain = _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype, rotated=False)
+    q, kq, vq, qsl, seq_lens, bt = plain
+    kd, vd = dequantize_kv(kq, dtype, False), dequantize_kv(vq, dtype, False)
     scale = hd**-0.5
-    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale, rotated=False)
     same_values = kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, scale)
     if int8_reads_unrounded(dtype, cache_dtype):
         assert_close(out, same_values, dtype)
     else:  # the same bits as a dtype cache holding the values the quantized one reads as
         assert torch.equal(out, same_values)
     assert_close(out, ref_attention(q, kd, vd, qsl, seq_lens, bt, scale, 0), dtype)
+
+    # rotated rows (cpud's caches): attention in the model's basis
+    q, kq, vq, qsl, seq_lens, bt = _quantized_case(nh, nkv, hd, bs, dtype, cache_dtype)
+    kd, vd = dequantize_kv(kq, dtype), dequantize_kv(vq, dtype)
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
+    assert_close(out, ref_attention(q, kd, vd, qsl, seq_lens, bt, scale, 0), dtype)
+    # the plain kernel on the rotated queries, its output rotated back: the same bits in fp32
+    # (the kernel normalises, then rotates, as hadamard does), one more rounding in bf16
+    q_rot = hadamard(q, query=True).to(dtype)
+    in_basis = kern.paged_attention(q_rot, kq, vq, qsl, seq_lens, bt, scale, rotated=False)
+    back = hadamard(in_basis, query=True).to(dtype)
+    if dtype == torch.float32:
+        assert torch.equal(out, back)
+    else:
+        assert_close(out, back, dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED)
@@ -184,7 +245,7 @@ def test_every_e5m2_code_reads_as_torch_reads_it(kern, hd, codes):
     kq, vq = kq.view(torch.float8_e5m2), vq.view(torch.float8_e5m2)
     kd, vd = kq.to(torch.bfloat16), vq.to(torch.bfloat16)
     assert kd.isfinite().all()
-    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale)
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, scale, rotated=False)
     assert torch.equal(out, kern.paged_attention(q, kd, vd, qsl, seq_lens, bt, scale))
     assert out.abs().max() > 0
 
@@ -208,9 +269,9 @@ def test_every_e4m3_code_reads_as_torch_reads_it(kern, hd):
     kq, vq = caches
     flash = kern.isa in ("avx512bf16", "amx")
     for dtype in (torch.float32, torch.bfloat16) if flash else (torch.float32,):
-        kd, vd = dequantize_kv(kq, dtype), dequantize_kv(vq, dtype)
+        kd, vd = dequantize_kv(kq, dtype, False), dequantize_kv(vq, dtype, False)
         assert kd.isfinite().all()
         qd = q.to(dtype)
-        out = kern.paged_attention(qd, kq, vq, qsl, seq_lens, bt, 1e-30)
+        out = kern.paged_attention(qd, kq, vq, qsl, seq_lens, bt, 1e-30, rotated=False)
         assert torch.equal(out, kern.paged_attention(qd, kd, vd, qsl, seq_lens, bt, 1e-30))
         assert out.abs().max() > 0
