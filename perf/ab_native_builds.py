@@ -2,7 +2,8 @@
 step: one model load, the fused decoder's layer call (cpud_decoder_layers) sent to build A, B,
 B, A, ... in turn, so every build runs in the same seconds of the host's read rate; the rest of
 the step (embedding, LM head, sampling) runs on the installed build.  --streams S: decode steps
-of S sequences; --prompt N: each step a new sequence's prompt of N tokens instead.  Reports
+of S sequences; --prompt N: each step a new sequence's prompt of N tokens instead; --depth D
+(--kv-cache-dtype K): one stream from position D of a cache of K filled with random rows.  Reports
 each build's median time of the layer call and the read probe (perf/bench_moe.py's, 1 GiB)
 before and after.
 
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_depth import fill_cache, step_meta
+from bench_depth import runner as depth_runner
 from bench_moe import ReadProbe, runner
 
 from cpud.protocol.step import SeqWork, StepPlan
@@ -50,6 +53,12 @@ class Builds:
         self.current = next(iter(builds))
         self.ns: dict[str, list[int]] = {tag: [] for tag in builds}
         self.equal: list[bool] = []
+
+    def turn(self, step: int) -> None:
+        """The build of step `step`: A, B, B, A, A, B, ... (each leads as often)."""
+        tags = list(self.builds)
+        order = tags if (step // len(tags)) % 2 == 0 else tags[::-1]
+        self.current = order[step % len(tags)]
 
     def _cast(self, ffi: Any, pointer: Any, ctype: str) -> Any:
         return ffi.cast(ctype, int(self.decoder._ffi.cast("intptr_t", pointer)))
@@ -97,16 +106,59 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="bit equality instead of timing")
     ap.add_argument("--streams", type=int, default=1, help="decode this many sequences, <= 32")
     ap.add_argument("--prompt", type=int, default=0, help="steps of a prompt this long instead")
+    ap.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        help="decode one stream from this position of a filled cache instead (bench_depth.py)",
+    )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="with --depth: the cache's format")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     pairs = [b.split("=", 1) for b in args.build]
     builds = {tag: load_build(Path(path), tag) for tag, path in pairs}
-    run = runner(args.model, args.steps + 16)
+    if args.depth:
+        run = depth_runner(args.model, args.kv_cache_dtype, args.depth, args.steps + 1)
+        fill_cache(run)
+    else:
+        run = runner(args.model, args.steps + 16)
     if run.decoder is None:
         raise SystemExit(f"{args.model}: the fused decoder does not run this model")
     routed = Builds(run.decoder, builds)
     run.decoder._run = routed.check if args.check else routed.run
     tags = list(builds)
+    if args.depth:
+        decode_at_depth(run, routed, args.depth, args.steps, args.check)
+    else:
+        steps(run, routed, args)
+    if args.check:
+        print(f"bit-equal steps: {sum(routed.equal)} of {len(routed.equal)}")
+        return
+    first = statistics.median(routed.ns[tags[0]])
+    for tag in tags:
+        median = statistics.median(routed.ns[tag])
+        print(
+            f"{tag}: layer call median {median / 1e6:.3f} ms over {len(routed.ns[tag])} steps, "
+            f"{first / median:.3f}x {tags[0]}"
+        )
+
+
+def decode_at_depth(run: Any, routed: Builds, depth: int, count: int, check: bool) -> None:
+    """`count` decode steps of one stream from position depth, the builds in turn."""
+    table = torch.arange(run.kv_caches[0][0].shape[0], dtype=torch.int32)[None, :]
+    token = torch.tensor([11])
+    probe = None if check else ReadProbe(1024)
+    before = probe.gbs() if probe else 0.0
+    with torch.inference_mode():
+        for i in range(count):
+            routed.turn(i)
+            run.decoder.forward(token, torch.tensor([depth + i]), step_meta(depth + i, table))
+    if probe:
+        print(f"read probe: {before:.1f} GB/s before, {probe.gbs():.1f} GB/s after")
+
+
+def steps(run: Any, routed: Builds, args: argparse.Namespace) -> None:
+    """Decode steps of --streams sequences, or --prompt prefills, the builds in turn."""
     per = -(-(args.steps + 16) // 16)
     tables = [list(range(s * per, (s + 1) * per)) for s in range(args.streams)]
     run.execute(
@@ -119,8 +171,7 @@ def main() -> None:
     probe = None if args.check else ReadProbe(1024)
     before = probe.gbs() if probe else 0.0
     for i in range(args.steps):
-        order = tags if (i // len(tags)) % 2 == 0 else tags[::-1]
-        routed.current = order[i % len(tags)]
+        routed.turn(i)
         if prompt:
             seqs = [SeqWork(args.streams + i, prompt, 0, prompt_table, True)]
         else:
@@ -128,18 +179,8 @@ def main() -> None:
                 SeqWork(s, [20 + 7 * s + i], 8 + i, tables[s], True) for s in range(args.streams)
             ]
         run.execute(StepPlan(1 + i, seqs))
-    if args.check:
-        print(f"bit-equal steps: {sum(routed.equal)} of {len(routed.equal)}")
-        return
-    after = probe.gbs() if probe else 0.0
-    print(f"read probe: {before:.1f} GB/s before, {after:.1f} GB/s after")
-    first = statistics.median(routed.ns[tags[0]])
-    for tag in tags:
-        median = statistics.median(routed.ns[tag])
-        print(
-            f"{tag}: layer call median {median / 1e6:.3f} ms over {len(routed.ns[tag])} steps, "
-            f"{first / median:.3f}x {tags[0]}"
-        )
+    if probe:
+        print(f"read probe: {before:.1f} GB/s before, {probe.gbs():.1f} GB/s after")
 
 
 if __name__ == "__main__":

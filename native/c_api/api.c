@@ -113,7 +113,7 @@ void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *sl
         );
 }
 
-void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, int rot,
+void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, cpud_rotate_fn rot,
                    const int64_t *slots, int64_t T, int64_t nkv, int64_t h0, int64_t h1,
                    int64_t hd, int64_t bs) {
     if (kvt == dt) {
@@ -124,31 +124,31 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, in
     CPUD_PAR_FOR(cpud_par_ok(T * (h1 - h0) * hd, T), t, T,
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        float x[hd];
+        float rows[(h1 - h0) * hd];
+        for (int64_t i = 0; i < (h1 - h0) * hd; i++) rows[i] = ld1(src, t * ss + h0 * hd + i, dt);
+        if (rot && kvt != CPUD_BF16) rot(rows, h1 - h0, hd, 0);
         for (int64_t h = h0; h < h1; h++) {
-            const int64_t e0 = t * ss + h * hd;
-            for (int64_t i = 0; i < hd; i++) x[i] = ld1(src, e0 + i, dt);
+            const float *x = rows + (h - h0) * hd;
             char *dst = (char *)cache + ((slot / bs * nkv + h) * bs + slot % bs) * rb;
             if (kvt == CPUD_BF16) {
                 for (int64_t i = 0; i < hd; i++) ((uint16_t *)dst)[i] = f32_to_bf16(x[i]);
             } else {
-                if (rot) kv_hadamard(x, hd, 0);
                 kv_quantize_row(x, hd, kvt, dst);
             }
         }
         );
 }
 
-void cpud_kv_rotate_queries(void *q, int dt, int64_t qs, int64_t T, int64_t h0, int64_t h1,
-                            int64_t hd) {
-    CPUD_PAR_FOR(cpud_par_ok(T * (h1 - h0) * hd, T), t, T,
-        float x[hd];
-        for (int64_t h = h0; h < h1; h++) {
-            const int64_t e0 = t * qs + h * hd;
-            for (int64_t i = 0; i < hd; i++) x[i] = ld1(q, e0 + i, dt);
-            kv_hadamard(x, hd, 1);
-            for (int64_t i = 0; i < hd; i++) st1(q, e0 + i, x[i], dt);
-        }
+void cpud_kv_rotate_queries(cpud_rotate_fn rot, void *q, int dt, int64_t qs, int64_t T,
+                            int64_t h0, int64_t h1, int64_t hd) {
+    const int64_t n = (h1 - h0) * hd;
+    if (n <= 0) return;
+    CPUD_PAR_FOR(cpud_par_ok(T * n, T), t, T,
+        float x[n];
+        const int64_t e0 = t * qs + h0 * hd;
+        for (int64_t i = 0; i < n; i++) x[i] = ld1(q, e0 + i, dt);
+        rot(x, h1 - h0, hd, 1);
+        for (int64_t i = 0; i < n; i++) st1(q, e0 + i, x[i], dt);
         );
 }
 
@@ -162,7 +162,8 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype, intptr_t key, intptr_t
         return CPUD_EARG;
     const int64_t *slots = (const int64_t *)slot_mapping;
     if (!cpud_slots_ok(slots, T, num_blocks * bs)) return CPUD_EARG;
-    const int rot = kv_rotated && kv_quantized(kv_dtype);
+    const cpud_rotate_fn rot =
+        kv_rotated && kv_quantized(kv_dtype) ? cpud_ops_for(isa)->hadamard_rows : NULL;
     cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, rot, slots, T, nkv, 0,
                   nkv, hd, bs);
     cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, rot, slots, T,
@@ -215,7 +216,7 @@ int cpud_paged_attention(int isa, int dtype, int kv_dtype, intptr_t query, int64
         for (int64_t t = 0; t < T; t++)
             memcpy((char *)rotated + t * row, (const char *)q + t * q_stride * dtype_size(dtype),
                    row);
-        cpud_kv_rotate_queries(rotated, dtype, nh * hd, T, 0, nh, hd);
+        cpud_kv_rotate_queries(ops->hadamard_rows, rotated, dtype, nh * hd, T, 0, nh, hd);
         q = rotated;
         q_stride = nh * hd;
     }

@@ -108,6 +108,8 @@ typedef struct cpud_ops {
                               int64_t I, int64_t up);
     void (*argmax_rows)(int dt, const void *x, int64_t xs, int64_t rows, int64_t n,
                         int64_t *out);
+    /* kv_hadamard on rows [rows][hd] f32 in place, vectorised */
+    void (*hadamard_rows)(float *x, int64_t rows, int64_t hd, int query);
     /* rot: the caches' quantized rows are in kv_hadamard's basis, q is rotated likewise (by the
      * caller), and the output is rotated back (kv_formats.h) */
     int (*paged_attention)(int dt, int kvt, int rot, const void *q, int64_t qs, const void *kc,

@@ -17,15 +17,17 @@ int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const in
 /* Heads [h0, h1) of src: [T][nkv][hd] (token stride ss) -> cache: [nb][nkv][bs][hd] at slots */
 void cpud_kv_scatter(const char *src, int64_t ss, char *cache, const int64_t *slots, int64_t T,
                      int64_t nkv, int64_t h0, int64_t h1, int64_t hd, int64_t bs, int es);
+/* kv_formats.h's kv_hadamard on rows [rows][hd] f32 in place (a tier's hadamard_rows). */
+typedef void (*cpud_rotate_fn)(float *x, int64_t rows, int64_t hd, int query);
 /* Heads [h0, h1) of src: [T][nkv][hd] of dt (token stride ss) -> cache: [nb][nkv][bs] rows of
  * kvt (kv_formats.h) at slots: a copy where kvt is dt, else each row converted or quantized
- * (rotated first with rot: kv_hadamard). */
-void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, int rot,
+ * (rotated by rot first where rot is not NULL). */
+void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, cpud_rotate_fn rot,
                    const int64_t *slots, int64_t T, int64_t nkv, int64_t h0, int64_t h1,
                    int64_t hd, int64_t bs);
 /* Heads [h0, h1) of q: [T][nh][hd] of dt (token stride qs) rotated in place into the basis of a
  * quantized cache's rows (kv_hadamard), as attention on such a cache takes them. */
-void cpud_kv_rotate_queries(void *q, int dt, int64_t qs, int64_t T, int64_t h0, int64_t h1,
-                            int64_t hd);
+void cpud_kv_rotate_queries(cpud_rotate_fn rot, void *q, int dt, int64_t qs, int64_t T,
+                            int64_t h0, int64_t h1, int64_t hd);
 
 #endif

@@ -462,7 +462,7 @@ static ALWAYS_INLINE TGT void fa_row_out(float *o, float l, uint16_t *dst, int64
     if (rot) {
         for (int64_t d = 0; d < hd; d += 16)
             _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-        kv_hadamard(o, hd, 1);
+        hadamard_rows_k(o, 1, hd, 1);
         for (int64_t d = 0; d < hd; d += 16) vf_st_bf16(dst + d, _mm512_loadu_ps(o + d));
         return;
     }

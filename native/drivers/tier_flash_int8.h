@@ -36,7 +36,7 @@ static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t 
                          _mm512_shuffle_f32x4(t2, t3, 0x88), _mm512_shuffle_f32x4(t2, t3, 0xdd)};
         for (int L = 0; L < 4; L++) _mm512_storeu_ps(x + d0 + 16 * L, _mm512_mul_ps(n[L], vi));
     }
-    if (rot) kv_hadamard(x, hd, 1);
+    if (rot) hadamard_rows_k(x, 1, hd, 1);
     for (int64_t d = 0; d < hd; d += 16) vf_st_bf16(dst + d, _mm512_loadu_ps(x + d));
 }
 

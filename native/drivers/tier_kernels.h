@@ -497,7 +497,7 @@ static ALWAYS_INLINE TGT void att_item_run(
         if (rot) { /* normalised, then back from the rows' basis */
             for (; d + VW <= hd; d += VW) vf_st(a + d, vf_mul(vf_ld(a + d), vinv));
             for (; d < hd; d++) a[d] *= inv;
-            kv_hadamard(a, hd, 1);
+            hadamard_rows_k(a, 1, hd, 1);
             for (d = 0; d + VW <= hd; d += VW) stv(o, d, vf_ld(a + d), dt);
             for (; d < hd; d++) st1(o, d, a[d], dt);
             continue;

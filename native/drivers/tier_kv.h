@@ -94,3 +94,62 @@ static ALWAYS_INLINE TGT void kv_rows_f32(const char *row0, int64_t rb, int kvt,
         for (; i < hd; i++) o[i] = kv_ldq1(row, i, kvt, d1);
     }
 }
+
+/* kv_hadamard on rows [rows][hd] of f32 in place, the same bits: the passes of half-width
+ * below VW inside each vector (lane i takes sign * v[i] + v[i ^ h], one rounding as u + w and
+ * u - w), the wider ones between vectors. */
+static TGT void hadamard_rows_k(float *x, int64_t rows, int64_t hd, int query) {
+    const int64_t b = hd & -hd;
+    if (VW == 1 || b < VW || hd % VW) {
+        for (int64_t r = 0; r < rows; r++) kv_hadamard(x + r * hd, hd, query);
+        return;
+    }
+#if VW > 1
+    int m = 0;
+    while ((INT64_C(1) << m) < b) m++;
+    const vf s = vf_set1(ldexpf(1.0f, -(query ? (m + 1) / 2 : m / 2)));
+    enum { PASSES = VW == 16 ? 4 : 3 };
+    vf sign[PASSES];
+#if VW == 16
+    __m512i swap[PASSES];
+#else
+    __m256i swap[PASSES];
+#endif
+    for (int p = 0; p < PASSES; p++) {
+        float sg[VW];
+        int32_t ix[VW];
+        for (int i = 0; i < VW; i++) {
+            sg[i] = (i >> p) & 1 ? -1.0f : 1.0f;
+            ix[i] = i ^ (1 << p);
+        }
+        sign[p] = vf_ld(sg);
+#if VW == 16
+        swap[p] = _mm512_loadu_si512(ix);
+#else
+        swap[p] = _mm256_loadu_si256((const __m256i *)ix);
+#endif
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *y = x + r * hd;
+        for (int64_t i = 0; i < hd; i += VW) {
+            vf v = vf_ld(y + i);
+            for (int p = 0; p < PASSES; p++) {
+#if VW == 16
+                v = vf_fma(v, sign[p], _mm512_permutexvar_ps(swap[p], v));
+#else
+                v = vf_fma(v, sign[p], _mm256_permutevar8x32_ps(v, swap[p]));
+#endif
+            }
+            vf_st(y + i, v);
+        }
+        for (int64_t h = VW; h < b; h <<= 1)
+            for (int64_t i = 0; i < hd; i += 2 * h)
+                for (int64_t j = i; j < i + h; j += VW) {
+                    const vf u = vf_ld(y + j), w = vf_ld(y + j + h);
+                    vf_st(y + j, vf_add(u, w));
+                    vf_st(y + j + h, vf_sub(u, w));
+                }
+        for (int64_t i = 0; i < hd; i += VW) vf_st(y + i, vf_mul(vf_ld(y + i), s));
+    }
+#endif
+}

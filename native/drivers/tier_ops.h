@@ -8,6 +8,7 @@
         .silu_and_mul = silu_and_mul_k,                                                            \
         .gelu_tanh_and_mul = gelu_tanh_and_mul_k,                                                  \
         .argmax_rows = argmax_rows_k,                                                              \
+        .hadamard_rows = hadamard_rows_k,                                                          \
         .paged_attention = paged_attention_k,                                                      \
         .paged_attention_part = paged_attention_part_k,                                            \
         .gemm_packed = gemm_packed_k,                                                              \
