@@ -210,13 +210,14 @@ int cpud_paged_attention(int isa, int dtype, int kv_dtype, intptr_t query, int64
     const int rot = kv_rotated && kv_quantized(kv_dtype);
     const void *q = CADDR(query);
     void *rotated = NULL;
-    if (rot && T > 0) {
+    const int64_t rows = S > 0 ? qsl[S] : 0; /* the query rows attention reads */
+    if (rot && rows > 0) {
         const size_t row = (size_t)(nh * hd * dtype_size(dtype));
-        if (!(rotated = malloc((size_t)T * row))) return CPUD_ENOMEM;
-        for (int64_t t = 0; t < T; t++)
+        if (!(rotated = malloc((size_t)rows * row))) return CPUD_ENOMEM;
+        for (int64_t t = 0; t < rows; t++)
             memcpy((char *)rotated + t * row, (const char *)q + t * q_stride * dtype_size(dtype),
                    row);
-        cpud_kv_rotate_queries(ops->hadamard_rows, rotated, dtype, nh * hd, T, 0, nh, hd);
+        cpud_kv_rotate_queries(ops->hadamard_rows, rotated, dtype, nh * hd, rows, 0, nh, hd);
         q = rotated;
         q_stride = nh * hd;
     }

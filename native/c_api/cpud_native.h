@@ -112,9 +112,10 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
  * Query i of sequence s sits at position seq_lens[s] - q_len + i and attends
  * keys j with max(0, p - window + 1) <= j <= p (window 0 = unlimited).  sinks (or 0): a
  * logit per query head joined to the softmax's denominator only (gpt-oss):
- * p_j = exp(s_j - m) / (exp(sink - m) + sum_i exp(s_i - m)).  A quantized cache is read as
- * its values rounded to dtype (int8: q * scale), so the result equals that of a dtype cache
- * holding them. */
+ * p_j = exp(s_j - m) / (exp(sink - m) + sum_i exp(s_i - m)).  A quantized cache's rows are
+ * read as their values (e5m2 exactly, int8 / e4m3 as code * scale); with kv_rotated those are
+ * in the rows' rotated basis, the queries are rotated into it (rounded to dtype) and the
+ * output rotated back. */
 int cpud_paged_attention(int isa, int dtype, int kv_dtype,
                          intptr_t query,           /* [>= qsl[S]][nh][hd], stride q_stride */
                          int64_t q_stride,
@@ -302,7 +303,8 @@ typedef struct cpud_decoder_dims {
     int rotary_neox; /* 1: neox (rotate halves), 0: gpt-j pairs */
     float residual_scale; /* each block's output (attention, feed-forward) is multiplied by it
                              before its residual add (Granite's residual_multiplier); 1: none */
-    int kv_dtype; /* the KV cache's rows: CPUD_BF16 or a cpud_kv_dtype, or 0: dtype */
+    int kv_dtype; /* the KV cache's rows: CPUD_BF16 or a cpud_kv_dtype (quantized rows always
+                     rotated, as cpud_write_kv_cache's kv_rotated), or 0: dtype */
 } cpud_decoder_dims;
 
 typedef struct cpud_decoder_step {

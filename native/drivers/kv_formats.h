@@ -18,7 +18,10 @@
  * kv_rotated): each row is rotated before it is quantized, which spreads a head's few large
  * channels over the whole row, so the per-row scale and the fp8 mantissas lose less.  Attention
  * on such a cache takes its queries rotated the same way (cpud_kv_rotate_queries: the scores
- * are unchanged) and rotates its output back (undoing the values' rotation). */
+ * are unchanged up to rounding) and rotates its output back (undoing the values' rotation).
+ * A head_dim with no power-of-two factor above 1 is left as it is.  e5m2 has no scale: a row
+ * whose values all point one way grows by up to sqrt(b) in its largest element (16x at head_dim
+ * 128), so it saturates from |x| ~ 3584 instead of 57344. */
 #ifndef CPUD_KV_FORMATS_H
 #define CPUD_KV_FORMATS_H
 
