@@ -153,6 +153,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument(
+        "--llamacpp-kv",
+        default="f16,q8_0",
+        help="llama.cpp's KV types to run (its q8_0 run at 16384 takes very long on 2 cores)",
+    )
     ap.add_argument("--out", type=Path, help="also write the summary JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -166,7 +171,9 @@ def main() -> None:
     unknown = [k for k in kvs if k not in LLAMACPP_KV]
     if unknown:
         ap.error(f"--kv {','.join(unknown)}: choose from {', '.join(LLAMACPP_KV)}")
-    peers = [] if args.no_llamacpp else [k for k in kvs if LLAMACPP_KV.get(k)]
+    wanted = set(args.llamacpp_kv.split(","))
+    peer_kvs = [] if args.no_llamacpp else [LLAMACPP_KV[k] for k in kvs if LLAMACPP_KV.get(k)]
+    peer_kvs = [p for p in dict.fromkeys(peer_kvs) if p in wanted]
     samples: dict[str, dict[int, list[float]]] = {}
     for depth in depths:
         runs = {kv: runner(path, kv, depth, args.steps) for kv in kvs}
@@ -176,7 +183,7 @@ def main() -> None:
             for kv, run in runs.items():
                 got = decode(run, depth, args.steps)
                 samples.setdefault(f"cpud {kv}", {}).setdefault(depth, []).append(got)
-            for peer in dict.fromkeys(LLAMACPP_KV[kv] for kv in peers):
+            for peer in peer_kvs:
                 got = llamacpp_decode(path, peer, depth, args.steps, args.threads)
                 samples.setdefault(f"llama.cpp {peer}", {}).setdefault(depth, []).append(got)
         del runs
@@ -185,9 +192,13 @@ def main() -> None:
     ratios: dict[str, dict[int, float]] = {}
     for kv in kvs[1:]:
         ratios[f"cpud {kv} / {base}"] = {d: tok_s[f"cpud {kv}"][d] / tok_s[base][d] for d in depths}
-    for kv in peers:
-        peer = f"llama.cpp {LLAMACPP_KV[kv]}"
-        ratios[f"cpud {kv} / {peer}"] = {d: tok_s[f"cpud {kv}"][d] / tok_s[peer][d] for d in depths}
+    for kv in kvs:  # each cpud cache against its llama.cpp counterpart and against f16
+        for peer_kv in dict.fromkeys((LLAMACPP_KV.get(kv), "f16")):
+            peer = f"llama.cpp {peer_kv}"
+            if peer_kv in peer_kvs:
+                ratios[f"cpud {kv} / {peer}"] = {
+                    d: tok_s[f"cpud {kv}"][d] / tok_s[peer][d] for d in depths
+                }
     summary = {
         "machine": machine(),
         "isa": native.Kernels().isa,
