@@ -67,8 +67,11 @@ def test_fused_sinks_equal_the_per_op_path_and_the_torch_reference(kv, model_fac
         for attn in attn_layers:
             attn.ops = attn.ops.ops
     # on an int8 cache with VNNI, decode computes Q.K and P.V in integers (queries int8,
-    # probabilities u8), the reference in floats on the dequantized rows
-    tolerance = 0.05 if kv == "int8" else 0.03
+    # probabilities u8), the reference in floats on the dequantized rows; the rows' rotation
+    # does not shrink that error on this random fixture (no large channels shared by queries
+    # and keys): its largest, one decode row, measured 0.032 of the scale on plain rows and
+    # 0.050 rotated (Zen 4, avx512bf16)
+    tolerance = 0.07 if kv == "int8" else 0.03
     for fused, reference in against_reference:
         scale = reference.float().abs().max()
         assert (fused.float() - reference.float()).abs().max() < tolerance * scale
