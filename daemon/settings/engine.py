@@ -161,8 +161,9 @@ ENGINE_SETTINGS = (
         "`fp8` or `fp8_e4m3` (the same rows as fp8 e4m3fn, 3 mantissa bits, with an fp32 scale "
         "amax/448: head_dim + 4 bytes, as vLLM's `fp8`) or `fp8_e5m2` (the top byte of an "
         "fp16, no scale: head_dim bytes); each quantized row is Hadamard-rotated first (see "
-        "KV cache element type). The memory plan counts the smaller cache, so the same --kv-cache-space holds about twice the tokens; paged "
-        "attention reads the quantized rows on every ISA tier",
+        "KV cache element type). The memory plan counts the smaller cache, so the same "
+        "--kv-cache-space holds about twice the tokens; paged attention reads the quantized "
+        "rows on every ISA tier",
     ),
     Setting(
         "max_num_seqs",
