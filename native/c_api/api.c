@@ -139,16 +139,15 @@ void cpud_kv_write(const void *src, int dt, int64_t ss, void *cache, int kvt, cp
         );
 }
 
-void cpud_kv_rotate_queries(cpud_rotate_fn rot, void *q, int dt, int64_t qs, int64_t T,
-                            int64_t h0, int64_t h1, int64_t hd) {
+void cpud_kv_rotate_queries(cpud_rotate_fn rot, const void *q, int64_t qs, void *out, int64_t os,
+                            int dt, int64_t T, int64_t h0, int64_t h1, int64_t hd) {
     const int64_t n = (h1 - h0) * hd;
     if (n <= 0) return;
     CPUD_PAR_FOR(cpud_par_ok(T * n, T), t, T,
         float x[n];
-        const int64_t e0 = t * qs + h0 * hd;
-        for (int64_t i = 0; i < n; i++) x[i] = ld1(q, e0 + i, dt);
+        for (int64_t i = 0; i < n; i++) x[i] = ld1(q, t * qs + h0 * hd + i, dt);
         rot(x, h1 - h0, hd, 1);
-        for (int64_t i = 0; i < n; i++) st1(q, e0 + i, x[i], dt);
+        for (int64_t i = 0; i < n; i++) st1(out, t * os + h0 * hd + i, x[i], dt);
         );
 }
 
@@ -156,14 +155,14 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype, intptr_t key, intptr_t
                         int64_t key_stride, int64_t value_stride, intptr_t key_cache,
                         intptr_t value_cache, intptr_t slot_mapping, int64_t T, int64_t nkv,
                         int64_t hd, int64_t num_blocks, int64_t bs, int kv_rotated) {
-    if (!cpud_ops_for(isa)) return CPUD_EISA;
+    const cpud_ops *ops = cpud_ops_for(isa);
+    if (!ops) return CPUD_EISA;
     if (!dtype_ok(dtype) || !kv_pair_ok(dtype, kv_dtype) || !key || !value || !key_cache ||
         !value_cache || !slot_mapping || T < 0 || nkv < 1 || hd < 1 || bs < 1 || num_blocks < 0)
         return CPUD_EARG;
     const int64_t *slots = (const int64_t *)slot_mapping;
     if (!cpud_slots_ok(slots, T, num_blocks * bs)) return CPUD_EARG;
-    const cpud_rotate_fn rot =
-        kv_rotated && kv_quantized(kv_dtype) ? cpud_ops_for(isa)->hadamard_rows : NULL;
+    const cpud_rotate_fn rot = kv_rotated ? cpud_kv_rotation(ops, kv_dtype) : NULL;
     cpud_kv_write(CADDR(key), dtype, key_stride, ADDR(key_cache), kv_dtype, rot, slots, T, nkv, 0,
                   nkv, hd, bs);
     cpud_kv_write(CADDR(value), dtype, value_stride, ADDR(value_cache), kv_dtype, rot, slots, T,
@@ -206,22 +205,18 @@ int cpud_paged_attention(int isa, int dtype, int kv_dtype, intptr_t query, int64
     const int32_t *bt = (const int32_t *)block_tables;
     if (!cpud_attention_plan_ok(qsl, sl, bt, max_blocks, T, S, num_blocks, bs, sliding_window))
         return CPUD_EARG;
-    /* queries rotated into the rows' basis (kv_formats.h): a copy */
-    const int rot = kv_rotated && kv_quantized(kv_dtype);
+    /* the query rows attention reads, rotated into the rows' basis (kv_formats.h): a copy */
+    const cpud_rotate_fn rot = kv_rotated ? cpud_kv_rotation(ops, kv_dtype) : NULL;
     const void *q = CADDR(query);
     void *rotated = NULL;
-    const int64_t rows = S > 0 ? qsl[S] : 0; /* the query rows attention reads */
+    const int64_t rows = S > 0 ? qsl[S] : 0;
     if (rot && rows > 0) {
-        const size_t row = (size_t)(nh * hd * dtype_size(dtype));
-        if (!(rotated = malloc((size_t)rows * row))) return CPUD_ENOMEM;
-        for (int64_t t = 0; t < rows; t++)
-            memcpy((char *)rotated + t * row, (const char *)q + t * q_stride * dtype_size(dtype),
-                   row);
-        cpud_kv_rotate_queries(ops->hadamard_rows, rotated, dtype, nh * hd, rows, 0, nh, hd);
+        if (!(rotated = malloc((size_t)(rows * nh * hd * dtype_size(dtype))))) return CPUD_ENOMEM;
+        cpud_kv_rotate_queries(rot, q, q_stride, rotated, nh * hd, dtype, rows, 0, nh, hd);
         q = rotated;
         q_stride = nh * hd;
     }
-    const int rc = ops->paged_attention(dtype, kv_dtype, rot, q, q_stride, CADDR(key_cache),
+    const int rc = ops->paged_attention(dtype, kv_dtype, rot != NULL, q, q_stride, CADDR(key_cache),
                                         CADDR(value_cache), qsl, sl, bt, max_blocks, ADDR(out),
                                         out_stride, S, nh, nkv, hd, bs, scale, sliding_window,
                                         (const float *)sinks);

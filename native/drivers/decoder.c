@@ -156,8 +156,7 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
     }
 
     const int dt = d->dtype, es = dtype_size(dt), wdt = d->norm_wdt, kvt = cache_dtype(d);
-    const int rot = kv_quantized(kvt); /* cpud's quantized caches: kv_formats.h */
-    const cpud_rotate_fn rotate = rot ? ops->hadamard_rows : NULL;
+    const cpud_rotate_fn rot = cpud_kv_rotation(ops, kvt);
     const int64_t T = s->T, H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const int64_t I = d->intermediate, qd = nh * hd, qn = (nh + 2 * nkv) * hd;
     const int64_t *pos = (const int64_t *)s->positions, *slots = (const int64_t *)s->slots;
@@ -180,12 +179,12 @@ int cpud_decoder_layers(int isa, const cpud_decoder_dims *d, const cpud_decoder_
         if (l->cos_sin)
             ops->rotary(dt, pos, q, qn, k, qn, (const float *)l->cos_sin, T, nh, nkv, hd,
                         d->rot_dim, d->rotary_neox);
-        cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, rotate, slots, T, nkv, 0, nkv, hd,
+        cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, rot, slots, T, nkv, 0, nkv, hd,
                       d->block_size);
-        cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, rotate, slots, T, nkv, 0, nkv, hd,
+        cpud_kv_write(v, dt, qn, (void *)l->value_cache, kvt, rot, slots, T, nkv, 0, nkv, hd,
                       d->block_size);
-        if (rot) cpud_kv_rotate_queries(rotate, q, dt, qn, T, 0, nh, hd);
-        rc = ops->paged_attention(dt, kvt, rot, q, qn, (const void *)l->key_cache,
+        if (rot) cpud_kv_rotate_queries(rot, q, qn, q, qn, dt, T, 0, nh, hd);
+        rc = ops->paged_attention(dt, kvt, rot != NULL, q, qn, (const void *)l->key_cache,
                                   (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn,
                                   qd, s->S, nh, nkv, hd, d->block_size, d->scale, l->window,
                                   (const float *)l->sinks);

@@ -277,9 +277,8 @@ static void team_qk_heads(team *tm, const cpud_decoder_layer *l, int tid, int nt
             ops->rotary(dt, pos, kh, qn, NULL, qn, (const float *)l->cos_sin, n, kb - ka, 0, hd,
                         d->rot_dim, d->rotary_neox);
     }
-    /* cpud's quantized caches: kv_formats.h */
-    const cpud_rotate_fn rot = kv_quantized(kvt) ? ops->hadamard_rows : NULL;
-    if (rot && qb > qa) cpud_kv_rotate_queries(rot, q, dt, qn, n, qa, qb, hd);
+    const cpud_rotate_fn rot = cpud_kv_rotation(ops, kvt);
+    if (rot && qb > qa) cpud_kv_rotate_queries(rot, q, qn, q, qn, dt, n, qa, qb, hd);
     if (kb <= ka) return;
     cpud_kv_write(k, dt, qn, (void *)l->key_cache, kvt, rot, slots, n, nkv, ka, kb, hd,
                   d->block_size);
