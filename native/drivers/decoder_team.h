@@ -103,6 +103,26 @@ static void team_quantize(team *tm, const cpud_qlinear *q, const char *x, int64_
                        tm->xq.d + r0 * (K / 32), tm->xq.s + r0 * (K / 16));
 }
 
+/* Thread tid's equal share of the T x nb blocks of 32 of a step's rows (row by row), taken as
+ * runs within one row: block_run_next sets row *t, blocks [*b0, *b1) and returns 1 while the
+ * share lasts. */
+typedef struct block_share {
+    int64_t u, u1, nb;
+} block_share;
+
+static block_share team_block_share(int64_t T, int64_t nb, int tid, int nth) {
+    return (block_share){T * nb * tid / nth, T * nb * (tid + 1) / nth, nb};
+}
+
+static int block_run_next(block_share *sh, int64_t *t, int64_t *b0, int64_t *b1) {
+    if (sh->u >= sh->u1) return 0;
+    *t = sh->u / sh->nb;
+    *b0 = sh->u % sh->nb;
+    *b1 = sh->u1 - *t * sh->nb < sh->nb ? sh->u1 - *t * sh->nb : sh->nb;
+    sh->u = *t * sh->nb + *b1;
+    return 1;
+}
+
 /* All T rows of x quantized into tm->xq as team_quantize does, each thread taking an equal share
  * of the T K/32 blocks of 32 (a block's int8 values, scale and sums depend on it alone): for
  * an input no thread has begun to quantize as its rows were computed. */
@@ -110,14 +130,12 @@ static void team_quantize_blocks(team *tm, const cpud_qlinear *q, const char *x,
                                  int64_t K, int tid, int nth) {
     if (q->parts == 0) return;
     const int dt = tm->d->dtype, es = dtype_size(dt);
-    const int64_t nb = K / 32, units = tm->s->T * nb, u1 = units * (tid + 1) / nth;
-    for (int64_t u = units * tid / nth; u < u1;) {
-        const int64_t t = u / nb, b0 = u % nb, b1 = u1 - t * nb < nb ? u1 - t * nb : nb;
+    const int64_t nb = K / 32;
+    block_share sh = team_block_share(tm->s->T, nb, tid, nth);
+    for (int64_t t, b0, b1; block_run_next(&sh, &t, &b0, &b1);)
         tm->qops->quantize(x + (t * xs + b0 * 32) * es, dt, xs, 1, (b1 - b0) * 32,
                            tm->xq.q + t * K + b0 * 32, tm->xq.d + t * nb + b0,
                            tm->xq.s + t * (K / 16) + b0 * 2);
-        u = t * nb + b1;
-    }
 }
 
 /* The gated activation act = act(gate) * up of the step's gate_up rows, with act quantized for
@@ -139,14 +157,10 @@ static void team_activation(team *tm, const cpud_qlinear *q, int tid, int nth) {
         team_quantize(tm, q, act, I, I, r0, r1);
         return;
     }
-    const int64_t nb = I / 32, units = T * nb, u1 = units * (tid + 1) / nth;
-    for (int64_t u = units * tid / nth; u < u1;) {
-        const int64_t t = u / nb, b0 = u % nb, b1 = u1 - t * nb < nb ? u1 - t * nb : nb;
-        const int64_t c0 = b0 * 32;
-        fn(dt, gu + (t * 2 * I + c0) * es, 2 * I, act + (t * I + c0) * es, I, 1, (b1 - b0) * 32,
-           I);
-        u = t * nb + b1;
-    }
+    block_share sh = team_block_share(T, I / 32, tid, nth);
+    for (int64_t t, b0, b1; block_run_next(&sh, &t, &b0, &b1);)
+        fn(dt, gu + (t * 2 * I + b0 * 32) * es, 2 * I, act + (t * I + b0 * 32) * es, I, 1,
+           (b1 - b0) * 32, I);
     team_quantize_blocks(tm, q, act, I, I, tid, nth); /* the same blocks: no barrier between */
 }
 
