@@ -434,8 +434,8 @@ static int decoder_team(const cpud_ops *ops, int isa, const cpud_qops *qops,
     tm.xq = (team_xq){(int8_t *)buf, (float *)(buf + nq), (int32_t *)(buf + nq + nd)};
     atomic_init(&tm.rc, CPUD_OK);
     atomic_init(&tm.failed_phase, INT64_MAX);
-    if (att_plan_new((const int32_t *)s->query_start_loc, s->S, d->heads, d->kv_heads, nr,
-                     &tm.att)) {
+    if (att_plan_new((const int32_t *)s->query_start_loc, (const int32_t *)s->seq_lens, s->S,
+                     d->heads, d->kv_heads, d->head_dim, nr, &tm.att)) {
         free(steal);
         free(buf);
         return CPUD_ENOMEM;

@@ -450,11 +450,6 @@ static ALWAYS_INLINE int64_t fa_row_at(const att_item *it, int64_t t0, int64_t G
     return (t0 + r / G) * ts + (it->kvh * G + r % G) * hd;
 }
 
-/* The first key a query at position p attends (the last is p). */
-static ALWAYS_INLINE int64_t fa_first_key(int64_t p, int64_t window) {
-    return (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-}
-
 /* dst: [hd] bf16 = o / l, zeros where l is 0 (a row that attended no key); with rot, o / l
  * rotated back from the cache's basis (kv_hadamard), o overwritten. */
 static ALWAYS_INLINE TGT void fa_row_out(float *o, float l, uint16_t *dst, int64_t hd, int rot) {
@@ -540,9 +535,10 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
             int32_t lo = INT32_MAX, hi = -1;
             src[ln] = NULL;
             if (r < rows) {
-                const int64_t p = ctx - q_len + it->q0 + r / G;
-                hi = (int32_t)p;
-                lo = (int32_t)fa_first_key(p, window);
+                int64_t rlo, rhi;
+                att_row_keys(it, ctx - q_len + it->q0 + r / G, window, &rlo, &rhi);
+                hi = (int32_t)rhi;
+                lo = (int32_t)rlo;
                 src[ln] = (const uint32_t *)(qb + fa_row_at(it, t0, G, r, qs, hd));
             }
             w->lo[g * FA_LANES + ln] = lo;
@@ -552,8 +548,9 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
         }
         _mm512_store_ps(w->m + g * FA_LANES, _mm512_set1_ps(-INFINITY));
         _mm512_store_ps(w->l + g * FA_LANES, _mm512_setzero_ps());
-        /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it */
-        for (int64_t ln = 0; sinks && ln < FA_LANES && g * FA_LANES + ln < rows; ln++) {
+        /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it (in a
+         * split's first part) */
+        for (int64_t ln = 0; sinks && it->part == 0 && ln < FA_LANES && g * FA_LANES + ln < rows; ln++) {
             const int64_t r = g * FA_LANES + ln;
             w->m[r] = sinks[it->kvh * G + r % G];
             w->l[r] = 1.0f;
@@ -598,6 +595,7 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
                   hd, live, active);
         }
     }
+    if (it->nparts > 1 && !att_part_finish(it, rows, hd, w->o, hd, w->m, w->l)) return;
     for (int64_t r = 0; r < rows; r++)
         fa_row_out(w->o + r * hd, w->l[r], (uint16_t *)out + fa_row_at(it, t0, G, r, os, hd), hd,
                    c->rot);
@@ -704,12 +702,10 @@ static ALWAYS_INLINE void fa_few_rows_init(fa_few_rows *fr, const att_item *it, 
     fr->G = G;
     fr->t0 = t0;
     for (int r = 0; r < R; r++) {
-        const int64_t p = ctx - q_len + it->q0 + r / G;
-        fr->hi[r] = p;
-        fr->lo[r] = fa_first_key(p, window);
+        att_row_keys(it, ctx - q_len + it->q0 + r / G, window, fr->lo + r, fr->hi + r);
         fr->qr[r] = (const uint16_t *)q + fa_row_at(it, t0, G, r, qs, hd);
-        fr->m[r] = sinks ? sinks[it->kvh * G + r % G] : -INFINITY;
-        fr->l[r] = sinks ? 1.0f : 0.0f;
+        fr->m[r] = sinks && it->part == 0 ? sinks[it->kvh * G + r % G] : -INFINITY;
+        fr->l[r] = sinks && it->part == 0 ? 1.0f : 0.0f;
     }
 }
 
@@ -717,6 +713,17 @@ static ALWAYS_INLINE void fa_few_rows_init(fa_few_rows *fr, const att_item *it, 
 static ALWAYS_INLINE uint16_t *fa_few_out(const fa_few_rows *fr, const att_item *it, void *out,
                                           int64_t os, int64_t hd, int r) {
     return (uint16_t *)out + fa_row_at(it, fr->t0, fr->G, r, os, hd);
+}
+
+/* The R rows of a decode item done (row r's unnormalised output at o + r * ostride, in key
+ * order): written to out, or left as its part of a split, which the last part merges and
+ * writes. */
+static ALWAYS_INLINE TGT void fa_few_done(fa_few_rows *fr, const att_item *it, float *o,
+                                          int64_t ostride, void *out, int64_t os, int64_t hd,
+                                          int R, int rot) {
+    if (it->nparts > 1 && !att_part_finish(it, R, hd, o, ostride, fr->m, fr->l)) return;
+    for (int r = 0; r < R; r++)
+        fa_row_out(o + r * ostride, fr->l[r], fa_few_out(fr, it, out, os, hd, r), hd, rot);
 }
 
 /* Work items of R < FA_MIN_ROWS rows (decode: one query x G heads): scores per
@@ -783,8 +790,7 @@ static TGT void fa_item_run_few(fa_ws *w, const att_item *it, const void *q, int
         }
         fa_pv(w->o, w->alpha, rescale, w->p, 1, FA_LANES, w->vp, nk / 2, hd, R, active);
     }
-    for (int r = 0; r < R; r++)
-        fa_row_out(w->o + r * hd, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd, c->rot);
+    fa_few_done(&fr, it, w->o, hd, out, os, hd, R, c->rot);
 }
 
 #include "tier_flash_int8.h"

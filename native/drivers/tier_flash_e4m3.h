@@ -237,6 +237,5 @@ static TGT void fa_item_run_few_e4m3(fa_ws *w, const att_item *it, const void *q
         }
 #undef FA_E4_PV
     }
-    for (int r = 0; r < R; r++)
-        fa_slot_row_out(o + r * hdp, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd, c->rot);
+    fa_slot_rows_done(&fr, it, o, hdp, out, os, hd, R, c->rot);
 }

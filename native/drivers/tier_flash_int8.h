@@ -19,14 +19,12 @@ static ALWAYS_INLINE __mmask64 fa_i8_mask(int64_t d, int64_t hd) {
     return hd - d >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (hd - d)) - 1;
 }
 
-/* dst: [hd] bf16 = o / l (zeros where l is 0), o one row of the workspace in slot order:
- * within each 64 values, element 16 g + 4 L + e holds d = 16 L + 4 g + e (quad vector g,
- * 128-bit lane L, dword e of the re-laid values), so each 64 values are a 4 x 4 transpose of
- * 128-bit lanes.  With rot, o / l is rotated back from the cache's basis (kv_hadamard). */
-static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t *dst,
-                                              int64_t hd, int rot) {
-    const vf vi = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-    float x[hd + 64];
+/* x: [hd] (and up to 63 floats past it, overwritten) = o * mul in key order, o one row of the
+ * workspace in slot order: within each 64 values, element 16 g + 4 L + e holds d = 16 L + 4 g +
+ * e (quad vector g, 128-bit lane L, dword e of the re-laid values), so each 64 values are a
+ * 4 x 4 transpose of 128-bit lanes. */
+static ALWAYS_INLINE TGT void fa_slot_row_keys(const float *o, float mul, float *x, int64_t hd) {
+    const vf vi = _mm512_set1_ps(mul);
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
         const vf v0 = _mm512_loadu_ps(o + d0), v1 = _mm512_loadu_ps(o + d0 + 16);
         const vf v2 = _mm512_loadu_ps(o + d0 + 32), v3 = _mm512_loadu_ps(o + d0 + 48);
@@ -36,8 +34,30 @@ static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t 
                          _mm512_shuffle_f32x4(t2, t3, 0x88), _mm512_shuffle_f32x4(t2, t3, 0xdd)};
         for (int L = 0; L < 4; L++) _mm512_storeu_ps(x + d0 + 16 * L, _mm512_mul_ps(n[L], vi));
     }
+}
+
+/* dst: [hd] bf16 = o / l (zeros where l is 0), o one row of the workspace in slot order
+ * (fa_slot_row_keys).  With rot, o / l is rotated back from the cache's basis (kv_hadamard). */
+static ALWAYS_INLINE TGT void fa_slot_row_out(const float *o, float l, uint16_t *dst,
+                                              int64_t hd, int rot) {
+    float x[hd + 64];
+    fa_slot_row_keys(o, l > 0.0f ? 1.0f / l : 0.0f, x, hd);
     if (rot) hadamard_rows_k(x, 1, hd, 1);
     for (int64_t d = 0; d < hd; d += 16) vf_st_bf16(dst + d, _mm512_loadu_ps(x + d));
+}
+
+/* fa_few_done for the R rows of o in slot order, hdp apart. */
+static ALWAYS_INLINE TGT void fa_slot_rows_done(fa_few_rows *fr, const att_item *it,
+                                                const float *o, int64_t hdp, void *out,
+                                                int64_t os, int64_t hd, int R, int rot) {
+    if (it->nparts == 1) {
+        for (int r = 0; r < R; r++)
+            fa_slot_row_out(o + r * hdp, fr->l[r], fa_few_out(fr, it, out, os, hd, r), hd, rot);
+        return;
+    }
+    float x[R * hd + 64];
+    for (int r = 0; r < R; r++) fa_slot_row_keys(o + r * hdp, 1.0f, x + r * hd, hd);
+    fa_few_done(fr, it, x, hd, out, os, hd, R, rot);
 }
 
 /* q8 rows [R][hdp] (zero past hd) of the R query rows qr, their scales qd (times scale) and
@@ -228,6 +248,5 @@ static FA_I8_TGT void fa_item_run_few_i8(fa_ws *w, const att_item *it, const voi
 #undef FA_I8_PV
         }
     }
-    for (int r = 0; r < R; r++)
-        fa_slot_row_out(o + r * hdp, fr.l[r], fa_few_out(&fr, it, out, os, hd, r), hd, c->rot);
+    fa_slot_rows_done(&fr, it, o, hdp, out, os, hd, R, c->rot);
 }

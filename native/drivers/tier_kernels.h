@@ -202,13 +202,29 @@ static TGT void argmax_rows_k(int dt, const void *x, int64_t xs, int64_t rows, i
 #define ATT_MR 6
 #define ATT_NC (16 / VW) /* vectors per 16 keys or dims */
 
-/* Keys [*jlo, *jhi] that any query of an item attends (causal, sliding window). */
+/* Keys [*jlo, *jhi] that any query of an item attends (causal, sliding window, the item's
+ * share [k0, k1]); *jlo = INT32_MAX and *jhi = -1 when none. */
 static ALWAYS_INLINE void att_item_keys(const att_item *it, const int32_t *qsl,
                                         const int32_t *seq_lens, int64_t window, int64_t *jlo,
                                         int64_t *jhi) {
     const int64_t p_first = seq_lens[it->s] - (qsl[it->s + 1] - qsl[it->s]) + it->q0;
-    *jhi = p_first + it->nq - 1;
-    *jlo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    const int64_t hi = p_first + it->nq - 1;
+    const int64_t lo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    *jlo = lo > it->k0 ? lo : it->k0;
+    *jhi = hi < it->k1 ? hi : it->k1;
+    if (*jlo > *jhi) {
+        *jlo = INT32_MAX;
+        *jhi = -1;
+    }
+}
+
+/* Row r's keys [*lo, *hi]: query position p's (causal, sliding window) within the item's
+ * share; *lo > *hi when none. */
+static ALWAYS_INLINE void att_row_keys(const att_item *it, int64_t p, int64_t window,
+                                       int64_t *lo, int64_t *hi) {
+    const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+    *lo = first > it->k0 ? first : it->k0;
+    *hi = p < it->k1 ? p : it->k1;
 }
 
 /* Per-thread workspace for items of up to R rows (R = max(ATT_ROWS, G)). */
@@ -422,14 +438,13 @@ static ALWAYS_INLINE TGT void att_item_run(
     int64_t *lo = w->lo, *hi = w->hi;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t qi = r / G, h = it->kvh * G + r % G;
-        const int64_t p = ctx - q_len + it->q0 + qi;
-        hi[r] = p;
-        lo[r] = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        att_row_keys(it, ctx - q_len + it->q0 + qi, window, lo + r, hi + r);
         to_f32(at(q, (t0 + qi) * qs + h * hd, dt), w->q + r * hd, hd, scale, dt);
         memset(w->acc + r * hd, 0, sizeof(float) * (size_t)hd);
-        /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it */
-        w->m[r] = sinks ? sinks[h] : -INFINITY;
-        w->l[r] = sinks ? 1.0f : 0.0f;
+        /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it (in a
+         * split's first part) */
+        w->m[r] = sinks && it->part == 0 ? sinks[h] : -INFINITY;
+        w->l[r] = sinks && it->part == 0 ? 1.0f : 0.0f;
     }
     const int64_t rb = kv_row_bytes(kvt, hd);
     /* the caches' rows are read in place when they hold dt, else converted into w->kb, w->vb */
@@ -487,6 +502,7 @@ static ALWAYS_INLINE TGT void att_item_run(
         }
         att_block(w, kb, vb, j0, ke + 1, lo, hi, rows, hd);
     }
+    if (it->nparts > 1 && !att_part_finish(it, rows, hd, w->acc, hd, w->m, w->l)) return;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t qi = r / G, h = it->kvh * G + r % G;
         const float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
@@ -601,7 +617,7 @@ static TGT int paged_attention_k(int dt, int kvt, int rot, const void *q, int64_
     /* one range per thread the region may get; ranges of threads it does not get are stolen */
     const int nr = omp_get_max_threads();
     att_plan plan;
-    if (att_plan_new(qsl, S, nh, nkv, nr, &plan)) return CPUD_ENOMEM;
+    if (att_plan_new(qsl, seq_lens, S, nh, nkv, hd, nr, &plan)) return CPUD_ENOMEM;
     if (plan.n == 0) return CPUD_OK;
     int failed = 0;
 #pragma omp parallel if (plan.n > 1) reduction(| : failed)

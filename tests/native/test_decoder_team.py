@@ -64,6 +64,30 @@ def test_team_on_more_threads_than_tokens_or_heads_equals_the_per_op_path(thread
         torch.set_num_threads(old)
 
 
+def long_steps() -> list[StepPlan]:
+    """A 2100-token prompt, then decodes past it (each query split into four parts of its keys,
+    att_plan.h) beside a short sequence's."""
+    long = [(13 * i) % 397 + 3 for i in range(2100)]
+    table = list(range(140))
+    prefill = [SeqWork(0, long, 0, table, False), SeqWork(1, PROMPTS[1], 0, [140, 141], False)]
+    decode = [
+        SeqWork(0, [7], 2100, table, True),
+        SeqWork(1, [8], len(PROMPTS[1]), [140, 141], True),
+    ]
+    return [StepPlan(0, prefill), StepPlan(1, decode), StepPlan(2, [decode[0]])]
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_team_decode_over_split_contexts_equals_the_per_op_path(threads, kv, gguf_file):
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert_team_equals_per_op(gguf_file("qwen3", T.Q8_0), torch.bfloat16, kv, long_steps())
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_team_decode_on_packed_bf16_linears_equals_the_per_op_path(model_factory):
     assert_team_equals_per_op(model_factory("qwen3"), torch.bfloat16)
 
@@ -79,17 +103,19 @@ def test_team_runs_packed_bf16_expert_layers_like_the_per_op_path(arch, model_fa
     assert_team_equals_per_op(model_factory(arch), torch.bfloat16)
 
 
-def assert_team_equals_per_op(path, dtype: torch.dtype, kv: str = "auto") -> None:
-    """The steps on two runners, each with its own KV cache: one fused, one per op (so a KV row
-    the team failed to write shows in the later steps' logits)."""
+def assert_team_equals_per_op(
+    path, dtype: torch.dtype, kv: str = "auto", plans: list[StepPlan] | None = None
+) -> None:
+    """The steps (steps() by default) on two runners, each with its own KV cache: one fused, one
+    per op (so a KV row the team failed to write shows in the later steps' logits)."""
     config = RunnerConfig(
-        path, dtype, 512, 16, 32, kernels="native", kv_pretouch=False, kv_cache_dtype=kv
+        path, dtype, 4096, 16, 144, kernels="native", kv_pretouch=False, kv_cache_dtype=kv
     )
     run = ModelRunner(config, load_model_config(path), SingleRank())
     per_op_run = ModelRunner(config, load_model_config(path), SingleRank())
     per_op_run.decoder = None
     assert isinstance(run.decoder, FusedDecoder)
-    for plan in steps():
+    for plan in plans or steps():
         teams = run.decoder.team_steps
         fused, per_op = run.prompt_logits(plan), per_op_run.prompt_logits(plan)
         assert torch.isfinite(fused).all()

@@ -1,0 +1,112 @@
+"""Decode attention over long contexts, split into parts of the keys (att_plan.h: a query over
+ctx >= 2 * 512 keys becomes ctx // 512 work items, at most 64 over its kv heads, whose partial
+softmax states the last part to finish merges): every tier and path (fp32 and bf16
+activations, the bf16 decode rows and row groups, odd head dims, int8 / e5m2 / e4m3 caches,
+sliding windows that cover some parts and none of others, sinks) against the dense torch
+reference, with the largest score placed in each part in turn, and the same bits on any
+thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention import make_case, ref_attention
+from test_attention_sinks_kernels import ref_sink_attention
+from tolerances import assert_close
+
+from cpud.ranks.paged_kv import dequantize_kv, quantize_kv
+
+SPLIT_KEYS, SPLIT_ITEMS = 512, 64  # att_plan.h ATT_SPLIT_KEYS, ATT_SPLIT_ITEMS
+# decodes at 1023 (one item) and 1024 (two parts), one over up to nine parts, a 3-token chunk
+# (never split) and a short decode beside them
+SEQS = ((5000, 1), (1023, 1), (1024, 1), (2600, 3), (33, 1))
+LONG = 4  # fp32 sums over thousands of keys: four times the tolerance of short contexts
+
+
+def part_starts(ctx: int, nkv: int) -> list[int]:
+    """The first key of each part of a decode over ctx keys (att_plan.h's rule)."""
+    parts = min(ctx // SPLIT_KEYS, SPLIT_ITEMS // nkv)
+    return [k * ctx // parts & ~31 for k in range(parts)] if parts >= 2 else [0]
+
+
+def _case(nh, nkv, hd, bs, dtype, seed=1):
+    q, kc, vc, qsl, seq_lens, bt = make_case(list(SEQS), nh, nkv, hd, bs, dtype, seed)
+    # larger scores than randn's: peaked softmaxes, so each part's max matters to the merge
+    return (q.float() * 3).to(dtype), kc, vc, qsl, seq_lens, bt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("nh", "nkv", "hd", "bs"),
+    # one kv head (Gemma 3 270M's shape), GQA 4, 17 heads a kv head (bf16's row groups), odd hd
+    [(4, 1, 128, 32), (8, 2, 64, 16), (34, 2, 80, 16), (3, 1, 33, 16)],
+)
+@pytest.mark.parametrize("window", [0, 700, 3000])
+def test_split_decode_matches_the_reference(kern, dtype, nh, nkv, hd, bs, window):
+    q, kc, vc, qsl, seq_lens, bt = _case(nh, nkv, hd, bs, dtype)
+    out = kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, 0.3, window)
+    ref = ref_attention(q, kc, vc, qsl, seq_lens, bt, 0.3, window)
+    assert_close(out, ref, dtype, LONG)
+
+
+@pytest.mark.parametrize(("nkv", "part"), [(2, p) for p in range(9)] + [(8, 7)])
+def test_the_largest_score_in_any_part(kern, nkv, part):
+    """One key per kv head far above the rest, in each part of a 5000-key decode in turn (nine
+    parts with two kv heads, eight with eight: at most 64 items): the merge rescales the other
+    parts to that part's max (a part that kept its own max would leave the output near the mean
+    of the values)."""
+    nh, hd, bs = 2 * nkv, 64, 16
+    q, kc, vc, qsl, seq_lens, bt = _case(nh, nkv, hd, bs, torch.float32)
+    starts = part_starts(5000, nkv)
+    assert len(starts) == {2: 9, 8: 8}[nkv]
+    key = starts[part] + 77
+    block, slot = bt[0, key // bs].item(), key % bs
+    for h in range(nkv):
+        kc[block, h, slot] = q[0, 2 * h] * 4
+    ref = ref_attention(q, kc, vc, qsl, seq_lens, bt, 0.125, 0)
+    out = kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, 0.125)
+    assert_close(out, ref, torch.float32, LONG)
+    assert torch.allclose(out[0, 0], vc[block, 0, slot], atol=0.05)  # the one key dominates
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("nh", "nkv", "hd"), [(4, 1, 128), (8, 2, 64), (3, 1, 80)])
+@pytest.mark.parametrize("window", [0, 1500])
+def test_split_decode_on_quantized_caches(kern, cache_dtype, nh, nkv, hd, window):
+    q, kc, vc, qsl, seq_lens, bt = _case(nh, nkv, hd, 16, torch.bfloat16, seed=2)
+    q = (q.float() / 3).bfloat16()  # the softmax of the quantized tests: int8 rounds q and p
+    kq, vq = quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype)
+    kd, vd = dequantize_kv(kq, torch.bfloat16), dequantize_kv(vq, torch.bfloat16)
+    out = kern.paged_attention(q, kq, vq, qsl, seq_lens, bt, hd**-0.5, window)
+    ref = ref_attention(q, kd, vd, qsl, seq_lens, bt, hd**-0.5, window)
+    # per token, relative: int8's integer path rounds q and p (up to 2.4 % measured, the same
+    # on split and whole items); a part lost or mis-weighted costs tens of percent
+    err = (out.float() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
+    assert (err < 0.04).all(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 1500])
+def test_split_decode_with_sinks(kern, dtype, window):
+    """The sink joins the softmax once: in the first part's state, whether or not that part
+    attends any key (with the window it attends none)."""
+    q, kc, vc, qsl, seq_lens, bt = _case(8, 2, 64, 16, dtype)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 2 + 6
+    out = kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, 0.125, window, sinks=sinks)
+    ref = ref_sink_attention(q, kc, vc, qsl, seq_lens, bt, 0.125, window, sinks)
+    assert_close(out, ref, dtype, LONG)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_outputs_do_not_depend_on_the_thread_count(kern, dtype):
+    q, kc, vc, qsl, seq_lens, bt = _case(4, 1, 128, 32, dtype)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, 0.125))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])
