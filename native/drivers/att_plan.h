@@ -22,10 +22,11 @@
  * unnormalised outputs, maxima and sums in a slot; the part that finishes last merges them
  * (att_part_finish).  The split depends on the context and the model alone, not on the thread
  * count or the rest of the batch, so the outputs do not either.  Measured on 2 threads (Zen 4,
- * bf16 cache, per-op attention): one stream at 8192 keys 2.06x with one kv head, 1.08x with 8;
- * 8 and 32 streams at 4096 keys 0.99-1.00x; 512 and 1024 keys a part alike. */
+ * bf16 cache, perf/ab_attention_builds.py): one stream at 8192 keys 1.86-2.06x with one kv
+ * head, 1.02-1.08x with 8; 8 and 32 streams at 4096 keys 0.99-1.02x (parts of 512 keys:
+ * 0.97x there, each item's start costs). */
 #ifndef ATT_SPLIT_KEYS
-#define ATT_SPLIT_KEYS 512
+#define ATT_SPLIT_KEYS 1024
 #endif
 #define ATT_SPLIT_ITEMS 64
 

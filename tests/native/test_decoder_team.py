@@ -65,7 +65,7 @@ def test_team_on_more_threads_than_tokens_or_heads_equals_the_per_op_path(thread
 
 
 def long_steps() -> list[StepPlan]:
-    """A 2100-token prompt, then decodes past it (each query split into four parts of its keys,
+    """A 2100-token prompt, then decodes past it (each query split into two parts of its keys,
     att_plan.h) beside a short sequence's."""
     long = [(13 * i) % 397 + 3 for i in range(2100)]
     table = list(range(140))
