@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import hashlib
 import math
 import mmap
 import os
@@ -292,9 +293,12 @@ def test_the_helper_thread_does_not_count_as_a_busy_compute_thread():
     ids = []
 
     def spin() -> None:
+        # busy on a CPU, but hashing a large buffer without the GIL: a pure Python loop would
+        # hold it and stall this test's main thread for seconds
         ids.append(threading.get_native_id())
+        block = bytes(1 << 20)
         while not stop.is_set():
-            pass
+            hashlib.sha256(block).digest()
 
     thread = threading.Thread(target=spin, daemon=True)
     thread.start()

@@ -172,6 +172,7 @@ class MultiprocExecutor:
         self.ctx = zmq.Context()
         self.group: RankGroup | None = None
         self.client: RankClient | None = None
+        self.lost = False  # a rank died or hung: nothing is left to finish at shutdown
         try:
             self.group = RankGroup(
                 self.ctx, self.runtime_dir, config.spec(), slots, collective, timeouts
@@ -185,10 +186,18 @@ class MultiprocExecutor:
             raise
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.client.execute(plan)
+        try:
+            return self.client.execute(plan)
+        except RankDiedError:
+            self.lost = True
+            raise
 
     def check_health(self) -> None:
-        self.client.check_health()
+        try:
+            self.client.check_health()
+        except RankDiedError:
+            self.lost = True
+            raise
 
     def rank_stats(self) -> list[RankStats]:
         return self.client.rank_stats()
@@ -198,7 +207,9 @@ class MultiprocExecutor:
             return
         if self.client is not None:
             self.client.shutdown()
-        if self.group is not None:
+        if self.group is not None and self.lost:
+            self.group.kill()  # a hung rank (or one waiting on it) would not stop on request
+        elif self.group is not None:
             self.group.stop()
         self.ctx.destroy(linger=1000)  # sockets a failed start left open too
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

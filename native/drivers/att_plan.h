@@ -94,7 +94,8 @@ static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S,
     }
     int64_t i = 0, used = 0, split = 0;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t q_len = qsl[s + 1] - qsl[s], ctx = sl[s], parts = att_parts(q_len, ctx, nkv);
+        const int64_t q_len = qsl[s + 1] - qsl[s], ctx = sl[s];
+        const int64_t parts = att_parts(q_len, ctx, nkv);
         if (parts > 1) {
             for (int64_t h = 0; h < nkv; h++, split++, used += parts)
                 for (int64_t k = 0; k < parts; k++)

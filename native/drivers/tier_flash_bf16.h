@@ -550,7 +550,8 @@ static TGT void fa_item_run(fa_ws *w, const att_item *it, const void *q, int64_t
         _mm512_store_ps(w->l + g * FA_LANES, _mm512_setzero_ps());
         /* a sink is a key of logit sinks[h] and value 0: the softmax starts from it (in a
          * split's first part) */
-        for (int64_t ln = 0; sinks && it->part == 0 && ln < FA_LANES && g * FA_LANES + ln < rows; ln++) {
+        for (int64_t ln = 0; sinks && it->part == 0 && ln < FA_LANES && g * FA_LANES + ln < rows;
+             ln++) {
             const int64_t r = g * FA_LANES + ln;
             w->m[r] = sinks[it->kvh * G + r % G];
             w->l[r] = 1.0f;
