@@ -124,7 +124,8 @@ static inline int att_part_finish(const att_item *it, int64_t R, int64_t hd, flo
     const int64_t slot = att_slot_floats(R, hd);
     float *mine = it->parts + it->part * slot;
     for (int64_t r = 0; r < R; r++) {
-        memcpy(mine + r * hd, o + r * ostride, sizeof(float) * (size_t)hd);
+        if (m[r] > -INFINITY) /* a row that attended nothing (and no sink) adds nothing */
+            memcpy(mine + r * hd, o + r * ostride, sizeof(float) * (size_t)hd);
         mine[R * hd + r] = m[r];
         mine[R * hd + R + r] = l[r];
     }

@@ -579,7 +579,10 @@ static TGT int paged_attention_part_k(int dt, int kvt, int rot, const void *q, i
                     st.next = &items[i - 1];
                     att_item_keys(st.next, qsl, seq_lens, window, &st.next_lo, &st.next_hi);
                 }
-                warm_item = st.next ? ii + 1 : -1;
+                /* an item with keys prefetches the next one's first chunks (fa_pf_plan) */
+                int64_t jlo, jhi;
+                att_item_keys(&items[i], qsl, seq_lens, window, &jlo, &jhi);
+                warm_item = st.next && jlo <= jhi ? ii + 1 : -1;
                 if (rows >= FA_MIN_ROWS)
                     fa_item_run(&fw, &items[i], q, qs, &fc, qsl, seq_lens, bt, max_blocks, out,
                                 os, nh, nkv, hd, bs, scale, window, sinks, &st);

@@ -29,6 +29,27 @@ def part_starts(ctx: int, nkv: int) -> list[int]:
     return [k * ctx // parts & ~31 for k in range(parts)] if parts >= 2 else [0]
 
 
+def test_long_decodes_run_as_parts_of_their_keys(kern):
+    """The split itself, item by item (the other tests see only its outputs)."""
+    qsl = torch.tensor([0, 1, 2, 3, 6, 7], dtype=torch.int32)
+    seq_lens = torch.tensor([c for c, _ in SEQS], dtype=torch.int32)
+    tile = 64 // 4  # ATT_ROWS / G queries a tile, G = 8 / 2
+
+    def items(nh: int, nkv: int) -> int:
+        return kern.attention_items(qsl, seq_lens, nh, nkv, 64)
+
+    # 5000 -> 4 parts, 2047 -> whole, 2048 -> 2 parts, the 3-token chunk one tile, 33 whole
+    assert items(8, 2) == 2 * (4 + 1 + 2 + -(-3 // tile) + 1)
+    assert items(64, 16) == 16 * (4 + 1 + 2 + 1 + 1)  # at most 64 parts over the kv heads
+    assert items(64, 32) == 32 * (2 + 1 + 2 + 1 + 1)
+    assert items(66, 33) == 33 * 5  # over 32 kv heads: never split
+    for n in range(2040, 2060):
+        one = kern.attention_items(qsl[:2], torch.tensor([n], dtype=torch.int32), 4, 1, 64)
+        assert one == (n // SPLIT_KEYS if n >= 2 * SPLIT_KEYS else 1)
+    with pytest.raises(ValueError, match="attention_items"):
+        kern.attention_items(qsl, seq_lens, 8, 3, 64)
+
+
 def _case(nh, nkv, hd, bs, dtype, seed=1, seqs=SEQS):
     q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), nh, nkv, hd, bs, dtype, seed)
     # larger scores than randn's: peaked softmaxes, so each part's max matters to the merge
@@ -70,7 +91,8 @@ def test_the_largest_score_in_any_part(kern, nkv, part):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e5m2, torch.float8_e4m3fn])
-@pytest.mark.parametrize(("nh", "nkv", "hd"), [(4, 1, 128), (8, 2, 64), (3, 1, 80)])
+# G = 4, 4, 3, and 17 (the bf16 tier's row groups)
+@pytest.mark.parametrize(("nh", "nkv", "hd"), [(4, 1, 128), (8, 2, 64), (3, 1, 80), (34, 2, 64)])
 @pytest.mark.parametrize("window", [0, 1500])
 def test_split_decode_on_quantized_caches(kern, cache_dtype, nh, nkv, hd, window):
     q, kc, vc, qsl, seq_lens, bt = _case(nh, nkv, hd, 16, torch.bfloat16, seed=2)
