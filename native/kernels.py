@@ -587,7 +587,8 @@ class Kernels:
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, nh: int, nkv: int, hd: int
     ) -> int:
         """The work items paged_attention runs these sequences as: one per query tile and kv
-        head, and a decode query over a long context one per part of its keys."""
+        head, and a decode (up to 8 queries in one tile) over a long context one per part of
+        its keys."""
         n_seq = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         _contig(seq_lens, "seq_lens", torch.int32, (n_seq,))
         _contig(query_start_loc, "query_start_loc", torch.int32, (n_seq + 1,))

@@ -1,8 +1,9 @@
 """Paged attention alone (cpud_paged_attention, the per-op entry point) of two or more builds of
-the native library in one process, call by call: decode of S streams at depth D over a bf16
-cache of random rows, builds in turn A, B, B, A, ... so each runs in the same seconds of the
-host's read rate. Reports each build's median time, the rate it reads K and V at, its ratio to
-the first build and its largest difference from the first build's output.
+the native library in one process, call by call: decode of S streams at depth D (Q queries each:
+Q > 1 is a speculative verification) over a bf16 cache of random rows, builds in turn A, B, B,
+A, ... so each runs in the same seconds of the host's read rate. Reports each build's median
+time, the rate it reads K and V at, its ratio to the first build and its largest difference
+from the first build's output.
 
     python3 perf/ab_attention_builds.py --streams 1 --depth 8192 --heads 4 --kv-heads 1 \\
         --head-dim 256 --build before=/tmp/old.so --build after=native/_cpud_native.abi3.so
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--build", action="append", required=True, help="TAG=path of a .so")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--depth", type=int, default=4096)
+    ap.add_argument("--queries", type=int, default=1, help="queries a stream (its last at depth)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -53,9 +55,10 @@ def main() -> None:
     nb = S * per_seq
     kc = torch.randn(nb, nkv, bs, hd, generator=g).bfloat16()
     vc = torch.randn(nb, nkv, bs, hd, generator=g).bfloat16()
-    q = torch.randn(S, nh, hd, generator=g).bfloat16()
+    Q = args.queries
+    q = torch.randn(S * Q, nh, hd, generator=g).bfloat16()
     bt = torch.randperm(nb, generator=g).to(torch.int32).reshape(S, per_seq)
-    qsl = torch.arange(S + 1, dtype=torch.int32)
+    qsl = torch.arange(S + 1, dtype=torch.int32) * Q
     seq_lens = torch.full((S,), D, dtype=torch.int32)
     isa = ISA[native.default_isa()]
     ns: dict[str, list[int]] = {tag: [] for tag in builds}
@@ -72,7 +75,7 @@ def main() -> None:
         t0 = time.perf_counter_ns()
         rc = lib.cpud_paged_attention(
             isa, BF16, BF16, ptr(q), nh * hd, ptr(kc), ptr(vc), ptr(qsl), ptr(seq_lens), ptr(bt),
-            per_seq, ptr(out), nh * hd, S, S, nh, nkv, hd, nb, bs, hd**-0.5, 0, 0, 0,
+            per_seq, ptr(out), nh * hd, S * Q, S, nh, nkv, hd, nb, bs, hd**-0.5, 0, 0, 0,
         )  # fmt: skip
         ns[tag].append(time.perf_counter_ns() - t0)
         if rc:
@@ -84,7 +87,7 @@ def main() -> None:
             call(tag)
     gb = 2 * S * D * nkv * hd * 2 / 1e9
     first = statistics.median(ns[tags[0]][5:])
-    print(f"{S} stream(s) at depth {D}, {nh} heads / {nkv} kv heads of {hd}, bf16 cache")
+    print(f"{S} stream(s) of {Q} quer(ies) at depth {D}, {nh} heads / {nkv} kv heads of {hd}")
     for tag in tags:
         m = statistics.median(ns[tag][5:])
         diff = (outs[tag].float() - outs[tags[0]].float()).abs().max().item()

@@ -15,9 +15,11 @@
  * sequence times the G heads of one kv head (one query when G > ATT_ROWS). */
 #define ATT_ROWS 64
 
-/* Keys per part of a split decode item: a query (with the G heads of its kv head) over ctx >=
- * 2 ATT_SPLIT_KEYS keys becomes ctx / ATT_SPLIT_KEYS items (at most ATT_SPLIT_ITEMS over its
- * kv heads), each over its share of the keys (whole chunks of 32), so a context's keys spread
+/* Keys per part of a split decode item: a sequence's queries of a step (one, or up to
+ * ATT_SPLIT_QUERIES within one tile: a speculative verification), with the G heads of a kv head,
+ * over ctx >= 2 ATT_SPLIT_KEYS keys become ctx / ATT_SPLIT_KEYS items (at most ATT_SPLIT_ITEMS
+ * over its kv heads), each over its share of the keys (whole chunks of 32), so a context's keys
+ * spread
  * over the threads however few kv heads and sequences there are.  Each part leaves its rows'
  * unnormalised outputs, maxima and sums in a slot; the part that finishes last merges them
  * (att_part_finish).  The split depends on the context and the model alone, not on the thread
@@ -29,6 +31,7 @@
 #define ATT_SPLIT_KEYS 1024
 #endif
 #define ATT_SPLIT_ITEMS 64
+#define ATT_SPLIT_QUERIES 8
 
 typedef struct att_item {
     int32_t s;            /* sequence */
@@ -56,10 +59,12 @@ static inline int64_t att_slot_floats(int64_t R, int64_t hd) {
     return (R * hd + 2 * R + 15) & ~(int64_t)15;
 }
 
-/* Parts of a query tile of nq queries whose last sees ctx keys, for each of nkv kv heads. */
-static inline int64_t att_parts(int64_t nq, int64_t ctx, int64_t nkv) {
+/* Parts of a sequence's nq queries of a step (tiles of `tile` queries) whose last sees ctx
+ * keys, for each of nkv kv heads. */
+static inline int64_t att_parts(int64_t nq, int64_t tile, int64_t ctx, int64_t nkv) {
     const int64_t most = ATT_SPLIT_ITEMS / nkv, parts = ctx / ATT_SPLIT_KEYS;
-    return nq == 1 && parts >= 2 && most >= 2 ? (parts < most ? parts : most) : 1;
+    const int split = nq >= 1 && nq <= ATT_SPLIT_QUERIES && nq <= tile && parts >= 2 && most >= 2;
+    return split ? (parts < most ? parts : most) : 1;
 }
 
 /* Items of S sequences (query_start_loc qsl, seq_lens sl) for nh query and nkv kv heads of
@@ -67,13 +72,12 @@ static inline int64_t att_parts(int64_t nq, int64_t ctx, int64_t nkv) {
 static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S, int64_t nh,
                                int64_t nkv, int64_t hd, int nr, att_plan *p) {
     const int64_t G = nh / nkv, tile = ATT_ROWS / G > 0 ? ATT_ROWS / G : 1;
-    const int64_t slot = att_slot_floats(G, hd);
-    int64_t n = 0, split_parts = 0, splits = 0;
+    int64_t n = 0, slot_floats = 0, splits = 0;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t q_len = qsl[s + 1] - qsl[s], parts = att_parts(q_len, sl[s], nkv);
+        const int64_t q_len = qsl[s + 1] - qsl[s], parts = att_parts(q_len, tile, sl[s], nkv);
         n += nkv * (parts > 1 ? parts : (q_len + tile - 1) / tile);
         if (parts > 1) {
-            split_parts += nkv * parts;
+            slot_floats += nkv * parts * att_slot_floats(q_len * G, hd);
             splits += nkv;
         }
     }
@@ -82,7 +86,7 @@ static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S,
     p->items = malloc(sizeof(att_item) * (size_t)n);
     p->ranges = p->items ? work_ranges_new(n, nr) : NULL;
     if (splits) {
-        p->slots = aligned_alloc(64, sizeof(float) * (size_t)(split_parts * slot));
+        p->slots = aligned_alloc(64, sizeof(float) * (size_t)slot_floats);
         p->arrivals = calloc((size_t)splits, sizeof(uint32_t));
     }
     if (!p->ranges || (splits && (!p->slots || !p->arrivals))) {
@@ -95,14 +99,16 @@ static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S,
     int64_t i = 0, used = 0, split = 0;
     for (int64_t s = 0; s < S; s++) {
         const int64_t q_len = qsl[s + 1] - qsl[s], ctx = sl[s];
-        const int64_t parts = att_parts(q_len, ctx, nkv);
+        const int64_t parts = att_parts(q_len, tile, ctx, nkv);
         if (parts > 1) {
-            for (int64_t h = 0; h < nkv; h++, split++, used += parts)
+            const int64_t slot = att_slot_floats(q_len * G, hd);
+            for (int64_t h = 0; h < nkv; h++, split++, used += parts * slot)
                 for (int64_t k = 0; k < parts; k++)
                     p->items[i++] = (att_item){
-                        (int32_t)s, 0, 1, (int32_t)h, (int32_t)((k * ctx / parts) & ~31),
+                        (int32_t)s, 0, (int32_t)q_len, (int32_t)h,
+                        (int32_t)((k * ctx / parts) & ~31),
                         k + 1 < parts ? (int32_t)(((k + 1) * ctx / parts) & ~31) - 1 : INT32_MAX,
-                        (int32_t)k, (int32_t)parts, p->slots + used * slot, p->arrivals + split};
+                        (int32_t)k, (int32_t)parts, p->slots + used, p->arrivals + split};
             continue;
         }
         for (int64_t q0 = 0; q0 < q_len; q0 += tile)

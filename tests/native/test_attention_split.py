@@ -1,6 +1,7 @@
-"""Decode attention over long contexts, split into parts of the keys (att_plan.h: a query over
-ctx >= 2 * 1024 keys becomes ctx // 1024 work items, at most 64 over its kv heads, whose partial
-softmax states the last part to finish merges): every tier and path (fp32 and bf16
+"""Decode attention over long contexts, split into parts of the keys (att_plan.h: a sequence's
+query, or up to 8 queries within one tile, over ctx >= 2 * 1024 keys becomes ctx // 1024 work
+items, at most 64 over its kv heads, whose partial softmax states the last part to finish
+merges): every tier and path (fp32 and bf16
 activations, the bf16 decode rows and row groups, odd head dims, int8 / e5m2 / e4m3 caches,
 sliding windows that cover some parts and none of others, sinks) against the dense torch
 reference, with the largest score placed in each part in turn, and the same bits on any
@@ -17,9 +18,9 @@ from tolerances import assert_close
 from cpud.ranks.paged_kv import dequantize_kv, quantize_kv
 
 SPLIT_KEYS, SPLIT_ITEMS = 1024, 64  # att_plan.h ATT_SPLIT_KEYS, ATT_SPLIT_ITEMS
-# decodes at 2047 (one item) and 2048 (two parts), one over four parts, a 3-token chunk (never
-# split) and a short decode beside them
-SEQS = ((5000, 1), (2047, 1), (2048, 1), (2600, 3), (33, 1))
+# decodes at 2047 (one item) and 2048 (two parts), one over four parts, 3 and 8 queries (a
+# speculative verification: split where they fit one tile) and a short decode beside them
+SEQS = ((5000, 1), (2047, 1), (2048, 1), (2600, 3), (33, 1), (3100, 8))
 LONG = 4  # fp32 sums over thousands of keys: four times the tolerance of short contexts
 
 
@@ -31,18 +32,22 @@ def part_starts(ctx: int, nkv: int) -> list[int]:
 
 def test_long_decodes_run_as_parts_of_their_keys(kern):
     """The split itself, item by item (the other tests see only its outputs)."""
-    qsl = torch.tensor([0, 1, 2, 3, 6, 7], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3, 6, 7, 15], dtype=torch.int32)
     seq_lens = torch.tensor([c for c, _ in SEQS], dtype=torch.int32)
-    tile = 64 // 4  # ATT_ROWS / G queries a tile, G = 8 / 2
 
     def items(nh: int, nkv: int) -> int:
         return kern.attention_items(qsl, seq_lens, nh, nkv, 64)
 
-    # 5000 -> 4 parts, 2047 -> whole, 2048 -> 2 parts, the 3-token chunk one tile, 33 whole
-    assert items(8, 2) == 2 * (4 + 1 + 2 + -(-3 // tile) + 1)
-    assert items(64, 16) == 16 * (4 + 1 + 2 + 1 + 1)  # at most 64 parts over the kv heads
-    assert items(64, 32) == 32 * (2 + 1 + 2 + 1 + 1)
-    assert items(66, 33) == 33 * 5  # over 32 kv heads: never split
+    # 5000 -> 4 parts, 2047 -> whole, 2048 -> 2 parts, the 3 queries at 2600 2 parts, 33 whole,
+    # the 8 queries at 3100 3 parts
+    assert items(8, 2) == 2 * (4 + 1 + 2 + 2 + 1 + 3)
+    assert items(64, 16) == 16 * (4 + 1 + 2 + 2 + 1 + 3)  # at most 64 parts over the kv heads
+    assert items(64, 32) == 32 * (2 + 1 + 2 + 2 + 1 + 2)
+    assert items(66, 33) == 33 * 6  # over 32 kv heads: never split
+    # 16 heads a kv head: tiles of 4 queries, so 8 queries are two tiles, never split
+    assert items(16, 1) == 4 + 1 + 2 + 2 + 1 + 2
+    one = torch.tensor([0, 9], dtype=torch.int32)
+    assert kern.attention_items(one, torch.tensor([5000], dtype=torch.int32), 2, 1, 64) == 1
     for n in range(2040, 2060):
         one = kern.attention_items(qsl[:2], torch.tensor([n], dtype=torch.int32), 4, 1, 64)
         assert one == (n // SPLIT_KEYS if n >= 2 * SPLIT_KEYS else 1)

@@ -66,7 +66,7 @@ def test_team_on_more_threads_than_tokens_or_heads_equals_the_per_op_path(thread
 
 def long_steps() -> list[StepPlan]:
     """A 2100-token prompt, then decodes past it (each query split into two parts of its keys,
-    att_plan.h) beside a short sequence's."""
+    att_plan.h) beside a short sequence's, then four of its tokens in one step."""
     long = [(13 * i) % 397 + 3 for i in range(2100)]
     table = list(range(140))
     prefill = [SeqWork(0, long, 0, table, False), SeqWork(1, PROMPTS[1], 0, [140, 141], False)]
@@ -74,7 +74,13 @@ def long_steps() -> list[StepPlan]:
         SeqWork(0, [7], 2100, table, True),
         SeqWork(1, [8], len(PROMPTS[1]), [140, 141], True),
     ]
-    return [StepPlan(0, prefill), StepPlan(1, decode), StepPlan(2, [decode[0]])]
+    verify = [SeqWork(0, [9, 10, 11, 12], None, [], True)]  # four queries at once, split too
+    return [
+        StepPlan(0, prefill),
+        StepPlan(1, decode),
+        StepPlan(2, [decode[0]]),
+        StepPlan(3, verify),
+    ]
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
