@@ -584,16 +584,22 @@ class Kernels:
         return out
 
     def attention_items(
-        self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, nh: int, nkv: int, hd: int
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        nh: int,
+        nkv: int,
+        hd: int,
+        sliding_window: int = 0,
     ) -> int:
         """The work items paged_attention runs these sequences as: one per query tile and kv
-        head, and a decode (up to 8 queries in one tile) over a long context one per part of
-        its keys."""
+        head, and a decode (up to 8 queries in one tile) over many keys one per part of the
+        keys its window leaves."""
         n_seq = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         _contig(seq_lens, "seq_lens", torch.int32, (n_seq,))
         _contig(query_start_loc, "query_start_loc", torch.int32, (n_seq + 1,))
         n = _loader.lib.cpud_attention_items(
-            query_start_loc.data_ptr(), seq_lens.data_ptr(), n_seq, nh, nkv, hd
+            query_start_loc.data_ptr(), seq_lens.data_ptr(), n_seq, nh, nkv, hd, sliding_window
         )
         check_rc(n if n < 0 else 0, "attention_items", "query_start_loc / seq_lens / heads")
         return n

@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--calls", type=int, default=60, help="calls per build")
     args = ap.parse_args()
@@ -75,7 +76,7 @@ def main() -> None:
         t0 = time.perf_counter_ns()
         rc = lib.cpud_paged_attention(
             isa, BF16, BF16, ptr(q), nh * hd, ptr(kc), ptr(vc), ptr(qsl), ptr(seq_lens), ptr(bt),
-            per_seq, ptr(out), nh * hd, S * Q, S, nh, nkv, hd, nb, bs, hd**-0.5, 0, 0, 0,
+            per_seq, ptr(out), nh * hd, S * Q, S, nh, nkv, hd, nb, bs, hd**-0.5, args.window, 0, 0,
         )  # fmt: skip
         ns[tag].append(time.perf_counter_ns() - t0)
         if rc:
@@ -85,9 +86,11 @@ def main() -> None:
     for i in range(args.calls):
         for tag in tags if i % 2 == 0 else tags[::-1]:
             call(tag)
-    gb = 2 * S * D * nkv * hd * 2 / 1e9
+    keys = min(D, args.window + Q - 1) if args.window else D
+    gb = 2 * S * keys * nkv * hd * 2 / 1e9
     first = statistics.median(ns[tags[0]][5:])
-    print(f"{S} stream(s) of {Q} quer(ies) at depth {D}, {nh} heads / {nkv} kv heads of {hd}")
+    window = f", window {args.window}" if args.window else ""
+    print(f"{S} stream(s) of {Q} quer(ies) at depth {D}{window}, {nh} / {nkv} heads of {hd}")
     for tag in tags:
         m = statistics.median(ns[tag][5:])
         diff = (outs[tag].float() - outs[tags[0]].float()).abs().max().item()

@@ -191,14 +191,15 @@ int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const in
 }
 
 int64_t cpud_attention_items(intptr_t query_start_loc, intptr_t seq_lens, int64_t S, int64_t nh,
-                             int64_t nkv, int64_t hd) {
+                             int64_t nkv, int64_t hd, int64_t sliding_window) {
     const int32_t *qsl = CADDR(query_start_loc), *sl = CADDR(seq_lens);
-    if (!qsl || (S > 0 && !sl) || S < 0 || nkv < 1 || nh < 1 || nh % nkv || hd < 1)
+    if (!qsl || (S > 0 && !sl) || S < 0 || nkv < 1 || nh < 1 || nh % nkv || hd < 1 ||
+        sliding_window < 0)
         return CPUD_EARG;
     for (int64_t s = 0; s < S; s++)
         if (qsl[s + 1] < qsl[s] || sl[s] < qsl[s + 1] - qsl[s]) return CPUD_EARG;
     att_plan plan;
-    if (att_plan_new(qsl, sl, S, nh, nkv, hd, 1, &plan)) return CPUD_ENOMEM;
+    if (att_plan_new(qsl, sl, S, nh, nkv, hd, sliding_window, 1, &plan)) return CPUD_ENOMEM;
     const int64_t n = plan.n;
     att_plan_free(&plan);
     return n;

@@ -108,13 +108,13 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
                         int64_t T, int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs,
                         int kv_rotated);
 
-/* The work items cpud_paged_attention splits S sequences into (query_start_loc and seq_lens as
- * there, nh query and nkv kv heads of hd): one per query tile and kv head, and a decode (up to
- * 8 queries in one tile) over a long context one per part of its keys (drivers/att_plan.h), or
- * < 0 (cpud_err).  The
- * split depends on these arguments alone, not on the threads. */
+/* The work items cpud_paged_attention splits S sequences into (query_start_loc, seq_lens and
+ * sliding_window as there, nh query and nkv kv heads of hd): one per query tile and kv head,
+ * and a decode (up to 8 queries in one tile) over many keys one per part of the keys its window
+ * leaves (drivers/att_plan.h), or < 0 (cpud_err).  The split depends on these arguments alone,
+ * not on the threads. */
 int64_t cpud_attention_items(intptr_t query_start_loc, intptr_t seq_lens, int64_t S, int64_t nh,
-                             int64_t nkv, int64_t hd);
+                             int64_t nkv, int64_t hd, int64_t sliding_window);
 
 /* Paged causal attention with GQA for decode and chunked prefill.
  * Query i of sequence s sits at position seq_lens[s] - q_len + i and attends

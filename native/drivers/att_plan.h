@@ -17,16 +17,15 @@
 
 /* Keys per part of a split decode item: a sequence's queries of a step (one, or up to
  * ATT_SPLIT_QUERIES within one tile: a speculative verification), with the G heads of a kv head,
- * over ctx >= 2 ATT_SPLIT_KEYS keys become ctx / ATT_SPLIT_KEYS items (at most ATT_SPLIT_ITEMS
- * over its kv heads), each over its share of the keys (whole chunks of 32), so a context's keys
- * spread
- * over the threads however few kv heads and sequences there are.  Each part leaves its rows'
- * unnormalised outputs, maxima and sums in a slot; the part that finishes last merges them
- * (att_part_finish).  The split depends on the context and the model alone, not on the thread
- * count or the rest of the batch, so the outputs do not either.  Measured on 2 threads (Zen 4,
- * bf16 cache, perf/ab_attention_builds.py): one stream at 8192 keys 1.86-2.06x with one kv
- * head, 1.02-1.08x with 8; 8 and 32 streams at 4096 keys 0.99-1.02x (parts of 512 keys:
- * 0.97x there, each item's start costs). */
+ * over n >= 2 ATT_SPLIT_KEYS keys (those a sliding window leaves) become n / ATT_SPLIT_KEYS
+ * items (at most ATT_SPLIT_ITEMS over its kv heads), each over its share of the keys (whole
+ * chunks of 32), so a context's keys spread over the threads however few kv heads and sequences
+ * there are.  Each part leaves its rows' unnormalised outputs, maxima and sums in a slot; the
+ * part that finishes last merges them (att_part_finish).  The split depends on the context, the
+ * model and the window alone, not on the thread count or the rest of the batch, so the outputs
+ * do not either.  Measured on 2 threads (Zen 4, bf16 cache, perf/ab_attention_builds.py): one
+ * stream at 8192 keys 1.86-2.06x with one kv head, 1.02-1.08x with 8; 8 and 32 streams at 4096
+ * keys 0.99-1.02x (parts of 512 keys: 0.97x there, each item's start costs). */
 #ifndef ATT_SPLIT_KEYS
 #define ATT_SPLIT_KEYS 1024
 #endif
@@ -67,14 +66,23 @@ static inline int64_t att_parts(int64_t nq, int64_t tile, int64_t ctx, int64_t n
     return split ? (parts < most ? parts : most) : 1;
 }
 
+/* The first key any of a sequence's q_len queries over ctx keys attends under a sliding window
+ * (0: none). */
+static inline int64_t att_first_key(int64_t q_len, int64_t ctx, int64_t window) {
+    return window > 0 && ctx - q_len - window + 1 > 0 ? ctx - q_len - window + 1 : 0;
+}
+
 /* Items of S sequences (query_start_loc qsl, seq_lens sl) for nh query and nkv kv heads of
- * hd, ranges for nr threads; CPUD_OK, or CPUD_ENOMEM (then nothing to free). */
+ * hd under a sliding window (0: none; a split covers the keys the window leaves), ranges for nr
+ * threads; CPUD_OK, or CPUD_ENOMEM (then nothing to free). */
 static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S, int64_t nh,
-                               int64_t nkv, int64_t hd, int nr, att_plan *p) {
+                               int64_t nkv, int64_t hd, int64_t window, int nr, att_plan *p) {
     const int64_t G = nh / nkv, tile = ATT_ROWS / G > 0 ? ATT_ROWS / G : 1;
     int64_t n = 0, slot_floats = 0, splits = 0;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t q_len = qsl[s + 1] - qsl[s], parts = att_parts(q_len, tile, sl[s], nkv);
+        const int64_t q_len = qsl[s + 1] - qsl[s];
+        const int64_t keys = sl[s] - att_first_key(q_len, sl[s], window);
+        const int64_t parts = att_parts(q_len, tile, keys, nkv);
         n += nkv * (parts > 1 ? parts : (q_len + tile - 1) / tile);
         if (parts > 1) {
             slot_floats += nkv * parts * att_slot_floats(q_len * G, hd);
@@ -98,17 +106,26 @@ static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S,
     }
     int64_t i = 0, used = 0, split = 0;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t q_len = qsl[s + 1] - qsl[s], ctx = sl[s];
-        const int64_t parts = att_parts(q_len, tile, ctx, nkv);
+        const int64_t q_len = qsl[s + 1] - qsl[s], first = att_first_key(q_len, sl[s], window);
+        const int64_t keys = sl[s] - first, parts = att_parts(q_len, tile, keys, nkv);
         if (parts > 1) {
             const int64_t slot = att_slot_floats(q_len * G, hd);
             for (int64_t h = 0; h < nkv; h++, split++, used += parts * slot)
-                for (int64_t k = 0; k < parts; k++)
-                    p->items[i++] = (att_item){
-                        (int32_t)s, 0, (int32_t)q_len, (int32_t)h,
-                        (int32_t)((k * ctx / parts) & ~31),
-                        k + 1 < parts ? (int32_t)(((k + 1) * ctx / parts) & ~31) - 1 : INT32_MAX,
-                        (int32_t)k, (int32_t)parts, p->slots + used, p->arrivals + split};
+                for (int64_t k = 0; k < parts; k++) {
+                    /* part k: from key first + k keys / parts, down to a chunk of 32 */
+                    const int64_t k0 = k ? (first + k * keys / parts) & ~31 : 0;
+                    const int64_t k1 =
+                        k + 1 < parts ? ((first + (k + 1) * keys / parts) & ~31) - 1 : INT32_MAX;
+                    p->items[i++] = (att_item){.s = (int32_t)s,
+                                               .nq = (int32_t)q_len,
+                                               .kvh = (int32_t)h,
+                                               .k0 = (int32_t)k0,
+                                               .k1 = (int32_t)k1,
+                                               .part = (int32_t)k,
+                                               .nparts = (int32_t)parts,
+                                               .parts = p->slots + used,
+                                               .arrivals = p->arrivals + split};
+                }
             continue;
         }
         for (int64_t q0 = 0; q0 < q_len; q0 += tile)

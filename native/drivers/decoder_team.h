@@ -24,6 +24,8 @@ typedef struct team_xq {
     int32_t *s;
 } team_xq;
 
+#define TEAM_WINDOWS 4
+
 typedef struct team {
     const cpud_ops *ops;
     int isa;
@@ -35,7 +37,12 @@ typedef struct team {
     cpud_shm *tp;
     int64_t timeout_ns;
     int *peer;
-    att_plan att;
+    /* attention's work lists: [0] for no window, then one per other window the layers have
+     * (up to TEAM_WINDOWS - 1; a layer of any further window takes [0], which is correct for
+     * any window, only less even) */
+    att_plan att[TEAM_WINDOWS];
+    int64_t att_window[TEAM_WINDOWS];
+    int n_att;
     team_xq xq;
     task_slot *steal; /* one per thread: the quantized linears' work stealing */
     cpud_moe_job *moe; /* the expert layer's step in flight */
@@ -339,6 +346,35 @@ static int team_moe(team *tm, const cpud_decoder_layer *l, int tid, int nth, int
     return 0;
 }
 
+/* The work list of a layer of this sliding window (0: none). */
+static att_plan *team_att(team *tm, int64_t window) {
+    for (int k = 1; k < tm->n_att; k++)
+        if (tm->att_window[k] == window) return &tm->att[k];
+    return &tm->att[0];
+}
+
+/* tm->att: one work list for no window and one per other window of the layers (TEAM_WINDOWS
+ * at most), for nr threads; CPUD_OK, or CPUD_ENOMEM with none left to free. */
+static int team_att_plans(team *tm, int nr) {
+    const cpud_decoder_step *s = tm->s;
+    const cpud_decoder_dims *d = tm->d;
+    tm->n_att = 0;
+    for (int64_t i = -1; i < tm->n_layers && tm->n_att < TEAM_WINDOWS; i++) {
+        const int64_t window = i < 0 ? 0 : tm->layers[i].window;
+        int known = 0;
+        for (int k = 0; k < tm->n_att; k++) known |= tm->att_window[k] == window;
+        if (known) continue;
+        if (att_plan_new((const int32_t *)s->query_start_loc, (const int32_t *)s->seq_lens, s->S,
+                         d->heads, d->kv_heads, d->head_dim, window, nr, &tm->att[tm->n_att])) {
+            for (int k = 0; k < tm->n_att; k++) att_plan_free(&tm->att[k]);
+            tm->n_att = 0;
+            return CPUD_ENOMEM;
+        }
+        tm->att_window[tm->n_att++] = window;
+    }
+    return CPUD_OK;
+}
+
 /* The layer stack as thread tid of nth; token rows [r0, r1) are this thread's share of the
  * row-wise ops. */
 static void team_run(team *tm, int tid, int nth) {
@@ -371,12 +407,13 @@ static void team_run(team *tm, int tid, int nth) {
             break;
         team_prefetch_share(&l->q_o, qd, T, tid, nth);
         team_qk_heads(tm, l, tid, nth);
-        if (tid == 0) att_plan_rearm(&tm->att);
+        att_plan *att = team_att(tm, l->window);
+        if (tid == 0) att_plan_rearm(att);
         if (team_sync(tm, &phase)) break;
         const int rc = ops->paged_attention_part(
             dt, kvt, kv_quantized(kvt), qkv, qn, (const void *)l->key_cache,
             (const void *)l->value_cache, qsl, sl, bt, s->max_blocks, attn, qd, nh, nkv, hd,
-            d->block_size, d->scale, l->window, (const float *)l->sinks, &tm->att, tid);
+            d->block_size, d->scale, l->window, (const float *)l->sinks, att, tid);
         if (rc) team_fail(tm, rc, phase);
         if (team_sync(tm, &phase)) break;
         team_quantize_blocks(tm, &l->q_o, attn, qd, qd, tid, nth);
@@ -434,15 +471,14 @@ static int decoder_team(const cpud_ops *ops, int isa, const cpud_qops *qops,
     tm.xq = (team_xq){(int8_t *)buf, (float *)(buf + nq), (int32_t *)(buf + nq + nd)};
     atomic_init(&tm.rc, CPUD_OK);
     atomic_init(&tm.failed_phase, INT64_MAX);
-    if (att_plan_new((const int32_t *)s->query_start_loc, (const int32_t *)s->seq_lens, s->S,
-                     d->heads, d->kv_heads, d->head_dim, nr, &tm.att)) {
+    if (team_att_plans(&tm, nr)) {
         free(steal);
         free(buf);
         return CPUD_ENOMEM;
     }
 #pragma omp parallel num_threads(nr)
     team_run(&tm, omp_get_thread_num(), omp_get_num_threads());
-    att_plan_free(&tm.att);
+    for (int k = 0; k < tm.n_att; k++) att_plan_free(&tm.att[k]);
     free(steal);
     free(buf);
     return atomic_load(&tm.rc);

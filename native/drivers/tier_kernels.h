@@ -620,7 +620,7 @@ static TGT int paged_attention_k(int dt, int kvt, int rot, const void *q, int64_
     /* one range per thread the region may get; ranges of threads it does not get are stolen */
     const int nr = omp_get_max_threads();
     att_plan plan;
-    if (att_plan_new(qsl, seq_lens, S, nh, nkv, hd, nr, &plan)) return CPUD_ENOMEM;
+    if (att_plan_new(qsl, seq_lens, S, nh, nkv, hd, window, nr, &plan)) return CPUD_ENOMEM;
     if (plan.n == 0) return CPUD_OK;
     int failed = 0;
 #pragma omp parallel if (plan.n > 1) reduction(| : failed)

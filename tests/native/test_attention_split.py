@@ -55,6 +55,15 @@ def test_long_decodes_run_as_parts_of_their_keys(kern):
         kern.attention_items(qsl, seq_lens, 8, 3, 64)
 
 
+@pytest.mark.parametrize(("window", "parts"), [(700, 1), (2047, 1), (2048, 2), (3000, 2)])
+def test_a_sliding_window_splits_the_keys_it_leaves(kern, window, parts):
+    """A layer's window bounds the keys a decode reads, so only those are split: a 5000-key
+    decode under a window of 700 is one item, not four of which three attend nothing."""
+    qsl, seq_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5000], dtype=torch.int32)
+    assert kern.attention_items(qsl, seq_lens, 8, 2, 64, window) == 2 * parts
+    assert kern.attention_items(qsl, seq_lens, 8, 2, 64) == 2 * 4
+
+
 def _case(nh, nkv, hd, bs, dtype, seed=1, seqs=SEQS):
     q, kc, vc, qsl, seq_lens, bt = make_case(list(seqs), nh, nkv, hd, bs, dtype, seed)
     # larger scores than randn's: peaked softmaxes, so each part's max matters to the merge
