@@ -15,22 +15,26 @@
  * sequence times the G heads of one kv head (one query when G > ATT_ROWS). */
 #define ATT_ROWS 64
 
-/* Keys per part of a split decode item: a sequence's queries of a step (one, or up to
- * ATT_SPLIT_QUERIES within one tile: a speculative verification), with the G heads of a kv head,
- * over n >= 2 ATT_SPLIT_KEYS keys (those a sliding window leaves) become n / ATT_SPLIT_KEYS
- * items (at most ATT_SPLIT_ITEMS over its kv heads), each over its share of the keys (whole
- * chunks of 32), so a context's keys spread over the threads however few kv heads and sequences
- * there are.  Each part leaves its rows' unnormalised outputs, maxima and sums in a slot; the
- * part that finishes last merges them (att_part_finish).  The split depends on the context, the
- * model and the window alone, not on the thread count or the rest of the batch, so the outputs
- * do not either.  Measured on 2 threads (Zen 4, bf16 cache, perf/ab_attention_builds.py): one
- * stream at 8192 keys 1.86-2.06x with one kv head, 1.02-1.08x with 8; 8 and 32 streams at 4096
- * keys 0.99-1.02x (parts of 512 keys: 0.97x there, each item's start costs). */
+/* A decode item (a sequence's queries of a step that fit one tile: one query, or a speculative
+ * verification, with the G heads of a kv head) over keys of more than one part is split into an
+ * item per part, so a context's keys spread over the threads however few kv heads and
+ * sequences there are.  The parts are fixed ranges of key positions: ATT_SPLIT_KEYS keys each,
+ * every ATT_SPLIT_GROW parts twice as long as the ones before (1024 keys up to 16k, 2048 up to
+ * 48k, ...).  Each part leaves its rows' unnormalised outputs, maxima and sums in a slot; the
+ * part that finishes last merges them in part order (att_part_finish).  Since the ranges do not
+ * depend on the context, a row's keys are split and merged the same way whatever the other
+ * rows of its item are: a query gives the same bits decoded alone or inside a verification
+ * (greedy speculative decoding stays token for token the same), on any thread count, beside
+ * any batch.  Parts wholly before a sliding window are left out; models of more than
+ * ATT_SPLIT_KV_HEADS kv heads have threads enough and are not split.  Measured on 2 threads
+ * (Zen 4, bf16 cache, perf/ab_attention_builds.py): one stream at 8192 keys 1.86-2.06x with one
+ * kv head, 1.02-1.08x with 8; 8 and 32 streams at 4096 keys 0.99-1.02x (parts of 512 keys:
+ * 0.97x there, each item's start costs). */
 #ifndef ATT_SPLIT_KEYS
 #define ATT_SPLIT_KEYS 1024
 #endif
-#define ATT_SPLIT_ITEMS 64
-#define ATT_SPLIT_QUERIES 8
+#define ATT_SPLIT_GROW 16
+#define ATT_SPLIT_KV_HEADS 16
 
 typedef struct att_item {
     int32_t s;            /* sequence */
@@ -58,12 +62,18 @@ static inline int64_t att_slot_floats(int64_t R, int64_t hd) {
     return (R * hd + 2 * R + 15) & ~(int64_t)15;
 }
 
-/* Parts of a sequence's nq queries of a step (tiles of `tile` queries) whose last sees ctx
- * keys, for each of nkv kv heads. */
-static inline int64_t att_parts(int64_t nq, int64_t tile, int64_t ctx, int64_t nkv) {
-    const int64_t most = ATT_SPLIT_ITEMS / nkv, parts = ctx / ATT_SPLIT_KEYS;
-    const int split = nq >= 1 && nq <= ATT_SPLIT_QUERIES && nq <= tile && parts >= 2 && most >= 2;
-    return split ? (parts < most ? parts : most) : 1;
+/* The first key of part k. */
+static inline int64_t att_part_start(int64_t k) {
+    int64_t start = 0, size = ATT_SPLIT_KEYS;
+    for (; k >= ATT_SPLIT_GROW; k -= ATT_SPLIT_GROW, size *= 2) start += ATT_SPLIT_GROW * size;
+    return start + k * size;
+}
+
+/* The part key j falls in. */
+static inline int64_t att_part_of(int64_t j) {
+    int64_t k = 0, size = ATT_SPLIT_KEYS;
+    for (; j >= ATT_SPLIT_GROW * size; j -= ATT_SPLIT_GROW * size, size *= 2) k += ATT_SPLIT_GROW;
+    return k + j / size;
 }
 
 /* The first key any of a sequence's q_len queries over ctx keys attends under a sliding window
@@ -72,17 +82,26 @@ static inline int64_t att_first_key(int64_t q_len, int64_t ctx, int64_t window) 
     return window > 0 && ctx - q_len - window + 1 > 0 ? ctx - q_len - window + 1 : 0;
 }
 
+/* The parts [*kf, *kf + n) of a sequence's q_len queries (tiles of `tile`) over ctx keys, for
+ * nkv kv heads under a window; n 1: not split. */
+static inline int64_t att_parts(int64_t q_len, int64_t tile, int64_t ctx, int64_t nkv,
+                                int64_t window, int64_t *kf) {
+    *kf = att_part_of(att_first_key(q_len, ctx, window));
+    const int64_t n = att_part_of(ctx - 1) - *kf + 1;
+    return q_len >= 1 && q_len <= tile && nkv <= ATT_SPLIT_KV_HEADS && n >= 2 ? n : 1;
+}
+
 /* Items of S sequences (query_start_loc qsl, seq_lens sl) for nh query and nkv kv heads of
- * hd under a sliding window (0: none; a split covers the keys the window leaves), ranges for nr
- * threads; CPUD_OK, or CPUD_ENOMEM (then nothing to free). */
+ * hd under a sliding window (0: none), ranges for nr threads; CPUD_OK, or CPUD_ENOMEM (then
+ * nothing to free). */
 static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S, int64_t nh,
                                int64_t nkv, int64_t hd, int64_t window, int nr, att_plan *p) {
     const int64_t G = nh / nkv, tile = ATT_ROWS / G > 0 ? ATT_ROWS / G : 1;
     int64_t n = 0, slot_floats = 0, splits = 0;
     for (int64_t s = 0; s < S; s++) {
         const int64_t q_len = qsl[s + 1] - qsl[s];
-        const int64_t keys = sl[s] - att_first_key(q_len, sl[s], window);
-        const int64_t parts = att_parts(q_len, tile, keys, nkv);
+        int64_t kf;
+        const int64_t parts = q_len > 0 ? att_parts(q_len, tile, sl[s], nkv, window, &kf) : 1;
         n += nkv * (parts > 1 ? parts : (q_len + tile - 1) / tile);
         if (parts > 1) {
             slot_floats += nkv * parts * att_slot_floats(q_len * G, hd);
@@ -106,16 +125,16 @@ static inline int att_plan_new(const int32_t *qsl, const int32_t *sl, int64_t S,
     }
     int64_t i = 0, used = 0, split = 0;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t q_len = qsl[s + 1] - qsl[s], first = att_first_key(q_len, sl[s], window);
-        const int64_t keys = sl[s] - first, parts = att_parts(q_len, tile, keys, nkv);
+        const int64_t q_len = qsl[s + 1] - qsl[s];
+        int64_t kf;
+        const int64_t parts = q_len > 0 ? att_parts(q_len, tile, sl[s], nkv, window, &kf) : 1;
         if (parts > 1) {
             const int64_t slot = att_slot_floats(q_len * G, hd);
             for (int64_t h = 0; h < nkv; h++, split++, used += parts * slot)
                 for (int64_t k = 0; k < parts; k++) {
-                    /* part k: from key first + k keys / parts, down to a chunk of 32 */
-                    const int64_t k0 = k ? (first + k * keys / parts) & ~31 : 0;
-                    const int64_t k1 =
-                        k + 1 < parts ? ((first + (k + 1) * keys / parts) & ~31) - 1 : INT32_MAX;
+                    /* the first part also takes the keys before it (none attended) */
+                    const int64_t k0 = k ? att_part_start(kf + k) : 0;
+                    const int64_t k1 = k + 1 < parts ? att_part_start(kf + k + 1) - 1 : INT32_MAX;
                     p->items[i++] = (att_item){.s = (int32_t)s,
                                                .nq = (int32_t)q_len,
                                                .kvh = (int32_t)h,

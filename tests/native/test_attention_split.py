@@ -1,10 +1,10 @@
 """Decode attention over long contexts, split into parts of the keys (att_plan.h: a sequence's
-query, or up to 8 queries within one tile, over ctx >= 2 * 1024 keys becomes ctx // 1024 work
-items, at most 64 over its kv heads, whose partial softmax states the last part to finish
-merges): every tier and path (fp32 and bf16
+queries that fit one tile, over keys of more than one part, become a work item per part, the
+parts fixed ranges of key positions, 1024 keys each, twice that every 16 parts; the last part
+to finish merges their partial softmax states): every tier and path (fp32 and bf16
 activations, the bf16 decode rows and row groups, odd head dims, int8 / e5m2 / e4m3 caches,
-sliding windows that cover some parts and none of others, sinks) against the dense torch
-reference, with the largest score placed in each part in turn, and the same bits on any
+sliding windows, sinks) against the dense torch reference, with the largest score placed in
+each part in turn; a query's bits the same decoded alone or inside a verification, and on any
 thread count."""
 
 from __future__ import annotations
@@ -17,51 +17,92 @@ from tolerances import assert_close
 
 from cpud.ranks.paged_kv import dequantize_kv, quantize_kv
 
-SPLIT_KEYS, SPLIT_ITEMS = 1024, 64  # att_plan.h ATT_SPLIT_KEYS, ATT_SPLIT_ITEMS
-# decodes at 2047 (one item) and 2048 (two parts), one over four parts, 3 and 8 queries (a
-# speculative verification: split where they fit one tile) and a short decode beside them
-SEQS = ((5000, 1), (2047, 1), (2048, 1), (2600, 3), (33, 1), (3100, 8))
+SPLIT_KEYS, SPLIT_GROW = 1024, 16  # att_plan.h ATT_SPLIT_KEYS, ATT_SPLIT_GROW
+# decodes at 1024 (one part), 1025 (two), 2048 and 5000, 3 and 8 queries (verifications: split
+# where they fit one tile) and a short decode beside them
+SEQS = ((5000, 1), (1024, 1), (1025, 1), (2600, 3), (33, 1), (3100, 8), (2048, 1))
 LONG = 4  # fp32 sums over thousands of keys: four times the tolerance of short contexts
 
 
-def part_starts(ctx: int, nkv: int) -> list[int]:
-    """The first key of each part of a decode over ctx keys (att_plan.h's rule)."""
-    parts = min(ctx // SPLIT_KEYS, SPLIT_ITEMS // nkv)
-    return [k * ctx // parts & ~31 for k in range(parts)] if parts >= 2 else [0]
+def part_starts(ctx: int) -> list[int]:
+    """The first key of each part a decode over ctx keys is split into (att_plan.h)."""
+    starts, start, size = [], 0, SPLIT_KEYS
+    while start < ctx:
+        for _ in range(SPLIT_GROW):
+            if start < ctx:
+                starts.append(start)
+            start += size
+        size *= 2
+    return starts
 
 
 def test_long_decodes_run_as_parts_of_their_keys(kern):
     """The split itself, item by item (the other tests see only its outputs)."""
-    qsl = torch.tensor([0, 1, 2, 3, 6, 7, 15], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3, 6, 7, 15, 16], dtype=torch.int32)
     seq_lens = torch.tensor([c for c, _ in SEQS], dtype=torch.int32)
 
     def items(nh: int, nkv: int) -> int:
         return kern.attention_items(qsl, seq_lens, nh, nkv, 64)
 
-    # 5000 -> 4 parts, 2047 -> whole, 2048 -> 2 parts, the 3 queries at 2600 2 parts, 33 whole,
-    # the 8 queries at 3100 3 parts
-    assert items(8, 2) == 2 * (4 + 1 + 2 + 2 + 1 + 3)
-    assert items(64, 16) == 16 * (4 + 1 + 2 + 2 + 1 + 3)  # at most 64 parts over the kv heads
-    assert items(64, 32) == 32 * (2 + 1 + 2 + 2 + 1 + 2)
-    assert items(66, 33) == 33 * 6  # over 32 kv heads: never split
+    # 5000 -> 5 parts, 1024 -> 1, 1025 -> 2, the 3 queries at 2600 3, 33 -> 1, the 8 queries at
+    # 3100 4, 2048 -> 2
+    assert items(8, 2) == 2 * (5 + 1 + 2 + 3 + 1 + 4 + 2)
+    assert items(32, 16) == 16 * (5 + 1 + 2 + 3 + 1 + 4 + 2)
+    assert items(34, 17) == 17 * 7  # over 16 kv heads: threads enough, never split
     # 16 heads a kv head: tiles of 4 queries, so 8 queries are two tiles, never split
-    assert items(16, 1) == 4 + 1 + 2 + 2 + 1 + 2
-    one = torch.tensor([0, 9], dtype=torch.int32)
-    assert kern.attention_items(one, torch.tensor([5000], dtype=torch.int32), 2, 1, 64) == 1
-    for n in range(2040, 2060):
+    assert items(16, 1) == 5 + 1 + 2 + 3 + 1 + 2 + 2
+    assert [len(part_starts(n)) for n in (1, 1024, 1025, 16384, 16385, 16384 + 2048 + 1)] == [
+        1,
+        1,
+        2,
+        16,
+        17,
+        18,
+    ]
+    for n in (1023, 1024, 1025, 16384, 16385, 18432, 18433, 1 << 20):
         one = kern.attention_items(qsl[:2], torch.tensor([n], dtype=torch.int32), 4, 1, 64)
-        assert one == (n // SPLIT_KEYS if n >= 2 * SPLIT_KEYS else 1)
+        assert one == len(part_starts(n)), n
     with pytest.raises(ValueError, match="attention_items"):
         kern.attention_items(qsl, seq_lens, 8, 3, 64)
 
 
-@pytest.mark.parametrize(("window", "parts"), [(700, 1), (2047, 1), (2048, 2), (3000, 2)])
-def test_a_sliding_window_splits_the_keys_it_leaves(kern, window, parts):
-    """A layer's window bounds the keys a decode reads, so only those are split: a 5000-key
-    decode under a window of 700 is one item, not four of which three attend nothing."""
+@pytest.mark.parametrize(("window", "parts"), [(700, 1), (2047, 3), (2048, 3), (3000, 4)])
+def test_a_sliding_window_leaves_out_the_parts_before_it(kern, window, parts):
+    """A 5000-key decode's parts start at 0, 1024, 2048, 3072 and 4096; under a window only
+    those holding a key it leaves are items."""
     qsl, seq_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5000], dtype=torch.int32)
     assert kern.attention_items(qsl, seq_lens, 8, 2, 64, window) == 2 * parts
-    assert kern.attention_items(qsl, seq_lens, 8, 2, 64) == 2 * 4
+    assert kern.attention_items(qsl, seq_lens, 8, 2, 64) == 2 * 5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("G", [2, 4])
+def test_a_query_gives_the_same_bits_alone_or_inside_a_verification(kern, cache_dtype, G):
+    """Greedy speculative decoding must pick the tokens plain decoding picks: the query at
+    position p gives the same output decoded alone (p + 1 keys) as the first of several
+    queries verified together (8 and 16 rows a kv head: the bf16 tier's decode-row path; past
+    16 the row groups compute differently, before the split too), across part edges and far
+    past them.  Quantized caches on the
+    avx2 and avx512 tiers are held to closeness only: their generic path's rows already
+    differed in the last bits with the keys past them in their last block (avx2, int8,
+    p = 1000, before the split too)."""
+    exact = cache_dtype == torch.bfloat16 or kern.isa in ("avx512bf16", "amx", "scalar")
+    nkv, hd, bs = 2, 64, 16
+    a, b = 16 // G, 8 // G  # queries verified: 16 and 8 rows a kv head (the decode-row paths)
+    for p in (100, 1020, 1023, 1024, 2046, 4999, 16383):
+        seqs = [(p + a, a), (p + b, b), (p + 1, 1)]
+        q, kc, vc, qsl, seq_lens, bt = make_case(seqs, G * nkv, nkv, hd, bs, torch.bfloat16, 7)
+        # one cache and one table for the three: the same keys at the same positions
+        bt[1], bt[2] = bt[0], bt[0]
+        q[a], q[a + b] = q[0], q[0]
+        if cache_dtype != torch.bfloat16:
+            kc, vc = quantize_kv(kc, cache_dtype), quantize_kv(vc, cache_dtype)
+        out = kern.paged_attention(q, kc, vc, qsl, seq_lens, bt, hd**-0.5)
+        for verified in (out[0], out[a]):
+            if exact:
+                assert torch.equal(verified, out[a + b]), p
+            else:
+                assert_close(verified, out[a + b], torch.bfloat16, 1 / 16)
 
 
 def _case(nh, nkv, hd, bs, dtype, seed=1, seqs=SEQS):
@@ -84,16 +125,15 @@ def test_split_decode_matches_the_reference(kern, dtype, nh, nkv, hd, bs, window
     assert_close(out, ref, dtype, LONG)
 
 
-@pytest.mark.parametrize(("nkv", "part"), [(2, p) for p in range(8)] + [(16, 3)])
-def test_the_largest_score_in_any_part(kern, nkv, part):
-    """One key per kv head far above the rest, in each part of a 9000-key decode in turn (eight
-    parts with two kv heads, four with sixteen: at most 64 items): the merge rescales the other
-    parts to that part's max (a part that kept its own max would leave the output near the mean
-    of the values)."""
-    nh, hd, bs = 2 * nkv, 64, 16
+@pytest.mark.parametrize("part", range(9))
+def test_the_largest_score_in_any_part(kern, part):
+    """One key per kv head far above the rest, in each of the nine parts of a 9000-key decode in
+    turn: the merge rescales the other parts to that part's max (a part that kept its own max
+    would leave the output near the mean of the values)."""
+    nh, nkv, hd, bs = 4, 2, 64, 16
     q, kc, vc, qsl, seq_lens, bt = _case(nh, nkv, hd, bs, torch.float32, seqs=((9000, 1),))
-    starts = part_starts(9000, nkv)
-    assert len(starts) == {2: 8, 16: 4}[nkv]
+    starts = part_starts(9000)
+    assert len(starts) == 9
     key = starts[part] + 77
     block, slot = bt[0, key // bs].item(), key % bs
     for h in range(nkv):
