@@ -593,8 +593,8 @@ class Kernels:
         sliding_window: int = 0,
     ) -> int:
         """The work items paged_attention runs these sequences as: one per query tile and kv
-        head, and a decode (up to 8 queries in one tile) over many keys one per part of the
-        keys its window leaves."""
+        head, and a decode (a sequence's queries that fit one tile) one per fixed range of key
+        positions its window leaves."""
         n_seq = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         _contig(seq_lens, "seq_lens", torch.int32, (n_seq,))
         _contig(query_start_loc, "query_start_loc", torch.int32, (n_seq + 1,))

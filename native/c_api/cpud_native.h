@@ -110,9 +110,9 @@ int cpud_write_kv_cache(int isa, int dtype, int kv_dtype,
 
 /* The work items cpud_paged_attention splits S sequences into (query_start_loc, seq_lens and
  * sliding_window as there, nh query and nkv kv heads of hd): one per query tile and kv head,
- * and a decode (up to 8 queries in one tile) over many keys one per part of the keys its window
- * leaves (drivers/att_plan.h), or < 0 (cpud_err).  The split depends on these arguments alone,
- * not on the threads. */
+ * and a decode (a sequence's queries that fit one tile) one per fixed range of key positions
+ * its window leaves (drivers/att_plan.h), or < 0 (cpud_err).  The split depends on these
+ * arguments alone, not on the threads. */
 int64_t cpud_attention_items(intptr_t query_start_loc, intptr_t seq_lens, int64_t S, int64_t nh,
                              int64_t nkv, int64_t hd, int64_t sliding_window);
 

@@ -65,8 +65,8 @@ def test_team_on_more_threads_than_tokens_or_heads_equals_the_per_op_path(thread
 
 
 def long_steps() -> list[StepPlan]:
-    """A 2100-token prompt, then decodes past it (each query split into two parts of its keys,
-    att_plan.h) beside a short sequence's, then four of its tokens in one step."""
+    """A 2100-token prompt, then decodes past it (each query split into three ranges of its
+    keys, att_plan.h) beside a short sequence's, then four of its tokens in one step."""
     long = [(13 * i) % 397 + 3 for i in range(2100)]
     table = list(range(140))
     prefill = [SeqWork(0, long, 0, table, False), SeqWork(1, PROMPTS[1], 0, [140, 141], False)]
