@@ -180,7 +180,7 @@ int cpud_attention_plan_ok(const int32_t *qsl, const int32_t *seq_lens, const in
         if (q_len < 0 || (q_len > 0 && ctx < q_len)) return 0;
         if (q_len == 0) continue;
         const int64_t p0 = ctx - q_len;
-        const int64_t lo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
+        const int64_t lo = att_window_start(p0, window);
         if ((ctx - 1) / bs >= max_blocks) return 0;
         for (int64_t blk = lo / bs; blk <= (ctx - 1) / bs; blk++) {
             const int32_t b = bt[s * max_blocks + blk];

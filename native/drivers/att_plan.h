@@ -76,17 +76,17 @@ static inline int64_t att_part_of(int64_t j) {
     return k + j / size;
 }
 
-/* The first key any of a sequence's q_len queries over ctx keys attends under a sliding window
- * (0: none). */
-static inline int64_t att_first_key(int64_t q_len, int64_t ctx, int64_t window) {
-    return window > 0 && ctx - q_len - window + 1 > 0 ? ctx - q_len - window + 1 : 0;
+/* The first key a query at position p attends under a sliding window (0: none; the last is
+ * p). */
+static inline int64_t att_window_start(int64_t p, int64_t window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
 /* The parts [*kf, *kf + n) of a sequence's q_len queries (tiles of `tile`) over ctx keys, for
  * nkv kv heads under a window; n 1: not split. */
 static inline int64_t att_parts(int64_t q_len, int64_t tile, int64_t ctx, int64_t nkv,
                                 int64_t window, int64_t *kf) {
-    *kf = att_part_of(att_first_key(q_len, ctx, window));
+    *kf = att_part_of(att_window_start(ctx - q_len, window));
     const int64_t n = att_part_of(ctx - 1) - *kf + 1;
     return q_len >= 1 && q_len <= tile && nkv <= ATT_SPLIT_KV_HEADS && n >= 2 ? n : 1;
 }

@@ -209,7 +209,7 @@ static ALWAYS_INLINE void att_item_keys(const att_item *it, const int32_t *qsl,
                                         int64_t *jhi) {
     const int64_t p_first = seq_lens[it->s] - (qsl[it->s + 1] - qsl[it->s]) + it->q0;
     const int64_t hi = p_first + it->nq - 1;
-    const int64_t lo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
+    const int64_t lo = att_window_start(p_first, window);
     *jlo = lo > it->k0 ? lo : it->k0;
     *jhi = hi < it->k1 ? hi : it->k1;
     if (*jlo > *jhi) {
@@ -222,7 +222,7 @@ static ALWAYS_INLINE void att_item_keys(const att_item *it, const int32_t *qsl,
  * share; *lo > *hi when none. */
 static ALWAYS_INLINE void att_row_keys(const att_item *it, int64_t p, int64_t window,
                                        int64_t *lo, int64_t *hi) {
-    const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+    const int64_t first = att_window_start(p, window);
     *lo = first > it->k0 ? first : it->k0;
     *hi = p < it->k1 ? p : it->k1;
 }
