@@ -110,12 +110,7 @@ def test_killed_rank_fails_the_generation_promptly(model_factory):
     with pytest.raises(RankDiedError, match="rank 1"):
         llm.generate([list(range(5, 60))] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
     assert time.monotonic() - started < 10
-    started = time.monotonic()
-    llm.shutdown()
-    # the hung rank is killed, not waited for (the graceful stop's grace is 10 s)
-    assert time.monotonic() - started < 3
-    time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a rank survived"
+    shut_down_after_a_lost_rank(llm, pids)
     assert not children(os.getpid())
 
 
@@ -140,12 +135,7 @@ def test_rank_that_raises_during_a_step_is_named(model_factory):
     with pytest.raises(RankDiedError, match=r"rank \d failed: .*Error"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     assert time.monotonic() - started < 10
-    started = time.monotonic()
-    llm.shutdown()
-    # the hung rank is killed, not waited for (the graceful stop's grace is 10 s)
-    assert time.monotonic() - started < 3
-    time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    shut_down_after_a_lost_rank(llm, pids)
 
 
 def test_rank_that_finds_the_model_unusable_is_a_config_error(model_factory, tmp_path):
@@ -216,12 +206,7 @@ def test_silent_rank_is_killed_and_named(model_factory, monkeypatch):
     with pytest.raises(RankDiedError, match=r"rank 1 .* sent no heartbeat for \d+ s"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=400, ignore_eos=True))
     assert time.monotonic() - started < 10
-    started = time.monotonic()
-    llm.shutdown()
-    # the hung rank is killed, not waited for (the graceful stop's grace is 10 s)
-    assert time.monotonic() - started < 3
-    time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    shut_down_after_a_lost_rank(llm, pids)
 
 
 def test_hung_rank_during_a_step_is_reported(model_factory):
@@ -234,9 +219,14 @@ def test_hung_rank_during_a_step_is_reported(model_factory):
     with pytest.raises(RankDiedError, match="within 3 s: a rank is hung"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     assert time.monotonic() - started < 10
+    shut_down_after_a_lost_rank(llm, pids)
+
+
+def shut_down_after_a_lost_rank(llm: LLM, pids: list[int]) -> None:
+    """A lost rank leaves nothing to finish: shutdown kills the ranks at once instead of
+    waiting out the graceful stop's 10 s grace, and none survives."""
     started = time.monotonic()
     llm.shutdown()
-    # the hung rank is killed, not waited for (the graceful stop's grace is 10 s)
     assert time.monotonic() - started < 3
     time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a rank survived"
