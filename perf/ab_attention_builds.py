@@ -23,7 +23,7 @@ from ab_native_builds import load_build
 
 from cpud import native
 
-BF16, ISA = 1, {"avx512bf16": 3, "amx": 4, "avx512": 2, "avx2": 1, "scalar": 0}
+BF16 = 1  # cpud_dtype / cpud_kv_dtype code of bf16 (cpud_native.h)
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
     bt = torch.randperm(nb, generator=g).to(torch.int32).reshape(S, per_seq)
     qsl = torch.arange(S + 1, dtype=torch.int32) * Q
     seq_lens = torch.full((S,), D, dtype=torch.int32)
-    isa = ISA[native.default_isa()]
+    isa = native.ISAS.index(native.default_isa())
     ns: dict[str, list[int]] = {tag: [] for tag in builds}
     outs: dict[str, torch.Tensor] = {}
     tags = list(builds)
